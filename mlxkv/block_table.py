@@ -1,0 +1,74 @@
+"""One sequence's map from logical token positions to physical KV slots."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+
+from .errors import SequenceTooLong
+from .pool import PagePool
+
+
+class BlockTable:
+    """Logical block i of a sequence lives in physical page `pages[i]` of the pool.
+
+    Token `p` is stored at slot `pages[p // page_size] * page_size + p % page_size`.
+    The table grows from the pool as tokens are appended, up to `max_tokens`.
+    """
+
+    def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int) -> None:
+        self.pool = pool
+        self.owner = owner
+        self.max_tokens = max_tokens
+        self.num_tokens = 0
+        self.pages: list[int] = []
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def position_base(self) -> int:
+        """The slot of token 0 (0 while the table holds no page)."""
+        return self.pages[0] * self.page_size if self.pages else 0
+
+    @property
+    def max_context(self) -> int:
+        """How many tokens the pages held now can store without growing."""
+        return len(self.pages) * self.page_size
+
+    def pages_needed(self, count: int) -> int:
+        """How many new pages appending `count` tokens takes; checks the length limit."""
+        total = self.num_tokens + count
+        if total > self.max_tokens:
+            raise SequenceTooLong(self.owner, total, self.max_tokens)
+        return max(0, -(-total // self.page_size) - len(self.pages))
+
+    def reserve_pages(self, count: int) -> None:
+        """Make room for `count` more tokens without appending them (all or nothing)."""
+        self.pages += self.pool.alloc(self.owner, self.pages_needed(count))
+
+    def append(self, count: int) -> np.ndarray:
+        """Append `count` tokens, growing from the pool; returns their slots (int32)."""
+        self.reserve_pages(count)
+        start = self.num_tokens
+        self.num_tokens += count
+        return self.slots(start, self.num_tokens)
+
+    def slots(self, start: int, stop: int) -> np.ndarray:
+        positions = np.arange(start, stop, dtype=np.int64)
+        pages = np.asarray(self.pages, dtype=np.int64)[positions // self.page_size]
+        return (pages * self.page_size + positions % self.page_size).astype(np.int32)
+
+    def slot(self, position: int) -> int:
+        if not 0 <= position < self.num_tokens:
+            raise IndexError(f"position {position} is outside 0..{self.num_tokens - 1}")
+        page = self.pages[position // self.page_size]
+        return page * self.page_size + position % self.page_size
+
+    def release(self) -> int:
+        """Return the pages to the pool; returns how many the sequence held."""
+        self.pages = []
+        self.num_tokens = 0
+        return self.pool.free(self.owner)

@@ -1,0 +1,34 @@
+"""The exceptions mlxkv raises on purpose; every one derives from `MlxkvError`."""
+
+
+class MlxkvError(Exception):
+    """Base class of mlxkv's own errors."""
+
+
+class KVCacheExhausted(MlxkvError):
+    """Not enough free KV pages (or sequence slots) for a request; nothing was changed."""
+
+    def __init__(self, requested: int, free: int, what: str = "pages") -> None:
+        super().__init__(f"KV cache exhausted: asked for {requested} {what}, {free} free")
+        self.requested = requested
+        self.free = free
+
+
+class UnknownSequenceError(MlxkvError, LookupError):
+    """A sequence or request id that is not live (never claimed, or already released)."""
+
+    def __init__(self, seq_id: object) -> None:
+        super().__init__(f"unknown sequence id {seq_id!r}: it was never claimed or was already released")
+        self.seq_id = seq_id
+
+
+class SequenceTooLong(MlxkvError, ValueError):
+    """A sequence would outgrow the most tokens one sequence may hold."""
+
+    def __init__(self, seq_id: object, length: int, limit: int) -> None:
+        super().__init__(
+            f"sequence {seq_id!r} would hold {length} tokens, more than max_seq_len={limit}"
+        )
+        self.seq_id = seq_id
+        self.length = length
+        self.limit = limit

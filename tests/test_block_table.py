@@ -1,0 +1,57 @@
+import numpy as np
+import pytest
+
+from mlxkv import BlockTable, KVCacheExhausted, PagePool, SequenceTooLong
+
+
+def test_slots_follow_the_pages_in_logical_order():
+    pool = PagePool(8, 4)
+    pool.alloc("other", 1)
+    table = BlockTable(pool, "s", max_tokens=32)
+    assert table.append(6).tolist() == [4, 5, 6, 7, 8, 9]
+    assert table.pages == [1, 2]
+    assert table.slot(5) == 9
+    assert (table.position_base, table.max_context, table.num_tokens) == (4, 8, 6)
+
+
+def test_grows_a_page_only_when_the_last_one_is_full():
+    pool = PagePool(8, 4)
+    table = BlockTable(pool, "s", max_tokens=32)
+    table.append(4)
+    assert pool.used_count == 1
+    table.append(1)
+    assert pool.used_count == 2
+    assert table.slots(0, 5).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_failed_growth_changes_nothing():
+    pool = PagePool(2, 4)
+    table = BlockTable(pool, "s", max_tokens=32)
+    table.append(3)
+    with pytest.raises(KVCacheExhausted):
+        table.append(6)
+    assert (table.num_tokens, table.pages, pool.free_count) == (3, [0], 1)
+
+
+def test_length_limit_names_the_limit():
+    table = BlockTable(PagePool(8, 4), "s", max_tokens=10)
+    with pytest.raises(SequenceTooLong, match="max_seq_len=10"):
+        table.append(11)
+    assert table.num_tokens == 0
+
+
+def test_slot_outside_the_sequence_is_an_index_error():
+    table = BlockTable(PagePool(8, 4), "s", max_tokens=10)
+    table.append(2)
+    with pytest.raises(IndexError, match="position 2 is outside 0..1"):
+        table.slot(2)
+
+
+def test_release_returns_the_pages():
+    pool = PagePool(8, 4)
+    table = BlockTable(pool, "s", max_tokens=32)
+    table.append(9)
+    assert table.release() == 3
+    assert pool.free_count == 8
+    assert (table.pages, table.num_tokens, table.position_base) == ([], 0, 0)
+    assert isinstance(table.slots(0, 0), np.ndarray)
