@@ -1,0 +1,212 @@
+"""The KV cache manager: sequence lifecycle (claim, step, fetch, release) over pool and storage."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import mlx.core as mx
+import numpy as np
+
+from .block_table import BlockTable
+from .errors import KVCacheExhausted, MlxkvError, UnknownSequenceError
+from .kv_storage import KVStorage
+from .layout import KVLayout, resolve_layout
+from .pool import PagePool
+
+
+@dataclass(frozen=True, eq=False)
+class KVBatch:
+    """What attention needs for one packed batch of sequences (host arrays are int32).
+
+    Row b holds `query_lens[b]` new tokens (0 for a plain `fetch`) packed one after the
+    other, at positions `context_lens[b] - query_lens[b]` ... `context_lens[b] - 1`.
+    """
+
+    seq_ids: tuple[int, ...]
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.size)
+
+    @property
+    def slots(self) -> np.ndarray:
+        """Contiguous layout: each sequence's slot index (its one page)."""
+        return self.block_tables[:, 0]
+
+    @cached_property
+    def positions(self) -> np.ndarray:
+        """The position of every new token, packed like the queries."""
+        starts = np.repeat(self.context_lens - self.query_lens, self.query_lens)
+        offsets = np.arange(self.num_tokens) - np.repeat(np.cumsum(self.query_lens) - self.query_lens, self.query_lens)
+        return (starts + offsets).astype(np.int32)
+
+    @cached_property
+    def slot_mapping_mx(self) -> mx.array:
+        return mx.array(self.slot_mapping)
+
+
+def _stable_width(pages: int, limit: int) -> int:
+    """Pad block tables to the next power of two so kernels see few distinct shapes."""
+    return min(limit, 1 << max(0, pages - 1).bit_length())
+
+
+class KVCacheManager:
+    """Per-sequence KV caches over one page pool, in either layout.
+
+    Lifecycle (as MAX's continuous-batching manager): `claim` ids, `step` to add new tokens
+    (pages are taken on demand) and `write` each layer's K/V through the returned slot
+    mapping, `fetch` what attention needs, `release` when done.
+
+    Thread safety: one re-entrant lock serialises every public method, so `claim`, `step`,
+    `fetch` and `release` may be called from any thread. The tensors are different: MLX
+    evaluates a lazy graph only on the thread that built it (another thread gets "There is
+    no Stream(cpu, N) in current thread"), so the first thread that calls `write` owns the
+    tensors and a `write` from any other thread is refused with `MlxkvError`. Evaluating
+    (`mx.eval`) is the owning thread's business, once per step.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        max_seqs: int,
+        max_seq_len: int,
+        layout: str | KVLayout | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        dtype: mx.Dtype | str = mx.float16,
+    ) -> None:
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("max_seqs", max_seqs),
+                            ("max_seq_len", max_seq_len), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.layout = resolve_layout(layout)
+        self.max_seqs = max_seqs
+        self.max_seq_len = max_seq_len
+        if self.layout is KVLayout.PAGED:
+            pages_per_seq = -(-max_seq_len // block_size)
+            self.pool = PagePool(num_blocks if num_blocks is not None else max_seqs * pages_per_seq, block_size)
+        else:
+            pages_per_seq = 1
+            self.pool = PagePool(max_seqs, max_seq_len)
+        self.max_pages_per_seq = pages_per_seq
+        self.storage = KVStorage(num_layers, self.pool.capacity, num_kv_heads, self.pool.page_size, head_dim, dtype)
+        self._tables: dict[int, BlockTable] = {}
+        self._next_id = 0
+        self._lock = threading.RLock()
+        self._tensor_thread: int | None = None
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per page (`max_seq_len` in the contiguous layout)."""
+        return self.pool.page_size
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.storage.dtype
+
+    @property
+    def num_active(self) -> int:
+        return len(self._tables)
+
+    def claim(self, n: int = 1) -> list[int]:
+        """Open `n` new sequences (all or nothing) and return their ids."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative integer, got {n!r}")
+        with self._lock:
+            free_slots = self.max_seqs - len(self._tables)
+            if self.layout is KVLayout.CONTIGUOUS:
+                free_slots = min(free_slots, self.pool.free_count)
+            if n > free_slots:
+                raise KVCacheExhausted(n, free_slots, "sequence slots")
+            ids = list(range(self._next_id, self._next_id + n))
+            self._next_id += n
+            for seq_id in ids:
+                self._tables[seq_id] = BlockTable(self.pool, seq_id, self.max_seq_len)
+                if self.layout is KVLayout.CONTIGUOUS:
+                    self._tables[seq_id].reserve_pages(1)
+            return ids
+
+    def step(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
+        """Append new tokens to sequences (all or nothing); returns where to write their K/V."""
+        seq_ids = tuple(seq_ids)
+        counts = [int(n) for n in num_new_tokens]
+        if len(counts) != len(seq_ids):
+            raise ValueError(f"got {len(seq_ids)} seq_ids but {len(counts)} num_new_tokens")
+        if any(n < 0 for n in counts):
+            raise ValueError(f"num_new_tokens must be non-negative, got {counts}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct, got {list(seq_ids)}")
+        with self._lock:
+            tables = [self._table(seq_id) for seq_id in seq_ids]
+            needed = sum(table.pages_needed(n) for table, n in zip(tables, counts))
+            if needed > self.pool.free_count:
+                raise KVCacheExhausted(needed, self.pool.free_count)
+            slots = [table.append(n) for table, n in zip(tables, counts)]
+            return self._batch(seq_ids, tables, counts, np.concatenate(slots or [np.zeros(0, np.int32)]))
+
+    def write(self, layer: int, batch: KVBatch, keys: mx.array, values: mx.array) -> None:
+        """Store `layer`'s K/V for the new tokens of `batch` (`[tokens, kv_heads, head_dim]`)."""
+        with self._lock:
+            thread = threading.get_ident()
+            if self._tensor_thread not in (None, thread):
+                raise MlxkvError(
+                    "KVCacheManager.write called from a thread other than the one that owns the "
+                    "KV tensors; MLX evaluates a lazy graph only on the thread that built it"
+                )
+            self.storage.write(layer, batch.slot_mapping_mx, keys, values)
+            self._tensor_thread = thread
+
+    def fetch(self, seq_ids: Sequence[int]) -> KVBatch:
+        """Block tables and context lengths of live sequences, for attention."""
+        seq_ids = tuple(seq_ids)
+        with self._lock:
+            tables = [self._table(seq_id) for seq_id in seq_ids]
+            return self._batch(seq_ids, tables, [0] * len(tables), np.zeros(0, np.int32))
+
+    def release(self, seq_id: int) -> int:
+        """Close a sequence and return its pages; returns how many it held."""
+        with self._lock:
+            table = self._table(seq_id)
+            del self._tables[seq_id]
+            return table.release()
+
+    def kv(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The K and V pools of `layer`, `[pages, kv_heads, block_size, head_dim]`."""
+        return self.storage.layer(layer)
+
+    def num_tokens(self, seq_id: int) -> int:
+        with self._lock:
+            return self._table(seq_id).num_tokens
+
+    def _table(self, seq_id: int) -> BlockTable:
+        table = self._tables.get(seq_id)
+        if table is None:
+            raise UnknownSequenceError(seq_id)
+        return table
+
+    def _batch(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int],
+               slot_mapping: np.ndarray) -> KVBatch:
+        width = _stable_width(max((len(t.pages) for t in tables), default=1), self.max_pages_per_seq)
+        block_tables = np.zeros((len(tables), width), np.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, : len(table.pages)] = table.pages
+        return KVBatch(
+            seq_ids=seq_ids,
+            query_lens=np.asarray(counts, np.int32),
+            context_lens=np.asarray([t.num_tokens for t in tables], np.int32),
+            block_tables=block_tables,
+            slot_mapping=slot_mapping.astype(np.int32),
+            block_size=self.block_size,
+        )

@@ -1,0 +1,91 @@
+"""The KV tensors: per layer, one K pool and one V pool of `[pages, kv_heads, page_size, head_dim]`."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def resolve_dtype(dtype: mx.Dtype | str) -> mx.Dtype:
+    """`dtype` as an MLX dtype; only float16, bfloat16 and float32 are KV dtypes."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return next(name for name, value in DTYPES.items() if value == dtype)
+
+
+class KVStorage:
+    """Flat per-layer pools written by in-place scatter.
+
+    Each pool is one MLX array that nothing else keeps alive, so `pool[pages, :, offsets] = new`
+    donates the old buffer and writes in place instead of copying the pool (see the design
+    notes on buffer donation). Pages are head-major so a kernel reads one KV head's tokens
+    of a page as one contiguous run. The contiguous layout is the same storage with one page
+    of `max_seq_len` tokens per sequence.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        num_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        dtype: mx.Dtype | str,
+    ) -> None:
+        self.dtype = resolve_dtype(dtype)
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
+        self.keys = [mx.zeros(shape, self.dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros(shape, self.dtype) for _ in range(num_layers)]
+        mx.eval(self.keys, self.values)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes one token takes across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+    def layer(self, layer: int) -> tuple[mx.array, mx.array]:
+        """The K and V pools of `layer` (read them; don't keep them past the step)."""
+        return self.keys[layer], self.values[layer]
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `slots`."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} is outside 0..{self.num_layers - 1}")
+        for name, array in (("keys", keys), ("values", values)):
+            self._check(name, array, slots.size)
+        pages = slots // self.page_size
+        offsets = slots % self.page_size
+        self.keys[layer][pages, :, offsets] = keys
+        self.values[layer][pages, :, offsets] = values
+
+    def _check(self, name: str, array: mx.array, tokens: int) -> None:
+        expected = (tokens, self.num_kv_heads, self.head_dim)
+        if not isinstance(array, mx.array):
+            raise TypeError(f"{name} must be an mlx array, got {type(array).__name__}")
+        if tuple(array.shape) != expected:
+            raise ValueError(
+                f"{name} must have shape (tokens={tokens}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}), got {tuple(array.shape)}"
+            )
+        if array.dtype != self.dtype:
+            raise ValueError(
+                f"{name} must have the cache dtype {dtype_name(self.dtype)}, got {array.dtype}"
+            )

@@ -1,0 +1,29 @@
+"""The two KV layouts, and how one is chosen (argument first, then `MLXKV_KV_LAYOUT`)."""
+
+from __future__ import annotations
+
+import enum
+import os
+
+ENV_VAR = "MLXKV_KV_LAYOUT"
+
+
+class KVLayout(str, enum.Enum):
+    """`paged`: pages of `block_size` tokens; `contiguous`: one `max_seq_len` slot per sequence."""
+
+    PAGED = "paged"
+    CONTIGUOUS = "contiguous"
+
+
+def resolve_layout(layout: str | KVLayout | None = None) -> KVLayout:
+    """The layout to use: `layout` when given, else the environment, else paged."""
+    if isinstance(layout, KVLayout):
+        return layout
+    source, value = ("kv_layout", layout) if layout is not None else (ENV_VAR, os.environ.get(ENV_VAR))
+    if value is None or value == "":
+        return KVLayout.PAGED
+    try:
+        return KVLayout(str(value).strip().lower())
+    except ValueError:
+        allowed = ", ".join(repr(item.value) for item in KVLayout)
+        raise ValueError(f"{source}={value!r} is not a KV layout; expected one of {allowed}") from None

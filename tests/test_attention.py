@@ -1,0 +1,104 @@
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxkv import KVCacheManager, reference_attention
+
+TOLERANCE = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+HEAD_DIM = 32
+
+
+def sdpa_oracle(q, keys, values, scale):
+    """mx.fast SDPA on one sequence's K/V laid out contiguously; q is the last len(q) positions."""
+    n, length = q.shape[0], keys.shape[0]
+    allowed = np.arange(length)[None, :] <= (length - n + np.arange(n))[:, None]
+    out = mx.fast.scaled_dot_product_attention(
+        q.transpose(1, 0, 2)[None], keys.transpose(1, 0, 2)[None], values.transpose(1, 0, 2)[None],
+        scale=scale, mask=mx.array(allowed))
+    return out[0].transpose(1, 0, 2)
+
+
+def scramble_free_pages(cache, rng):
+    """Leave the pool's free queue in random order: one page per owner, freed shuffled."""
+    for page in range(cache.pool.capacity):
+        cache.pool.alloc(("scramble", page), 1)
+    for page in rng.permutation(cache.pool.capacity):
+        cache.pool.free(("scramble", int(page)))
+
+
+def run_case(layout, block_size, kv_heads, group, dtype, contexts, query_lens, seed=0):
+    """Fill each sequence's cache in interleaved chunks, then attend for one packed step."""
+    rng = np.random.default_rng(seed)
+    cache = KVCacheManager(1, kv_heads, HEAD_DIM, max_seqs=len(contexts) + 3, max_seq_len=512,
+                           layout=layout, block_size=block_size, num_blocks=4096 // block_size, dtype=dtype)
+    if layout == "paged":
+        scramble_free_pages(cache, rng)
+    ids = cache.claim(len(contexts))
+    history = {s: ([], []) for s in ids}
+
+    def add(seq_ids, counts):
+        batch = cache.step(seq_ids, counts)
+        keys = mx.array(rng.standard_normal((sum(counts), kv_heads, HEAD_DIM)), dtype=dtype)
+        values = mx.array(rng.standard_normal((sum(counts), kv_heads, HEAD_DIM)), dtype=dtype)
+        cache.write(0, batch, keys, values)
+        for s, lo, hi in zip(seq_ids, np.cumsum(counts) - counts, np.cumsum(counts)):
+            history[s][0].append(keys[int(lo):int(hi)])
+            history[s][1].append(values[int(lo):int(hi)])
+        return batch
+
+    cached = {s: c - q for s, c, q in zip(ids, contexts, query_lens)}
+    while any(cached.values()):
+        chunk = {s: min(left, int(rng.integers(1, 2 * block_size + 2))) for s, left in cached.items() if left}
+        add(list(chunk), list(chunk.values()))
+        cached = {s: cached[s] - chunk.get(s, 0) for s in cached}
+    order = list(rng.permutation(len(ids)))
+    batch = add([ids[i] for i in order], [query_lens[i] for i in order])
+    q = mx.array(rng.standard_normal((batch.num_tokens, kv_heads * group, HEAD_DIM)), dtype=dtype)
+    scale = 1 / math.sqrt(HEAD_DIM)
+    out = reference_attention(q, *cache.kv(0), batch, scale)
+
+    starts = np.cumsum(batch.query_lens) - batch.query_lens
+    for row, seq_id in enumerate(batch.seq_ids):
+        lo, hi = int(starts[row]), int(starts[row] + batch.query_lens[row])
+        keys, values = (mx.concatenate(parts) for parts in history[seq_id])
+        expected = sdpa_oracle(q[lo:hi], keys, values, scale)
+        diff = mx.abs(out[lo:hi].astype(mx.float32) - expected.astype(mx.float32)).max().item()
+        assert diff <= TOLERANCE[dtype], (row, diff)
+    return batch
+
+
+CASES = [(layout, bs) for layout in ("paged",) for bs in (1, 16, 64)] + [("contiguous", None)]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("layout, block_size", CASES)
+def test_mixed_decode_and_prefill_rows_match_sdpa(layout, block_size, group, dtype):
+    bs = block_size or 16
+    contexts = [1, bs, 2 * bs, 3 * bs + 5, 37, 70, 9, bs + 3]
+    query_lens = [1, 1, 1, 1, 5, 1, 9, min(bs, 4) + 2]
+    run_case(layout, bs, 2 if group < 8 else 1, group, dtype, contexts, query_lens)
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_prefill_chunks_that_start_mid_page_and_end_on_a_boundary(layout):
+    batch = run_case(layout, 16, 2, 4, mx.float32, contexts=[32, 48, 17], query_lens=[27, 16, 17])
+    assert sorted(zip(batch.context_lens.tolist(), batch.query_lens.tolist())) == [(17, 17), (32, 27), (48, 16)]
+
+
+def test_decode_only_batch_with_pages_out_of_order():
+    batch = run_case("paged", 16, 2, 2, mx.float32, contexts=[5, 16, 33, 64], query_lens=[1, 1, 1, 1])
+    used = [row[: -(-n // 16)] for row, n in zip(batch.block_tables.tolist(), batch.context_lens)]
+    assert any(pages != sorted(pages) for pages in used)
+
+
+def test_rows_without_new_tokens_are_skipped():
+    cache = KVCacheManager(1, 1, 8, max_seqs=2, max_seq_len=32, block_size=4, dtype=mx.float32)
+    a, b = cache.claim(2)
+    cache.write(0, cache.step([a], [3]), mx.ones((3, 1, 8)), mx.ones((3, 1, 8)))
+    batch = cache.step([a, b], [0, 2])
+    cache.write(0, batch, mx.ones((2, 1, 8)), mx.full((2, 1, 8), 2.0))
+    out = reference_attention(mx.ones((2, 1, 8)), *cache.kv(0), batch)
+    assert out.tolist() == [[[2.0] * 8]] * 2

@@ -1,0 +1,324 @@
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mlxkv import KVCacheExhausted, KVCacheManager, KVLayout, SequenceTooLong, UnknownSequenceError
+from mlxkv.attention import gather_kv
+
+
+def make(layout="paged", **kw):
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=4, max_seqs=4, max_seq_len=32,
+                block_size=4, num_blocks=10, dtype=mx.float32)
+    args.update(kw)
+    return KVCacheManager(layout=layout, **args)
+
+
+def kv(tokens, heads=2, dim=4, dtype=mx.float32, start=0.0):
+    return (mx.arange(tokens * heads * dim, dtype=mx.float32) + start).reshape(tokens, heads, dim).astype(dtype)
+
+
+def snapshot(cache, ids):
+    return cache.pool.free_count, [cache.pool.pages(i) for i in ids], [cache.num_tokens(i) for i in ids]
+
+
+def test_lifecycle_writes_through_the_slot_mapping():
+    cache = make()
+    a, b = cache.claim(2)
+    batch = cache.step([a, b], [5, 3])
+    assert batch.slot_mapping.tolist() == [0, 1, 2, 3, 4, 8, 9, 10]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    cache.write(0, batch, kv(8), kv(8, start=100))
+    fetched = cache.fetch([b, a])
+    assert fetched.context_lens.tolist() == [3, 5]
+    assert fetched.block_tables.tolist() == [[2, 0], [0, 1]]
+    assert fetched.block_tables.dtype == np.int32
+    keys = gather_kv(cache.kv(0)[0], fetched.block_tables, 5)
+    assert np.array_equal(np.array(keys[1, :, :5]), np.array(kv(5)).transpose(1, 0, 2))
+    assert cache.release(a) == 2
+    assert cache.release(b) == 1
+    assert cache.pool.free_count == 10
+
+
+def test_block_tables_are_padded_to_a_power_of_two_width():
+    cache = make(num_blocks=20, max_seq_len=40)
+    (a,) = cache.claim(1)
+    widths = [cache.step([a], [4]).block_tables.shape[1] for _ in range(10)]
+    assert widths == [1, 2, 4, 4, 8, 8, 8, 8, 10, 10]
+
+
+def test_contiguous_layout_gives_each_sequence_one_fixed_slot():
+    cache = make("contiguous")
+    assert (cache.layout, cache.block_size, cache.pool.capacity) == (KVLayout.CONTIGUOUS, 32, 4)
+    a, b = cache.claim(2)
+    batch = cache.step([a, b], [2, 1])
+    assert batch.slots.tolist() == [0, 1]
+    assert batch.slot_mapping.tolist() == [0, 1, 32]
+    assert cache.kv(1)[0].shape == (4, 2, 32, 4)
+
+
+def test_contiguous_sequence_longer_than_its_slot_names_the_limit():
+    cache = make("contiguous")
+    (a,) = cache.claim(1)
+    cache.step([a], [30])
+    with pytest.raises(SequenceTooLong, match="would hold 33 tokens, more than max_seq_len=32"):
+        cache.step([a], [3])
+    assert cache.num_tokens(a) == 30
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_claim_beyond_capacity_changes_nothing(layout):
+    cache = make(layout)
+    cache.claim(3)
+    with pytest.raises(KVCacheExhausted, match="asked for 2 sequence slots, 1 free"):
+        cache.claim(2)
+    assert cache.num_active == 3
+    assert cache.claim(1) == [3]
+
+
+def test_step_beyond_the_pool_changes_nothing():
+    cache = make()
+    a, b = cache.claim(2)
+    cache.step([a], [30])
+    before = snapshot(cache, [a, b])
+    with pytest.raises(KVCacheExhausted, match="asked for 3 pages, 2 free"):
+        cache.step([a, b], [1, 9])
+    assert snapshot(cache, [a, b]) == before
+
+
+@pytest.mark.parametrize("call", ["step", "fetch", "release", "num_tokens"])
+def test_unknown_and_released_ids_are_named(call):
+    cache = make()
+    (a,) = cache.claim(1)
+    cache.release(a)
+    for bad in (a, 99):
+        args = {"step": ([bad], [1]), "fetch": ([bad],), "release": (bad,), "num_tokens": (bad,)}[call]
+        with pytest.raises(UnknownSequenceError, match=f"unknown sequence id {bad}"):
+            getattr(cache, call)(*args)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (kv(3, heads=1), r"keys must have shape \(tokens=3, num_kv_heads=2, head_dim=4\), got \(3, 1, 4\)"),
+        (kv(3, dim=8), r"keys must have shape .* got \(3, 2, 8\)"),
+        (kv(2), r"keys must have shape \(tokens=3, .* got \(2, 2, 4\)"),
+        (kv(3, dtype=mx.float16), "keys must have the cache dtype float32, got mlx.core.float16"),
+    ],
+)
+def test_write_rejects_keys_of_the_wrong_shape_or_dtype(keys, message):
+    cache = make()
+    (a,) = cache.claim(1)
+    batch = cache.step([a], [3])
+    with pytest.raises(ValueError, match=message):
+        cache.write(0, batch, keys, kv(3))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="head_dim must be a positive integer"):
+        make(head_dim=0)
+    with pytest.raises(ValueError, match="dtype must be one of float16, bfloat16, float32"):
+        make(dtype=mx.int8)
+    cache = make()
+    (a,) = cache.claim(1)
+    with pytest.raises(ValueError, match="got 1 seq_ids but 2 num_new_tokens"):
+        cache.step([a], [1, 2])
+    with pytest.raises(ValueError, match="seq_ids must be distinct"):
+        cache.step([a, a], [1, 2])
+    with pytest.raises(IndexError, match="layer 2 is outside 0..1"):
+        cache.write(2, cache.step([a], [1]), kv(1), kv(1))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_appending_a_thousand_tokens_does_not_copy_the_pool(dtype):
+    cache = make(num_layers=2, num_kv_heads=8, head_dim=128, max_seqs=1, max_seq_len=1024,
+                 block_size=16, num_blocks=512, dtype=dtype)
+    pool_bytes = cache.storage.nbytes
+    (a,) = cache.claim(1)
+    new = kv(1, heads=8, dim=128, dtype=dtype)
+    mx.eval(new)
+    mx.reset_peak_memory()
+    baseline = mx.get_active_memory()
+    active = []
+    for _ in range(1000):
+        batch = cache.step([a], [1])
+        for layer in range(2):
+            cache.write(layer, batch, new, new)
+        mx.eval(cache.storage.keys, cache.storage.values)
+        active.append(mx.get_active_memory())
+    assert max(active) - min(active) < 64 * 1024
+    assert mx.get_peak_memory() - baseline < pool_bytes // 100
+    assert cache.num_tokens(a) == 1000
+
+
+def run_threads(target, count):
+    errors = []
+
+    def guarded(index):
+        try:
+            target(index)
+        except Exception as exc:  # collected and asserted by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_bookkeeping_is_safe_from_many_threads():
+    cache = make(num_blocks=64, max_seqs=8)
+    held = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(200):
+            (s,) = cache.claim(1)
+            for _ in range(3):
+                cache.step([s], [int(rng.integers(1, 5))])
+            pages = cache.pool.pages(s)
+            held.append((len(pages), len(set(pages))))
+            assert cache.release(s) == len(pages)
+
+    assert run_threads(worker, 4) == []
+    assert all(n == distinct for n, distinct in held) and len(held) == 800
+    assert (cache.pool.free_count, cache.num_active) == (64, 0)
+
+
+def test_write_from_a_second_thread_is_refused_clearly():
+    cache = make()
+    (a,) = cache.claim(1)
+    cache.write(0, cache.step([a], [1]), kv(1), kv(1))
+    batch = cache.step([a], [1])
+    errors = run_threads(lambda _: cache.write(0, batch, kv(1), kv(1)), 1)
+    assert len(errors) == 1 and "thread other than the one that owns the KV tensors" in str(errors[0])
+    mx.eval(cache.storage.keys)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random claim/step/release on the manager and raw alloc/share/free on its pool."""
+
+    layout = "paged"
+
+    def __init__(self):
+        super().__init__()
+        self.cache = make(self.layout, num_layers=1, num_kv_heads=1, head_dim=1, max_seqs=5,
+                          max_seq_len=24, block_size=4, num_blocks=12)
+        self.pool = self.cache.pool
+        self.tokens: dict[int, list[float]] = {}
+        self.extra: dict[str, list[int]] = {}
+        self.counter = 0.0
+        self.names = iter(f"x{i}" for i in range(10**6))
+
+    def _state(self):
+        return self.pool.free_count, {r: self.pool.pages(r) for r in self.pool.owners()}, dict(
+            (s, self.cache.num_tokens(s)) for s in self.tokens)
+
+    @rule(n=st.integers(0, 3))
+    def claim(self, n):
+        before = self._state()
+        try:
+            ids = self.cache.claim(n)
+        except KVCacheExhausted:
+            assert self._state() == before
+            return
+        self.tokens.update({i: [] for i in ids})
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def step(self, data):
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, unique=True))
+        counts = data.draw(st.lists(st.integers(0, 9), min_size=len(ids), max_size=len(ids)))
+        before = self._state()
+        try:
+            batch = self.cache.step(ids, counts)
+        except (KVCacheExhausted, SequenceTooLong):
+            assert self._state() == before
+            return
+        values = [self.counter + i for i in range(sum(counts))]
+        self.counter += sum(counts)
+        new = mx.array(values, dtype=mx.float32).reshape(-1, 1, 1)
+        self.cache.write(0, batch, new, -new)
+        for seq_id, chunk in zip(ids, np.split(np.array(values), np.cumsum(counts)[:-1])):
+            self.tokens[seq_id].extend(chunk.tolist())
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def release(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        held = len(self.pool.pages(seq_id))
+        free_before = self.pool.free_count
+        shared = sum(self.pool.ref_count(p) > 1 for p in self.pool.pages(seq_id))
+        assert self.cache.release(seq_id) == held
+        assert self.pool.free_count == free_before + held - shared
+        del self.tokens[seq_id]
+
+    @rule(count=st.integers(0, 4))
+    def alloc_outside(self, count):
+        name = next(self.names)
+        before = self._state()
+        try:
+            self.extra[name] = self.pool.alloc(name, count)
+        except KVCacheExhausted:
+            assert self._state() == before
+
+    @precondition(lambda self: any(self.pool.pages(s) for s in self.tokens))
+    @rule(data=st.data())
+    def share_full_page(self, data):
+        seq_id = data.draw(st.sampled_from([s for s in sorted(self.tokens) if self.pool.pages(s)]))
+        page = self.pool.pages(seq_id)[0]
+        name = next(self.names)
+        self.pool.share(name, [page])
+        self.extra[name] = [page]
+
+    @precondition(lambda self: self.extra)
+    @rule(data=st.data())
+    def free_outside(self, data):
+        name = data.draw(st.sampled_from(sorted(self.extra)))
+        assert self.pool.free(name) == len(self.extra.pop(name))
+
+    @invariant()
+    def pool_is_consistent(self):
+        holders: dict[int, int] = {}
+        for owner in self.pool.owners():
+            for page in self.pool.pages(owner):
+                holders[page] = holders.get(page, 0) + 1
+        assert all(self.pool.ref_count(p) == n for p, n in holders.items())
+        assert self.pool.used_count == len(holders)
+        assert self.pool.free_count + self.pool.used_count == self.pool.capacity
+        live_pages = [p for s in self.tokens for p in self.pool.pages(s)]
+        assert len(live_pages) == len(set(live_pages))
+
+    @invariant()
+    def every_sequence_reads_back_what_it_wrote(self):
+        if not self.tokens:
+            return
+        ids = sorted(self.tokens)
+        batch = self.cache.fetch(ids)
+        length = max(1, int(batch.context_lens.max()))
+        keys = np.array(gather_kv(self.cache.kv(0)[0], batch.block_tables, length))
+        for row, seq_id in enumerate(ids):
+            assert keys[row, 0, : len(self.tokens[seq_id]), 0].tolist() == self.tokens[seq_id]
+
+    def teardown(self):
+        for seq_id in list(self.tokens):
+            self.cache.release(seq_id)
+        for name in list(self.extra):
+            self.pool.free(name)
+        assert self.pool.free_count == self.pool.capacity
+
+
+class ContiguousCacheMachine(CacheMachine):
+    layout = "contiguous"
+
+
+TestPagedCache = CacheMachine.TestCase
+TestPagedCache.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestContiguousCache = ContiguousCacheMachine.TestCase
+TestContiguousCache.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
