@@ -1,0 +1,74 @@
+"""A request's state as it moves through the engine: tokens, progress, text, finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams, TokenSampler
+from .text import TextStream
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt being completed.
+
+    `num_computed` counts tokens whose K/V are in the cache; the rest of `token_ids`
+    (the prompt's remainder, or the token sampled last) is what the next step computes.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    seq_id: int | None = None
+    num_computed: int = 0
+    finish_reason: str | None = None
+    stream: TextStream | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    sampler: TokenSampler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampler = TokenSampler(self.params)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_remaining == 1 and bool(self.output_ids)
+
+    @property
+    def prompt_tps(self) -> float:
+        """Prompt tokens per second until the first token."""
+        return len(self.prompt_ids) / max(self.first_token_time - self.arrival_time, 1e-9)
+
+    @property
+    def generation_tps(self) -> float:
+        """Generated tokens per second after the first token."""
+        return len(self.output_ids) / max(self.finish_time - self.first_token_time, 1e-9)
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Most tokens this request will ever hold in the KV cache (the last sample is never stored)."""
+        return len(self.prompt_ids) + self.params.max_tokens - 1
