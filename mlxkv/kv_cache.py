@@ -53,6 +53,27 @@ class KVBatch:
         return mx.array(self.slot_mapping)
 
 
+@dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of how much of the cache is in use and how much of that holds tokens."""
+
+    layout: KVLayout
+    pages_used: int
+    pages_total: int
+    block_size: int
+    tokens: int
+    bytes_per_token: int
+
+    @property
+    def bytes_allocated(self) -> int:
+        """Bytes of the pages handed to sequences."""
+        return self.pages_used * self.block_size * self.bytes_per_token
+
+    @property
+    def bytes_holding_tokens(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+
 def _stable_width(pages: int, limit: int) -> int:
     """Pad block tables to the next power of two so kernels see few distinct shapes."""
     return min(limit, 1 << max(0, pages - 1).bit_length())
@@ -185,6 +206,23 @@ class KVCacheManager:
     def kv(self, layer: int) -> tuple[mx.array, mx.array]:
         """The K and V pools of `layer`, `[pages, kv_heads, block_size, head_dim]`."""
         return self.storage.layer(layer)
+
+    def usage(self) -> KVUsage:
+        with self._lock:
+            tokens = sum(t.num_tokens for t in self._tables.values())
+            return KVUsage(self.layout, self.pool.used_count, self.pool.capacity, self.block_size,
+                           tokens, self.storage.bytes_per_token)
+
+    @property
+    def free_pages(self) -> int:
+        return self.pool.free_count
+
+    def pages_needed(self, seq_id: int | None, count: int) -> int:
+        """New pages `count` more tokens of `seq_id` would take (None: a sequence not yet claimed)."""
+        with self._lock:
+            if seq_id is None:
+                return 1 if self.layout is KVLayout.CONTIGUOUS else -(-count // self.block_size)
+            return self._table(seq_id).pages_needed(count)
 
     def num_tokens(self, seq_id: int) -> int:
         with self._lock:

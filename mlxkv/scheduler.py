@@ -1,0 +1,126 @@
+"""Which requests run in the next step, and how many of their tokens, within pages and budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import KVBatch, KVCacheManager
+from .request import Request, Status
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One engine step: `counts[i]` tokens of `requests[i]`, K/V slots already reserved."""
+
+    requests: list[Request]
+    counts: list[int]
+    kv: KVBatch
+
+    def samples(self) -> list[bool]:
+        """Which rows reach the end of their tokens this step and so need a next token."""
+        return [r.num_computed + n == r.num_tokens for r, n in zip(self.requests, self.counts)]
+
+
+@dataclass
+class _Plan:
+    """The step being built: tokens and pages picked per request."""
+
+    budget: int
+    counts: dict[Request, int] = field(default_factory=dict)
+    pages: dict[Request, int] = field(default_factory=dict)
+    reserved: int = 0
+
+    def pick(self, request: Request, count: int, pages: int) -> None:
+        self.counts[request] = count
+        self.pages[request] = pages
+        self.reserved += pages
+        self.budget -= count
+
+    def drop(self, request: Request) -> None:
+        if request in self.counts:
+            self.budget += self.counts.pop(request)
+            self.reserved -= self.pages.pop(request)
+
+
+class Scheduler:
+    """Continuous batching over a KV cache, in the spirit of vLLM v1 and the seed's batch constructor.
+
+    Each step takes running requests first, decodes before prefill chunks, then admits
+    waiting requests in arrival order while the token budget, the sequence cap and free
+    pages allow; a prefill that does not fit the budget is split and its rest runs next
+    step. When a running request needs a page and none is free, the most recently
+    admitted running request is preempted by recompute: its pages are freed and it goes
+    back to the front of the waiting queue with its generated tokens kept.
+    """
+
+    def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step's work and reserve its KV slots; None when there is nothing to run."""
+        plan = _Plan(self.max_num_batched_tokens)
+        for request in sorted(self.running, key=lambda r: not r.is_decode):
+            if plan.budget and request in self.running:
+                self._make_room(plan, request)
+        while self.waiting and plan.budget and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if self.cache.num_active >= self.cache.max_seqs or not self._try_pick(plan, request):
+                break
+            self.waiting.popleft()
+            (request.seq_id,) = self.cache.claim(1)
+            request.status = Status.RUNNING
+            self.running.append(request)
+        if not plan.counts:
+            return None
+        requests, counts = list(plan.counts), list(plan.counts.values())
+        return ScheduledBatch(requests, counts, self.cache.step([r.seq_id for r in requests], counts))
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request (done or aborted) and free its pages."""
+        if request in self.running:
+            self.running.remove(request)
+            self.cache.release(request.seq_id)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.seq_id = None
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+
+    def _try_pick(self, plan: _Plan, request: Request) -> bool:
+        """Pick as many of `request`'s tokens as the budget allows, if their pages are free."""
+        count = min(request.num_remaining, plan.budget)
+        pages = self.cache.pages_needed(request.seq_id, count)
+        if pages > self.cache.free_pages - plan.reserved:
+            return False
+        plan.pick(request, count, pages)
+        return True
+
+    def _make_room(self, plan: _Plan, request: Request) -> None:
+        """Pick `request`, preempting the newest running requests until it fits (maybe itself)."""
+        while not self._try_pick(plan, request):
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.drop(victim)
+            if victim is request:
+                return
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.cache.release(request.seq_id)
+        request.seq_id = None
+        request.num_computed = 0
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
