@@ -32,3 +32,11 @@ class SequenceTooLong(MlxkvError, ValueError):
         self.seq_id = seq_id
         self.length = length
         self.limit = limit
+
+
+class ModelLoadError(MlxkvError):
+    """A model that cannot be loaded: missing path, no config.json, unsupported architecture."""
+
+
+class RequestTooLong(MlxkvError, ValueError):
+    """A request whose prompt plus max_tokens can never fit the KV cache."""

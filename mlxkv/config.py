@@ -1,0 +1,79 @@
+"""Engine settings, and how big a KV cache they make for a given model."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .kv_cache import KVCacheManager
+from .layout import KVLayout, resolve_layout
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string such as `2GB`, `512MiB` or `1.5GB`."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(value), re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"kv_cache_memory must be a size such as 2GB or 512MiB, got {value!r}")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def total_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches and how much KV cache it keeps.
+
+    The KV cache is sized by `num_blocks` (paged only), else `kv_cache_memory`, else
+    enough for `max_num_seqs` sequences of `max_model_len` tokens, capped at a quarter of
+    the machine's memory. In the contiguous layout the budget buys whole `max_model_len`
+    slots, at most `max_num_seqs`.
+    """
+
+    kv_layout: KVLayout | str | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_layout", resolve_layout(self.kv_layout))
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_memory(self.kv_cache_memory))
+        if self.num_blocks is not None and self.kv_layout is KVLayout.CONTIGUOUS:
+            raise ValueError("num_blocks applies to the paged layout; size the contiguous one with kv_cache_memory")
+
+    def build_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
+                    model_max_len: int | None) -> KVCacheManager:
+        max_len = self.max_model_len or model_max_len or 4096
+        bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype.size
+        budget = self.kv_cache_memory or min(self.max_num_seqs * max_len * bytes_per_token, total_memory() // 4)
+        shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                     max_seq_len=max_len, layout=self.kv_layout)
+        if self.kv_layout is KVLayout.CONTIGUOUS:
+            slots = min(self.max_num_seqs, budget // (max_len * bytes_per_token))
+            if slots == 0:
+                raise ValueError(
+                    f"the contiguous layout needs {max_len * bytes_per_token / 2**20:.1f} MiB per sequence "
+                    f"(max_model_len={max_len}) but the KV budget is {budget / 2**20:.1f} MiB; "
+                    "raise kv_cache_memory or lower max_model_len"
+                )
+            return KVCacheManager(max_seqs=slots, **shape)
+        blocks = self.num_blocks or budget // (self.block_size * bytes_per_token)
+        if blocks == 0:
+            raise ValueError(f"kv_cache_memory={budget} bytes is less than one page of {self.block_size} tokens")
+        return KVCacheManager(max_seqs=self.max_num_seqs, block_size=self.block_size, num_blocks=blocks, **shape)

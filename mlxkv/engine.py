@@ -1,0 +1,142 @@
+"""The engine loop: add requests, step (schedule, run, sample, detokenize), report outputs."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .attention import reference_attention
+from .config import EngineConfig
+from .errors import RequestTooLong, UnknownSequenceError
+from .model_runner import ModelRunner, kv_shape
+from .request import Request
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler
+from .text import TextStream
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step did for one request: new text, and whether it is done."""
+
+    request_id: str
+    delta: str
+    finished: bool
+    finish_reason: str | None
+
+
+class LLMEngine:
+    """Continuous batching over a paged (or contiguous) KV cache for one mlx-lm model.
+
+    Every step schedules work, runs one forward pass over the packed batch, samples,
+    and evaluates everything with a single `mx.eval`.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        layers, kv_heads, head_dim, dtype = kv_shape(model)
+        self.cache = self.config.build_cache(layers, kv_heads, head_dim, dtype,
+                                             getattr(model.args, "max_position_embeddings", None))
+        self.runner = ModelRunner(model, self.cache, reference_attention)
+        self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.vocab_size = model.args.vocab_size
+        self.reset_peak_usage()
+        self._ids = itertools.count()
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most KV slots one request can ever hold."""
+        return min(self.cache.max_seq_len, self.cache.pool.capacity * self.cache.block_size)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids for a prompt given as text or ids (text gets the tokenizer's BOS, as in mlx-lm)."""
+        if isinstance(prompt, str):
+            bos = self.tokenizer.bos_token
+            ids = self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        """Queue a prompt; raises `RequestTooLong` if it could never fit the KV cache."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, self.encode(prompt), params)
+        if request.max_kv_tokens > self.max_request_tokens:
+            raise RequestTooLong(
+                f"prompt of {len(request.prompt_ids)} tokens plus max_tokens={params.max_tokens} needs "
+                f"{request.max_kv_tokens} KV slots; one request can hold at most {self.max_request_tokens}"
+            )
+        request.stream = TextStream(self.tokenizer.detokenizer, params.stop)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is; its pages are free when this returns."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            raise UnknownSequenceError(request_id)
+        self.scheduler.finish(request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every request that produced text or finished."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        self._track_usage()
+        sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
+        logits = self.runner.forward(batch)
+        tokens = sample(logits, [r.sampler for r in sampling]) if sampling else mx.array([], mx.uint32)
+        mx.eval(tokens, self.cache.storage.keys, self.cache.storage.values)
+        for request, count in zip(batch.requests, batch.counts):
+            request.num_computed += count
+        return [self._accept(request, token) for request, token in zip(sampling, tokens.tolist())]
+
+    def _accept(self, request: Request, token: int) -> RequestOutput:
+        request.first_token_time = request.first_token_time or time.perf_counter()
+        reason = None
+        if token in self.tokenizer.eos_token_ids:
+            reason = "stop"
+        else:
+            request.output_ids.append(token)
+            if request.stream.add(token):
+                reason = "stop"
+            elif len(request.output_ids) >= request.params.max_tokens:
+                reason = "length"
+        if reason is not None:
+            request.stream.finish()
+            request.finish_time = time.perf_counter()
+            self.scheduler.finish(request, reason)
+            del self.requests[request.request_id]
+        return RequestOutput(request.request_id, request.stream.take_delta(), reason is not None, reason)
+
+    def reset_peak_usage(self) -> None:
+        """Start tracking the KV cache's peak use afresh (e.g. per chat turn)."""
+        self.peak_usage = self.cache.usage()
+
+    def _track_usage(self) -> None:
+        usage = self.cache.usage()
+        if usage.pages_used >= self.peak_usage.pages_used:
+            self.peak_usage = usage
+
+

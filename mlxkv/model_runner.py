@@ -1,0 +1,90 @@
+"""Runs an mlx-lm model over a packed batch, with every attention layer reading K/V through the cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .attention import reference_attention
+from .kv_cache import KVBatch, KVCacheManager
+from .scheduler import ScheduledBatch
+
+AttentionFn = Callable[[mx.array, mx.array, mx.array, KVBatch, float], mx.array]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Handed to every layer as its `cache`: where this step's tokens go and sit."""
+
+    cache: KVCacheManager
+    batch: KVBatch
+    positions: mx.array
+    attention: AttentionFn
+
+
+class PagedAttention(nn.Module):
+    """An mlx-lm attention layer's own projections, norms and RoPE, with K/V kept in the cache.
+
+    Tokens of the packed batch sit on the batch axis, so RoPE takes one offset per token.
+    """
+
+    def __init__(self, inner: nn.Module, layer: int) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = inner.q_proj, inner.k_proj, inner.v_proj, inner.o_proj
+        self.q_norm = getattr(inner, "q_norm", None)
+        self.k_norm = getattr(inner, "k_norm", None)
+        self.rope = inner.rope
+        self.scale = inner.scale
+        self.n_heads, self.n_kv_heads = inner.n_heads, inner.n_kv_heads
+        self.layer = layer
+
+    def __call__(self, x: mx.array, mask: object = None, cache: StepContext | None = None) -> mx.array:
+        tokens = x.shape[1]
+        queries = self.q_proj(x).reshape(tokens, self.n_heads, -1)
+        keys = self.k_proj(x).reshape(tokens, self.n_kv_heads, -1)
+        values = self.v_proj(x).reshape(tokens, self.n_kv_heads, -1)
+        if self.q_norm is not None:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries = self.rope(queries[:, :, None], offset=cache.positions)[:, :, 0]
+        keys = self.rope(keys[:, :, None], offset=cache.positions)[:, :, 0]
+        cache.cache.write(self.layer, cache.batch, keys, values)
+        out = cache.attention(queries, *cache.cache.kv(self.layer), cache.batch, self.scale)
+        return self.o_proj(out.reshape(1, tokens, -1))
+
+
+def kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:
+    """(layers, KV heads, head dim, activation dtype) of a loaded mlx-lm model."""
+    args = model.args
+    kv_heads = args.num_key_value_heads or args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    return len(model.model.layers), kv_heads, head_dim, model.model.norm.weight.dtype
+
+
+class ModelRunner:
+    """Owns the model and the KV cache; turns a scheduled batch into logits for the rows that sample."""
+
+    def __init__(self, model: nn.Module, cache: KVCacheManager, attention: AttentionFn = reference_attention) -> None:
+        self.model = model
+        self.cache = cache
+        self.attention = attention
+        for index, layer in enumerate(model.model.layers):
+            if not isinstance(layer.self_attn, PagedAttention):
+                layer.self_attn = PagedAttention(layer.self_attn, index)
+
+    def forward(self, step: ScheduledBatch) -> mx.array | None:
+        """Logits `[rows that sample, vocab]` for `step`, None if no row samples (lazy either way)."""
+        token_ids = np.concatenate([r.token_ids[r.num_computed : r.num_computed + n]
+                                    for r, n in zip(step.requests, step.counts)]).astype(np.int32)
+        context = StepContext(self.cache, step.kv, mx.array(step.kv.positions), self.attention)
+        hidden = self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))
+        rows = (np.cumsum(step.counts) - 1)[np.asarray(step.samples(), dtype=bool)]
+        return self._head(hidden[0, mx.array(rows.astype(np.int32))]) if rows.size else None
+
+    def _head(self, hidden: mx.array) -> mx.array:
+        if getattr(self.model, "lm_head", None) is not None:
+            return self.model.lm_head(hidden)
+        return self.model.model.embed_tokens.as_linear(hidden)
