@@ -1,0 +1,56 @@
+"""Tiny random checkpoints in the mlx-lm / Hugging Face directory format, built on the spot."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.utils import quantize_model, save_config, save_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+VOCAB = 320
+TEXT = ("The quick brown fox jumps over the lazy dog. Paged attention keeps keys and values in pages; "
+        "a block table maps each sequence to its pages. ") * 20
+
+
+def write_tokenizer(path: Path) -> None:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([TEXT], trainer)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": None}))
+
+
+def make_checkpoint(path: Path, model_type: str = "llama", dtype: str = "float32", bits: int | None = None,
+                    seed: int = 0, max_position_embeddings: int = 512, tied: bool = False) -> Path:
+    """Write a 2-layer random `model_type` model (GQA 4:2) with peaky logits to `path`."""
+    config = dict(model_type=model_type, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+                  rope_theta=10000.0, max_position_embeddings=max_position_embeddings,
+                  tie_word_embeddings=tied, torch_dtype=dtype)
+    if model_type == "qwen3":
+        config["head_dim"] = 16
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        scale = 6.0 if "lm_head" in name else 1.0
+        if name.endswith(("bias",)) or "norm" in name:
+            value = value + 0.1 * mx.random.normal(value.shape)
+        weights[name] = (value * scale).astype(getattr(mx, dtype))
+    model.update(tree_unflatten(list(weights.items())))
+    if bits is not None:
+        model, config = quantize_model(model, config, group_size=32, bits=bits)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    write_tokenizer(path)
+    return path

@@ -1,0 +1,97 @@
+import re
+import subprocess
+import sys
+
+import pytest
+from mlx_lm import load as mlx_lm_load
+from typer.testing import CliRunner
+
+from mlxkv.cli import app
+from test_llm import mlx_lm_greedy, mlx_lm_text
+
+runner = CliRunner()
+PROMPT = "The quick brown fox jumps"
+STATS = [
+    r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$",
+    r"^Generation: \d+ tokens, [\d.]+ tokens-per-sec$",
+    r"^Peak memory: [\d.]+ GB$",
+    r"^KV cache: (paged|contiguous), \d+/\d+ pages of \d+ tokens, [\d.]+ of [\d.]+ MiB holding tokens$",
+]
+
+
+def generated_text(output: str) -> str:
+    return output.split("==========\n", 1)[1].rsplit("\n==========", 1)[0]
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("name", ["llama-fp16", "qwen2-bf16", "qwen3-fp16", "llama-4bit"])
+def test_generate_prints_mlx_lm_greedy_text_and_the_figures(checkpoint, name, layout):
+    path = checkpoint(name)
+    _, tokenizer = mlx_lm_load(str(path))
+    expected = mlx_lm_text(tokenizer, mlx_lm_greedy(path, tokenizer.encode(PROMPT), max_tokens=24))
+    result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "24",
+                                 "--kv-layout", layout, "--block-size", "8"])
+    assert result.exit_code == 0, result.output
+    assert generated_text(result.stdout) == expected
+    lines = result.stdout.strip().splitlines()[-4:]
+    assert all(re.match(pattern, line) for pattern, line in zip(STATS, lines)), lines
+    assert lines[3].startswith(f"KV cache: {layout}, ")
+
+
+def test_kv_line_counts_the_pages_one_request_used(checkpoint):
+    result = runner.invoke(app, ["generate", "--model", str(checkpoint("llama-fp32")), "--prompt", PROMPT,
+                                 "-m", "10", "--block-size", "4", "--num-blocks", "64"])
+    prompt_tokens = int(re.search(r"Prompt: (\d+) tokens", result.stdout).group(1))
+    used = re.search(r"KV cache: paged, (\d+)/64 pages of 4 tokens", result.stdout)
+    assert int(used.group(1)) == -(-(prompt_tokens + 9) // 4)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/nonexistent/model"], "error: model path '/nonexistent/model' does not exist"),
+        (["--temp", "-1"], "error: temperature must be a number >= 0, got -1.0"),
+        (["--top-p", "1.5"], r"error: top_p must be a number in \(0, 1\], got 1.5"),
+        (["--kv-layout", "dense"], "error: kv_layout='dense' is not a KV layout"),
+        (["--kv-cache-memory", "lots"], "error: kv_cache_memory must be a size such as 2GB"),
+        (["--num-blocks", "2", "--block-size", "4", "-m", "100"], "error: prompt of .* tokens plus max_tokens=100"),
+    ],
+)
+def test_bad_input_gives_one_clear_line_and_a_failing_exit(checkpoint, args, message):
+    if "--model" not in args:
+        args = ["--model", str(checkpoint("llama-fp32"))] + args
+    result = runner.invoke(app, ["generate", "--prompt", PROMPT] + args)
+    assert result.exit_code == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert re.match(message, result.stderr)
+
+
+def test_directory_without_config_and_unsupported_architecture(tmp_path):
+    result = runner.invoke(app, ["generate", "--model", str(tmp_path)])
+    assert result.exit_code == 1 and "has no config.json" in result.stderr
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
+    result = runner.invoke(app, ["generate", "--model", str(tmp_path)])
+    assert result.exit_code == 1 and "unsupported model_type 'mamba'" in result.stderr
+
+
+def test_installed_command_reads_the_prompt_from_stdin(checkpoint):
+    path = checkpoint("qwen3-bf16")
+    proc = subprocess.run([sys.executable, "-m", "mlxkv", "generate", "--model", str(path), "--prompt", "-",
+                           "-m", "8"], input=PROMPT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    via_flag = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "-m", "8"])
+    assert generated_text(proc.stdout) == generated_text(via_flag.stdout)
+
+
+def test_help_lists_both_commands():
+    proc = subprocess.run([sys.executable, "-m", "mlxkv", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "generate" in proc.stdout and "chat" in proc.stdout
+
+
+def test_chat_keeps_the_conversation_and_reports_each_turn(checkpoint):
+    result = runner.invoke(app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6"],
+                           input="The quick\n/reset\nbrown fox\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("KV cache: paged") == 2
+    assert result.stdout.count("Generation: 6 tokens") == 2

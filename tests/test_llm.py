@@ -1,0 +1,145 @@
+import importlib
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+
+from conftest import SPECS
+from mlxkv import LLM, ModelLoadError, RequestTooLong, SamplingParams
+
+mlx_lm_generate = importlib.import_module("mlx_lm.generate")
+
+PROMPTS = [list(range(5, 8)), list(range(10, 27)), list(range(30, 70))]
+MAX_TOKENS = 20
+
+
+def mlx_lm_greedy(path, prompt, max_tokens=MAX_TOKENS):
+    """mlx-lm's own greedy tokens for `prompt`, up to (not including) EOS."""
+    model, tokenizer = mlx_lm_load(str(path))
+    tokens = []
+    for token, _ in mlx_lm_generate.generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                                                  sampler=lambda x: mx.argmax(x, axis=-1)):
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        tokens.append(int(token))
+    return tokens
+
+
+def mlx_lm_text(tokenizer, tokens):
+    """The text mlx-lm's streaming detokenizer makes of `tokens` (what its own CLI prints)."""
+    detokenizer = tokenizer.detokenizer
+    for token in tokens:
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_tokens_equal_mlx_lm_alone_and_batched(checkpoint, name, layout):
+    path = checkpoint(name)
+    expected = [mlx_lm_greedy(path, p) for p in PROMPTS]
+    llm = LLM(str(path), kv_layout=layout, block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+    batched = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+    alone = [llm.generate(p, SamplingParams(max_tokens=MAX_TOKENS))[0] for p in PROMPTS]
+    assert [c.token_ids for c in batched] == expected
+    assert [c.token_ids for c in alone] == expected
+    assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
+
+
+def test_results_come_back_in_prompt_order_with_per_prompt_params(checkpoint):
+    llm = LLM(str(checkpoint("llama-fp32")), max_num_seqs=2)
+    params = [SamplingParams(max_tokens=n) for n in (7, 3, 5)]
+    out = llm.generate(PROMPTS, params)
+    assert [len(c.token_ids) for c in out] == [7, 3, 5]
+    assert [c.finish_reason for c in out] == ["length"] * 3
+    assert [c.prompt_token_ids for c in out] == PROMPTS
+
+
+def test_text_prompts_stream_the_same_text_generate_returns(checkpoint):
+    llm = LLM(str(checkpoint("qwen3-bf16")))
+    params = SamplingParams(max_tokens=12)
+    (completion,) = llm.generate(["The quick brown fox"], params)
+    assert "".join(llm.stream("The quick brown fox", params)) == completion.text
+    assert completion.text == mlx_lm_text(llm.tokenizer, completion.token_ids)
+
+
+def test_stop_string_ends_the_text_before_it(checkpoint):
+    llm = LLM(str(checkpoint("qwen3-bf16")))
+    full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20))[0].text
+    stop = full[5:8]
+    cut = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, stop=[stop]))[0]
+    assert cut.text == full[: full.index(stop)]
+    assert cut.finish_reason == "stop"
+    assert "".join(llm.stream(PROMPTS[1], SamplingParams(max_tokens=20, stop=[stop]))) == cut.text
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(checkpoint):
+    llm = LLM(str(checkpoint("llama-fp32")), max_num_seqs=4)
+    params = SamplingParams(max_tokens=15, temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=7)
+    alone = llm.generate(PROMPTS[0], params)[0].token_ids
+    batched = llm.generate([PROMPTS[2], PROMPTS[0]], [SamplingParams(max_tokens=9, temperature=0.8), params])
+    assert batched[1].token_ids == alone
+    other = llm.generate(PROMPTS[0], SamplingParams(max_tokens=15, temperature=1.0, seed=8))[0].token_ids
+    assert other != alone
+
+
+def test_breaking_out_of_a_stream_frees_its_pages(checkpoint):
+    llm = LLM(str(checkpoint("llama-fp32")))
+    stream = llm.stream(PROMPTS[2], SamplingParams(max_tokens=50))
+    next(iter(stream))
+    assert llm.engine.cache.free_pages < llm.engine.cache.pool.capacity
+    stream.close()
+    assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
+    assert stream.request.finish_reason == "abort"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-1.0), r"temperature must be a number >= 0, got -1.0"),
+        (dict(top_p=0.0), r"top_p must be a number in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), r"top_p must be a number in \(0, 1\], got 1.5"),
+        (dict(max_tokens=0), r"max_tokens must be an integer >= 1, got 0"),
+        (dict(top_k=-2), r"top_k must be an integer >= 0"),
+        (dict(min_p=1.0), r"min_p must be a number in \[0, 1\)"),
+    ],
+)
+def test_invalid_sampling_values_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_the_cache_can_never_hold_is_refused_and_nothing_is_held(checkpoint):
+    llm = LLM(str(checkpoint("llama-fp32")), num_blocks=4, block_size=16)
+    with pytest.raises(RequestTooLong, match=r"prompt of 60 tokens plus max_tokens=10 needs 69 KV slots; "
+                                             r"one request can hold at most 64"):
+        llm.generate([PROMPTS[0], list(range(60))], SamplingParams(max_tokens=10))
+    assert llm.engine.cache.free_pages == 4
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
+def test_bad_prompts_are_named(checkpoint):
+    llm = LLM(str(checkpoint("llama-fp32")))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 320\), got \[999\]"):
+        llm.generate([[1, 999]])
+    with pytest.raises(ValueError, match="got 2 prompts but 1 SamplingParams"):
+        llm.generate(PROMPTS[:2], [SamplingParams()])
+
+
+def test_model_loading_errors_are_specific(tmp_path, checkpoint):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ModelLoadError, match="unsupported model_type 'gpt2'.*supports llama, mistral, qwen2, qwen3"):
+        LLM(str(tmp_path))
+
+
+def test_unknown_layout_is_a_clear_error(checkpoint):
+    with pytest.raises(ValueError, match="kv_layout='ragged' is not a KV layout"):
+        LLM(str(checkpoint("llama-fp32")), kv_layout="ragged")
