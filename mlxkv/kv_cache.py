@@ -217,11 +217,9 @@ class KVCacheManager:
     def free_pages(self) -> int:
         return self.pool.free_count
 
-    def pages_needed(self, seq_id: int | None, count: int) -> int:
-        """New pages `count` more tokens of `seq_id` would take (None: a sequence not yet claimed)."""
+    def pages_needed(self, seq_id: int, count: int) -> int:
+        """New pages `count` more tokens of `seq_id` would take."""
         with self._lock:
-            if seq_id is None:
-                return 1 if self.layout is KVLayout.CONTIGUOUS else -(-count // self.block_size)
             return self._table(seq_id).pages_needed(count)
 
     def num_tokens(self, seq_id: int) -> int:

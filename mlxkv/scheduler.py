@@ -74,12 +74,15 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: not r.is_decode):
             if plan.budget and request in self.running:
                 self._make_room(plan, request)
-        while self.waiting and plan.budget and len(self.running) < self.max_num_seqs:
+        while self.waiting and plan.budget and len(self.running) < self.max_num_seqs \
+                and self.cache.num_active < self.cache.max_seqs:
             request = self.waiting[0]
-            if self.cache.num_active >= self.cache.max_seqs or not self._try_pick(plan, request):
+            (request.seq_id,) = self.cache.claim(1)
+            if not self._try_pick(plan, request):
+                self.cache.release(request.seq_id)
+                request.seq_id = None
                 break
             self.waiting.popleft()
-            (request.seq_id,) = self.cache.claim(1)
             request.status = Status.RUNNING
             self.running.append(request)
         if not plan.counts:

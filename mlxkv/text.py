@@ -6,17 +6,18 @@ from __future__ import annotations
 class TextStream:
     """Turns tokens into text as they come, ending before the first stop string.
 
-    Text that could still turn out to be the start of a stop string is held back from
-    `take_delta` until the next token settles it, so a stop string is never streamed.
+    A tail of the text that could still grow into a stop string is held back from
+    `take_delta` until later tokens settle it, so a stop string is never streamed.
     """
 
     def __init__(self, detokenizer, stop: tuple[str, ...]) -> None:
         self._detokenizer = detokenizer
         self._stop = stop
-        self._held = max((len(s) for s in stop), default=1) - 1
+        self._longest = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self._sent = 0
         self.stopped = False
+        self.finished = False
 
     def add(self, token: int) -> bool:
         """Add one token; True when a stop string has appeared (the text then ends before it)."""
@@ -29,16 +30,23 @@ class TextStream:
         if not self.stopped:
             self._detokenizer.finalize()
             self._update(self._detokenizer.text)
-        self._held = 0
+        self.finished = True
 
     def take_delta(self) -> str:
         """Text not yet handed out that no later token can retract."""
-        end = len(self.text) if self.stopped else max(self._sent, len(self.text) - self._held)
+        end = len(self.text) if self.stopped or self.finished else max(self._sent, len(self.text) - self._undecided())
         delta, self._sent = self.text[self._sent : end], end
         return delta
 
+    def _undecided(self) -> int:
+        """Length of the longest tail of the text that is the start of a stop string."""
+        for length in range(min(self._longest, len(self.text)), 0, -1):
+            if any(s.startswith(self.text[-length:]) for s in self._stop):
+                return length
+        return 0
+
     def _update(self, text: str) -> None:
-        search_from = max(0, len(self.text) - self._held)
+        search_from = max(0, len(self.text) - self._longest)
         hits = [i for s in self._stop if (i := text.find(s, search_from)) >= 0]
         if hits:
             text, self.stopped = text[: min(hits)], True

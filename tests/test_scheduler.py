@@ -1,0 +1,88 @@
+import mlx.core as mx
+
+from mlxkv import KVCacheManager, SamplingParams
+from mlxkv.request import Request, Status
+from mlxkv.scheduler import Scheduler
+
+
+def make(num_blocks=32, block_size=4, max_num_seqs=8, budget=16, layout="paged"):
+    cache = KVCacheManager(1, 1, 4, max_seqs=max_num_seqs, max_seq_len=64, layout=layout,
+                           block_size=block_size, num_blocks=num_blocks, dtype=mx.float32)
+    return Scheduler(cache, max_num_seqs, budget)
+
+
+def request(name, prompt_len, max_tokens=8):
+    return Request(name, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+def run_step(scheduler):
+    """Play the engine: advance what was scheduled and 'sample' token 1 where a row samples."""
+    batch = scheduler.schedule()
+    for r, n, samples in zip(batch.requests, batch.counts, batch.samples()):
+        r.num_computed += n
+        if samples:
+            r.output_ids.append(1)
+    return [(r.request_id, n) for r, n in zip(batch.requests, batch.counts)]
+
+
+def test_decodes_first_then_prefill_chunks_split_to_the_budget():
+    s = make(budget=8)
+    for r in (request("a", 3), request("b", 3)):
+        s.add(r)
+    assert run_step(s) == [("a", 3), ("b", 3)]
+    s.add(request("c", 10))
+    assert run_step(s) == [("a", 1), ("b", 1), ("c", 6)]
+    assert run_step(s) == [("a", 1), ("b", 1), ("c", 4)]
+    assert run_step(s) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_entry_cap_keeps_the_rest_waiting():
+    s = make(max_num_seqs=2)
+    for name in "abc":
+        s.add(request(name, 2))
+    assert run_step(s) == [("a", 2), ("b", 2)]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_admission_waits_for_free_pages_in_arrival_order():
+    s = make(num_blocks=4, block_size=4, budget=32)
+    s.add(request("a", 12))
+    s.add(request("b", 8))
+    s.add(request("c", 2))
+    assert run_step(s) == [("a", 12)]
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+
+
+def test_newest_running_request_is_preempted_by_recompute_and_resumes():
+    s = make(num_blocks=3, block_size=4)
+    a, b = request("a", 4), request("b", 4)
+    s.add(a)
+    s.add(b)
+    assert run_step(s) == [("a", 4), ("b", 4)]
+    assert run_step(s) == [("a", 1)]
+    assert (b.status, b.num_computed, b.output_ids, s.num_preemptions) == (Status.WAITING, 0, [1], 1)
+    assert s.waiting[0] is b
+    s.finish(a, "stop")
+    assert run_step(s) == [("b", 5)]
+    assert s.cache.free_pages == 1
+
+
+def test_finish_frees_pages_wherever_the_request_is():
+    s = make()
+    a, b = request("a", 5), request("b", 5)
+    s.add(a)
+    run_step(s)
+    s.add(b)
+    s.finish(a, "abort")
+    s.finish(b, "abort")
+    assert s.cache.free_pages == s.cache.pool.capacity
+    assert not s.has_work()
+    assert (a.finish_reason, b.status) == ("abort", Status.FINISHED)
+
+
+def test_contiguous_layout_admits_one_sequence_per_slot():
+    s = make(layout="contiguous", max_num_seqs=2)
+    for name in "abc":
+        s.add(request(name, 2))
+    assert run_step(s) == [("a", 2), ("b", 2)]
+    assert (s.cache.free_pages, [r.request_id for r in s.waiting]) == (0, ["c"])
