@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from .attention import reference_attention
 from .config import EngineConfig
 from .errors import RequestTooLong, UnknownSequenceError
 from .model_runner import ModelRunner, kv_shape
-from .request import Request
+from .request import Request, Status
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .text import TextStream
@@ -36,6 +37,11 @@ class LLMEngine:
 
     Every step schedules work, runs one forward pass over the packed batch, samples,
     and evaluates everything with a single `mx.eval`.
+
+    Threads: `add_request` and `abort` may be called from any thread while another
+    thread runs `step`; one lock guards the queues and the pool, and is not held during
+    the forward pass, so an abort frees its pages at once. Only the thread calling
+    `step` touches MLX.
     """
 
     def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, config: EngineConfig | None = None) -> None:
@@ -50,6 +56,7 @@ class LLMEngine:
         self.vocab_size = model.args.vocab_size
         self.reset_peak_usage()
         self._ids = itertools.count()
+        self._lock = threading.RLock()
 
     @property
     def max_request_tokens(self) -> int:
@@ -75,8 +82,6 @@ class LLMEngine:
         """Queue a prompt; raises `RequestTooLong` if it could never fit the KV cache."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, self.encode(prompt), params)
         if request.max_kv_tokens > self.max_request_tokens:
             raise RequestTooLong(
@@ -84,33 +89,41 @@ class LLMEngine:
                 f"{request.max_kv_tokens} KV slots; one request can hold at most {self.max_request_tokens}"
             )
         request.stream = TextStream(self.tokenizer.detokenizer, params.stop)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
+        with self._lock:
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.requests[request_id] = request
+            self.scheduler.add(request)
         return request
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; its pages are free when this returns."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            raise UnknownSequenceError(request_id)
-        self.scheduler.finish(request, "abort")
+        with self._lock:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                raise UnknownSequenceError(request_id)
+            self.scheduler.finish(request, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        with self._lock:
+            return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns an output for every request that produced text or finished."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        self._track_usage()
+        with self._lock:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            self._track_usage()
         sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
         logits = self.runner.forward(batch)
         tokens = sample(logits, [r.sampler for r in sampling]) if sampling else mx.array([], mx.uint32)
         mx.eval(tokens, self.cache.storage.keys, self.cache.storage.values)
-        for request, count in zip(batch.requests, batch.counts):
-            request.num_computed += count
-        return [self._accept(request, token) for request, token in zip(sampling, tokens.tolist())]
+        with self._lock:
+            for request, count in zip(batch.requests, batch.counts):
+                request.num_computed += count
+            return [self._accept(request, token) for request, token in zip(sampling, tokens.tolist())
+                    if request.status is not Status.FINISHED]
 
     def _accept(self, request: Request, token: int) -> RequestOutput:
         request.first_token_time = request.first_token_time or time.perf_counter()

@@ -57,12 +57,16 @@ def _is_real(value: object) -> bool:
 
 
 class TokenSampler:
-    """One request's sampler: its own PRNG key, so a seed gives the same tokens in any batch."""
+    """One request's sampler: its own PRNG key, so a seed gives the same tokens in any batch.
+
+    The key is made on first use, on the engine's thread: MLX arrays belong to the thread
+    that builds them, and requests may be created on any thread.
+    """
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self._key = mx.random.key(seed)
+        self._seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self._key: mx.array | None = None
 
     def __call__(self, logits: mx.array) -> mx.array:
         """The next token (a 0-d uint32 array) from one row of logits."""
@@ -76,7 +80,7 @@ class TokenSampler:
             logprobs = apply_min_p(logprobs[None], p.min_p)[0]
         if 0 < p.top_k < logits.shape[-1]:
             logprobs = apply_top_k(logprobs, p.top_k)
-        self._key, key = mx.random.split(self._key)
+        self._key, key = mx.random.split(mx.random.key(self._seed) if self._key is None else self._key)
         return mx.random.categorical(logprobs * (1 / p.temperature), key=key)
 
 

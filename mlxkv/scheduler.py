@@ -29,6 +29,7 @@ class _Plan:
     budget: int
     counts: dict[Request, int] = field(default_factory=dict)
     pages: dict[Request, int] = field(default_factory=dict)
+    preempted: set[Request] = field(default_factory=set)
     reserved: int = 0
 
     def pick(self, request: Request, count: int, pages: int) -> None:
@@ -38,6 +39,7 @@ class _Plan:
         self.budget -= count
 
     def drop(self, request: Request) -> None:
+        self.preempted.add(request)
         if request in self.counts:
             self.budget += self.counts.pop(request)
             self.reserved -= self.pages.pop(request)
@@ -72,7 +74,7 @@ class Scheduler:
         """Pick the next step's work and reserve its KV slots; None when there is nothing to run."""
         plan = _Plan(self.max_num_batched_tokens)
         for request in sorted(self.running, key=lambda r: not r.is_decode):
-            if plan.budget and request in self.running:
+            if plan.budget and request not in plan.preempted:
                 self._make_room(plan, request)
         while self.waiting and plan.budget and len(self.running) < self.max_num_seqs \
                 and self.cache.num_active < self.cache.max_seqs:
@@ -113,17 +115,17 @@ class Scheduler:
     def _make_room(self, plan: _Plan, request: Request) -> None:
         """Pick `request`, preempting the newest running requests until it fits (maybe itself)."""
         while not self._try_pick(plan, request):
-            victim = self.running[-1]
-            self._preempt(victim)
+            victim = self._preempt_newest()
             plan.drop(victim)
             if victim is request:
                 return
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+    def _preempt_newest(self) -> Request:
+        request = self.running.pop()
         self.cache.release(request.seq_id)
         request.seq_id = None
         request.num_computed = 0
         request.status = Status.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        return request

@@ -1,0 +1,90 @@
+import random
+import threading
+import time
+
+import pytest
+
+from mlxkv import LLM, LLMEngine, RequestTooLong, SamplingParams, UnknownSequenceError
+from mlxkv.config import EngineConfig
+from mlxkv.loading import load
+
+N_REQUESTS = 200
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load(checkpoint("llama-fp32"))
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    """200 prompts of random lengths, and the greedy tokens each produces alone."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 320) for _ in range(rng.randint(1, 40))] for _ in range(N_REQUESTS)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 12)) for _ in range(N_REQUESTS)]
+    alone = LLM(model, max_num_seqs=1)
+    expected = [alone.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    return prompts, params, expected
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_many_requests_under_preemption_and_cancellation(model, workload, layout):
+    prompts, params, expected = workload
+    sizing = dict(num_blocks=14, block_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 3072)
+    engine = LLMEngine(*model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64,
+                                            max_model_len=64, **sizing))
+    requests = [engine.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
+    cancelled, leaks = set(), []
+    done = threading.Event()
+
+    def cancel_at_random():
+        rng = random.Random(1)
+        while not done.is_set():
+            time.sleep(rng.uniform(0, 0.01))
+            live = [r for r in requests if r.finish_reason is None]
+            if not live:
+                continue
+            victim = rng.choice(live)
+            seq_id = victim.seq_id
+            try:
+                engine.abort(victim.request_id)
+            except UnknownSequenceError:
+                continue
+            cancelled.add(victim.request_id)
+            if seq_id is not None and engine.cache.pool.pages(seq_id):
+                leaks.append(victim.request_id)
+
+    canceller = threading.Thread(target=cancel_at_random)
+    canceller.start()
+    while engine.has_unfinished():
+        engine.step()
+    done.set()
+    canceller.join()
+
+    assert leaks == []
+    assert 0 < len(cancelled) < N_REQUESTS
+    for request, tokens in zip(requests, expected):
+        if request.request_id in cancelled:
+            assert request.finish_reason == "abort"
+        else:
+            assert request.output_ids == tokens, request.request_id
+    if layout == "paged":
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.cache.free_pages == engine.cache.pool.capacity
+    assert engine.cache.num_active == 0
+
+
+def test_bad_requests_are_refused_without_disturbing_the_rest(model):
+    engine = LLMEngine(*model, EngineConfig(num_blocks=8, block_size=8, max_model_len=64))
+    ok = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5), request_id="ok")
+    engine.step()
+    with pytest.raises(RequestTooLong, match="one request can hold at most 64"):
+        engine.add_request(list(range(1, 60)), SamplingParams(max_tokens=10), request_id="big")
+    with pytest.raises(ValueError, match="request id 'ok' is already in use"):
+        engine.add_request([1], SamplingParams(max_tokens=2), request_id="ok")
+    with pytest.raises(UnknownSequenceError, match="unknown sequence id 'nope'"):
+        engine.abort("nope")
+    while engine.has_unfinished():
+        engine.step()
+    assert len(ok.output_ids) == 5 and ok.finish_reason == "length"
+    assert engine.cache.free_pages == 8
