@@ -128,7 +128,7 @@ class LLMEngine:
     def _accept(self, request: Request, token: int) -> RequestOutput:
         request.first_token_time = request.first_token_time or time.perf_counter()
         reason = None
-        if token in self.tokenizer.eos_token_ids:
+        if token in self.tokenizer.eos_token_ids and not request.params.ignore_eos:
             reason = "stop"
         else:
             request.output_ids.append(token)

@@ -15,7 +15,7 @@ class SamplingParams:
     """How to pick tokens for one request. `temperature=0` is greedy.
 
     `stop` strings end the text before the stop string; `seed` makes sampling reproducible
-    whatever else shares the batch.
+    whatever else shares the batch; `ignore_eos` generates past EOS (for benchmarks).
     """
 
     max_tokens: int = 256
@@ -25,6 +25,7 @@ class SamplingParams:
     min_p: float = 0.0
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
