@@ -9,6 +9,8 @@ import numpy as np
 
 from .kv_cache import KVBatch
 
+QUERY_TILE = 512
+
 
 def gather_kv(pool: mx.array, block_tables: np.ndarray, length: int) -> mx.array:
     """The first `length` tokens of each row's pages as `[rows, kv_heads, tokens, head_dim]`.
@@ -27,36 +29,28 @@ def gather_kv(pool: mx.array, block_tables: np.ndarray, length: int) -> mx.array
     return gathered.reshape(len(block_tables), kv_heads, pages * page_size, head_dim)
 
 
-def _attend_rows(queries: mx.array, k_pool: mx.array, v_pool: mx.array, batch: KVBatch,
-                 rows: np.ndarray, scale: float) -> tuple[mx.array, np.ndarray]:
-    """Attention for some rows of `batch`, queries padded to the longest; returns (out, token ids)."""
-    q_lens = batch.query_lens[rows]
-    ctx = batch.context_lens[rows]
-    starts = (np.cumsum(batch.query_lens) - batch.query_lens)[rows]
-    width = int(q_lens.max())
-    offsets = np.arange(width, dtype=np.int32)
-    token_ids = starts[:, None] + np.minimum(offsets[None, :], q_lens[:, None] - 1)
-    n, q_heads, head_dim = len(rows), queries.shape[1], queries.shape[2]
+def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, starts: np.ndarray, width: int,
+            ctx: np.ndarray, block_tables: np.ndarray, scale: float) -> tuple[mx.array, np.ndarray]:
+    """Attention for rows of `width` queries each, from token `starts[i]`, the last one at
+    position `ctx[i] - 1`. Returns (out, the token ids of its rows)."""
+    n, q_heads, head_dim = len(starts), queries.shape[1], queries.shape[2]
     kv_heads = k_pool.shape[1]
     group = q_heads // kv_heads
-    length = int(ctx.max())
+    token_ids = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
 
     q = queries[mx.array(token_ids)].reshape(n, width, kv_heads, group, head_dim)
     q = q.transpose(0, 2, 3, 1, 4).reshape(n, kv_heads, group * width, head_dim)
-    keys = gather_kv(k_pool, batch.block_tables[rows], length)
-    values = gather_kv(v_pool, batch.block_tables[rows], length)
+    keys = gather_kv(k_pool, block_tables, int(ctx.max()))
+    values = gather_kv(v_pool, block_tables, int(ctx.max()))
     scores = ((q * scale) @ keys.swapaxes(-1, -2)).reshape(n, kv_heads, group, width, -1)
 
-    query_pos = (ctx - q_lens)[:, None] + offsets[None, :]
-    key_pos = np.arange(scores.shape[-1])
-    allowed = key_pos[None, None, :] <= query_pos[:, :, None]
+    query_pos = (ctx - width)[:, None] + np.arange(width)[None, :]
+    allowed = np.arange(scores.shape[-1])[None, None, :] <= query_pos[:, :, None]
     scores = mx.where(mx.array(allowed[:, None, None]), scores, -math.inf)
     probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype)
     out = probs.reshape(n, kv_heads, group * width, -1) @ values
     out = out.reshape(n, kv_heads, group, width, head_dim).transpose(0, 3, 1, 2, 4)
-    out = out.reshape(n * width, q_heads, head_dim)
-    valid = (offsets[None, :] < q_lens[:, None]).reshape(-1)
-    return out[mx.array(np.flatnonzero(valid))], token_ids.reshape(-1)[valid]
+    return out.reshape(n * width, q_heads, head_dim), token_ids
 
 
 def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, batch: KVBatch,
@@ -65,15 +59,24 @@ def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, b
 
     `queries` is `[tokens, q_heads, head_dim]`, packed row after row as in `batch`; each
     new token attends causally to its sequence's cached tokens and the chunk's earlier
-    tokens, which must already be written to the pools. Decode rows are computed
-    together; prefill chunks together, padded to the longest chunk. Returns
-    `[tokens, q_heads, head_dim]`.
+    tokens, which must already be written to the pools. Decode rows are computed together;
+    each prefill chunk on its own in tiles of at most `QUERY_TILE` queries, which bounds
+    the score matrix whatever the chunk length. Returns `[tokens, q_heads, head_dim]`.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(queries.shape[-1])
-    live = batch.query_lens > 0
-    groups = [np.flatnonzero(live & (batch.query_lens == 1)), np.flatnonzero(live & (batch.query_lens > 1))]
-    parts = [_attend_rows(queries, k_pool, v_pool, batch, rows, scale) for rows in groups if rows.size]
+    q_lens, ctx, tables = batch.query_lens, batch.context_lens, batch.block_tables
+    starts = np.cumsum(q_lens) - q_lens
+    parts = []
+    decode = q_lens == 1
+    if decode.any():
+        parts.append(_attend(queries, k_pool, v_pool, starts[decode], 1, ctx[decode], tables[decode], scale))
+    for row in np.flatnonzero(q_lens > 1):
+        for lo in range(0, int(q_lens[row]), QUERY_TILE):
+            n = min(QUERY_TILE, int(q_lens[row]) - lo)
+            last = ctx[row] - q_lens[row] + lo + n
+            parts.append(_attend(queries, k_pool, v_pool, starts[row:row + 1] + lo, n, np.array([last]),
+                                 tables[row:row + 1], scale))
     if len(parts) == 1:
         out, order = parts[0]
     else:

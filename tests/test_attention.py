@@ -102,3 +102,8 @@ def test_rows_without_new_tokens_are_skipped():
     cache.write(0, batch, mx.ones((2, 1, 8)), mx.full((2, 1, 8), 2.0))
     out = reference_attention(mx.ones((2, 1, 8)), *cache.kv(0), batch)
     assert out.tolist() == [[[2.0] * 8]] * 2
+
+
+def test_chunk_longer_than_a_query_tile_matches_sdpa(monkeypatch):
+    monkeypatch.setattr("mlxkv.attention.QUERY_TILE", 8)
+    run_case("paged", 16, 2, 4, mx.float32, contexts=[40, 21, 3], query_lens=[30, 21, 1])
