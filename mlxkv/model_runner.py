@@ -30,30 +30,29 @@ class PagedAttention(nn.Module):
     """An mlx-lm attention layer's own projections, norms and RoPE, with K/V kept in the cache.
 
     Tokens of the packed batch sit on the batch axis, so RoPE takes one offset per token.
+    Called with any other cache (mlx-lm's own), it is the original layer, so a model
+    handed to mlxkv still runs under mlx-lm.
     """
 
     def __init__(self, inner: nn.Module, layer: int) -> None:
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = inner.q_proj, inner.k_proj, inner.v_proj, inner.o_proj
-        self.q_norm = getattr(inner, "q_norm", None)
-        self.k_norm = getattr(inner, "k_norm", None)
-        self.rope = inner.rope
-        self.scale = inner.scale
-        self.n_heads, self.n_kv_heads = inner.n_heads, inner.n_kv_heads
+        self.inner = inner
         self.layer = layer
 
-    def __call__(self, x: mx.array, mask: object = None, cache: StepContext | None = None) -> mx.array:
-        tokens = x.shape[1]
-        queries = self.q_proj(x).reshape(tokens, self.n_heads, -1)
-        keys = self.k_proj(x).reshape(tokens, self.n_kv_heads, -1)
-        values = self.v_proj(x).reshape(tokens, self.n_kv_heads, -1)
-        if self.q_norm is not None:
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        queries = self.rope(queries[:, :, None], offset=cache.positions)[:, :, 0]
-        keys = self.rope(keys[:, :, None], offset=cache.positions)[:, :, 0]
+    def __call__(self, x: mx.array, mask: object = None, cache: object = None) -> mx.array:
+        if not isinstance(cache, StepContext):
+            return self.inner(x, mask, cache)
+        attn, tokens = self.inner, x.shape[1]
+        queries = attn.q_proj(x).reshape(tokens, attn.n_heads, -1)
+        keys = attn.k_proj(x).reshape(tokens, attn.n_kv_heads, -1)
+        values = attn.v_proj(x).reshape(tokens, attn.n_kv_heads, -1)
+        if hasattr(attn, "q_norm"):
+            queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+        queries = attn.rope(queries[:, :, None], offset=cache.positions)[:, :, 0]
+        keys = attn.rope(keys[:, :, None], offset=cache.positions)[:, :, 0]
         cache.cache.write(self.layer, cache.batch, keys, values)
-        out = cache.attention(queries, *cache.cache.kv(self.layer), cache.batch, self.scale)
-        return self.o_proj(out.reshape(1, tokens, -1))
+        out = cache.attention(queries, *cache.cache.kv(self.layer), cache.batch, attn.scale)
+        return attn.o_proj(out.reshape(1, tokens, -1))
 
 
 def kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:

@@ -11,15 +11,13 @@ one N-token prompt is prefilled, with and without chunked prefill.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from harness import Workload, blas_in_use, kv_bytes_per_token, run_mlx_lm, run_mlxkv
 from mlx_lm import load as mlx_lm_load
-from mlx_lm.generate import BatchGenerator
 
 from mlxkv import SamplingParams
 from mlxkv.config import EngineConfig
@@ -27,24 +25,6 @@ from mlxkv.engine import LLMEngine
 from mlxkv.random_model import LLAMA_100M, make_checkpoint
 
 DEFAULT_MODEL = Path.home() / ".cache" / "mlxkv" / "bench-llama-100m"
-
-
-def blas_in_use() -> str:
-    """Which BLAS MLX's matmuls go through in this process."""
-    if sys.platform == "darwin":
-        return "Accelerate (macOS)"
-    maps = Path("/proc/self/maps").read_text()
-    for name in ("openblas", "mkl", "blis"):
-        if f"lib{name}" in maps:
-            return f"{name} (loaded into the process)"
-    return "the reference BLAS bundled with mlx[cpu] (slow; see the README for OpenBLAS)"
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-    arrivals: list[float]
 
 
 def make_workload(args, vocab_size: int) -> Workload:
@@ -55,81 +35,6 @@ def make_workload(args, vocab_size: int) -> Workload:
     outputs = rng.integers(args.output_len[0], args.output_len[1] + 1, n).tolist()
     arrivals = np.zeros(n) if args.rate is None else np.cumsum(rng.exponential(1 / args.rate, n))
     return Workload(prompts, outputs, arrivals.tolist())
-
-
-@dataclass
-class Run:
-    """Token timestamps per request, and memory peaks, of one engine on the workload."""
-
-    name: str
-    token_times: dict[int, list[float]] = field(default_factory=dict)
-    start: float = 0.0
-    end: float = 0.0
-    peak_kv_bytes: int = 0
-    peak_memory: int = 0
-
-    def row(self, workload: Workload) -> dict[str, float]:
-        ttft = [self.token_times[i][0] - (self.start + a) for i, a in enumerate(workload.arrivals)]
-        itl = np.concatenate([np.diff(t) for t in self.token_times.values()])
-        generated = sum(len(t) for t in self.token_times.values())
-        return {"tok/s": generated / (self.end - self.start), "TTFT mean s": np.mean(ttft),
-                "TTFT p99 s": np.percentile(ttft, 99), "ITL p50 ms": 1e3 * np.percentile(itl, 50),
-                "ITL p99 ms": 1e3 * np.percentile(itl, 99), "peak KV MiB": self.peak_kv_bytes / 2**20,
-                "peak MLX mem GiB": self.peak_memory / 2**30}
-
-
-def run_mlx_lm(model, workload: Workload, max_seqs: int) -> Run:
-    gen = BatchGenerator(model, completion_batch_size=max_seqs, prefill_batch_size=min(8, max_seqs))
-    run = Run("mlx-lm BatchGenerator")
-    pending = list(range(len(workload.prompts)))
-    uid_to_index: dict[int, int] = {}
-    mx.reset_peak_memory()
-    run.start = time.perf_counter()
-    while pending or uid_to_index:
-        arrived = [i for i in pending if run.start + workload.arrivals[i] <= time.perf_counter()]
-        if arrived:
-            uids = gen.insert([workload.prompts[i] for i in arrived], [workload.output_lens[i] for i in arrived])
-            uid_to_index.update(zip(uids, arrived))
-            pending = [i for i in pending if i not in arrived]
-        if not uid_to_index:
-            time.sleep(0.001)
-            continue
-        _, responses = gen.next()
-        now = time.perf_counter()
-        for r in responses:
-            run.token_times.setdefault(uid_to_index[r.uid], []).append(now)
-            if r.finish_reason is not None:
-                del uid_to_index[r.uid]
-        caches = [c for batch in (gen._prompt_batch, gen._generation_batch) for c in (batch.prompt_cache or [])]
-        run.peak_kv_bytes = max(run.peak_kv_bytes, sum(c.nbytes for c in caches))
-    run.end = time.perf_counter()
-    run.peak_memory = mx.get_peak_memory()
-    gen.close()
-    return run
-
-
-def run_mlxkv(model, tokenizer, workload: Workload, config: EngineConfig) -> tuple[Run, LLMEngine]:
-    engine = LLMEngine(model, tokenizer, config)
-    run = Run("mlxkv paged")
-    pending = list(range(len(workload.prompts)))
-    mx.reset_peak_memory()
-    run.start = time.perf_counter()
-    while pending or engine.has_unfinished():
-        arrived = [i for i in pending if run.start + workload.arrivals[i] <= time.perf_counter()]
-        for i in arrived:
-            engine.add_request(workload.prompts[i], SamplingParams(max_tokens=workload.output_lens[i],
-                                                                   ignore_eos=True), request_id=str(i))
-        pending = [i for i in pending if i not in arrived]
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            run.token_times.setdefault(int(out.request_id), []).append(now)
-        if not outputs and not engine.has_unfinished():
-            time.sleep(0.001)
-    run.end = time.perf_counter()
-    run.peak_memory = mx.get_peak_memory()
-    run.peak_kv_bytes = engine.cache.storage.nbytes
-    return run, engine
 
 
 def long_prompt_latency(model, tokenizer, length: int, chunk: int | None) -> dict[str, float]:
@@ -194,17 +99,20 @@ def main() -> None:
           f"{sum(workload.output_lens)} output tokens, batch cap {args.max_num_seqs}")
 
     warm = Workload([[1, 2, 3]] * 2, [4, 4], [0.0, 0.0])
-    run_mlx_lm(model, warm, 2)
-    reference = run_mlx_lm(model, workload, args.max_num_seqs)
+    bytes_per_token = kv_bytes_per_token(model)
+    run_mlx_lm(model, warm, 2, bytes_per_token)
+    reference = run_mlx_lm(model, workload, args.max_num_seqs, bytes_per_token)
     config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          kv_cache_memory=max(1, int(args.kv_fraction * reference.peak_kv_bytes)),
+                          kv_cache_memory=max(1, int(args.kv_fraction * reference.peak_allocated)),
                           max_model_len=args.prompt_len[1] + args.output_len[1])
-    run_mlxkv(model, tokenizer, warm, config)
-    ours, engine = run_mlxkv(model, tokenizer, workload, config)
+    run_mlxkv(model, tokenizer, warm, config, "warm-up")
+    ours, engine = run_mlxkv(model, tokenizer, workload, config, "mlxkv paged")
     assert all(len(ours.token_times[i]) == n for i, n in enumerate(workload.output_lens))
 
-    rows = {r.name: r.row(workload) for r in (reference, ours)}
+    rows = {r.name: r.latency(workload) | {"peak KV MiB": r.pool_bytes / 2**20,
+                                           "peak MLX mem GiB": r.peak_memory / 2**30}
+            for r in (reference, ours)}
     print_table(rows)
     print(f"mlxkv: {engine.scheduler.num_preemptions} preemptions, pool of {engine.cache.pool.capacity} pages")
     if args.long_prompt:
@@ -212,7 +120,7 @@ def main() -> None:
         print_table({"chunked (512 tokens/step)": long_prompt_latency(model, tokenizer, args.long_prompt, 512),
                      "not chunked": long_prompt_latency(model, tokenizer, args.long_prompt, None)})
     ratio = rows["mlxkv paged"]["tok/s"] / rows["mlx-lm BatchGenerator"]["tok/s"]
-    print(f"throughput_ratio={ratio:.3f} kv_memory_ratio={ours.peak_kv_bytes / reference.peak_kv_bytes:.3f}")
+    print(f"throughput_ratio={ratio:.3f} kv_memory_ratio={ours.pool_bytes / reference.pool_bytes:.3f}")
 
 
 if __name__ == "__main__":

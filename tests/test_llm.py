@@ -143,3 +143,12 @@ def test_model_loading_errors_are_specific(tmp_path, checkpoint):
 def test_unknown_layout_is_a_clear_error(checkpoint):
     with pytest.raises(ValueError, match="kv_layout='ragged' is not a KV layout"):
         LLM(str(checkpoint("llama-fp32")), kv_layout="ragged")
+
+
+def test_a_model_handed_to_mlxkv_still_runs_under_mlx_lm(checkpoint):
+    path = checkpoint("qwen2-fp32")
+    model, tokenizer = mlx_lm_load(str(path))
+    ours = LLM((model, tokenizer)).generate(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids
+    theirs = [int(t) for t, _ in mlx_lm_generate.generate_step(mx.array(PROMPTS[1]), model, max_tokens=MAX_TOKENS,
+                                                               sampler=lambda x: mx.argmax(x, axis=-1))]
+    assert ours == theirs[: len(ours)] == mlx_lm_greedy(path, PROMPTS[1])

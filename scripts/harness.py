@@ -1,0 +1,177 @@
+"""What the benchmark scripts share: workloads, and one loop per engine that records every step.
+
+Each run records, per request, the time of every generated token, and, per step, the KV
+bytes allocated to sequences, the KV bytes holding tokens, and the tokens in flight counted
+independently of the cache (from the requests' own progress).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import BatchGenerator
+
+from mlxkv import SamplingParams
+from mlxkv.config import EngineConfig
+from mlxkv.engine import LLMEngine
+from mlxkv.model_runner import kv_shape
+
+
+def blas_in_use() -> str:
+    """Which BLAS MLX's matmuls go through in this process."""
+    if sys.platform == "darwin":
+        return "Accelerate (macOS)"
+    maps = Path("/proc/self/maps").read_text()
+    for name in ("openblas", "mkl", "blis"):
+        if f"lib{name}" in maps:
+            return f"{name} (loaded into the process)"
+    return "the reference BLAS bundled with mlx[cpu] (slow; see the README for OpenBLAS)"
+
+
+def kv_bytes_per_token(model) -> int:
+    """K and V bytes one token takes across all layers, in the model's dtype."""
+    layers, kv_heads, head_dim, dtype = kv_shape(model)
+    return 2 * layers * kv_heads * head_dim * dtype.size
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    arrivals: list[float]
+
+    @property
+    def size(self) -> int:
+        return len(self.prompts)
+
+
+@dataclass
+class Sample:
+    """The KV cache after one engine step: bytes from the cache, and the tokens each live
+    sequence holds counted from the requests. `exact` is False while mlx-lm is mid-prefill,
+    when the requests alone can't say how many of their tokens its cache holds."""
+
+    time: float
+    allocated: int
+    holding: int
+    lengths: list[int]
+    sequences: int
+    exact: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass
+class Run:
+    name: str
+    bytes_per_token: int
+    token_times: dict[int, list[float]] = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    start: float = 0.0
+    end: float = 0.0
+    pool_bytes: int = 0
+    peak_memory: int = 0
+
+    @property
+    def peak_allocated(self) -> int:
+        return max((s.allocated for s in self.samples), default=0)
+
+    def weighted(self, value) -> float:
+        """Time-weighted mean of `value(sample)` or a sample attribute (each sample holds until the next)."""
+        times = np.array([self.start] + [s.time for s in self.samples])
+        values = np.array([value(s) if callable(value) else getattr(s, value) for s in self.samples], dtype=float)
+        return float(np.sum(values * np.diff(times)) / max(times[-1] - times[0], 1e-9))
+
+    def waste(self) -> float:
+        """Share of the allocated KV bytes not holding tokens, time-weighted."""
+        return 1 - self.weighted("holding") / max(self.weighted("allocated"), 1e-9)
+
+    def latency(self, workload: Workload) -> dict[str, float]:
+        ttft = [self.token_times[i][0] - (self.start + a) for i, a in enumerate(workload.arrivals)]
+        itl = np.concatenate([np.diff(t) for t in self.token_times.values()])
+        generated = sum(len(t) for t in self.token_times.values())
+        return {"tok/s": generated / (self.end - self.start), "TTFT mean s": float(np.mean(ttft)),
+                "TTFT p99 s": float(np.percentile(ttft, 99)), "ITL p50 ms": 1e3 * float(np.percentile(itl, 50)),
+                "ITL p99 ms": 1e3 * float(np.percentile(itl, 99))}
+
+
+def _arrived(pending: list[int], workload: Workload, start: float) -> list[int]:
+    now = time.perf_counter()
+    return [i for i in pending if start + workload.arrivals[i] <= now]
+
+
+def run_mlx_lm(model, workload: Workload, max_seqs: int, bytes_per_token: int) -> Run:
+    """mlx-lm's BatchGenerator: continuous batching over a dense, left-padded cache."""
+    gen = BatchGenerator(model, completion_batch_size=max_seqs, prefill_batch_size=min(8, max_seqs))
+    run = Run("mlx-lm BatchGenerator", bytes_per_token)
+    pending, live = list(range(workload.size)), {}
+    mx.reset_peak_memory()
+    run.start = time.perf_counter()
+    while pending or live:
+        arrived = _arrived(pending, workload, run.start)
+        if arrived:
+            uids = gen.insert([workload.prompts[i] for i in arrived], [workload.output_lens[i] for i in arrived])
+            live.update(zip(uids, arrived))
+            pending = [i for i in pending if i not in set(arrived)]
+        if not live:
+            time.sleep(0.001)
+            continue
+        _, responses = gen.next()
+        now = time.perf_counter()
+        for r in responses:
+            run.token_times.setdefault(live[r.uid], []).append(now)
+            if r.finish_reason is not None:
+                del live[r.uid]
+        run.samples.append(_mlx_lm_sample(gen, live, workload, run, now))
+    run.end = time.perf_counter()
+    run.peak_memory = mx.get_peak_memory()
+    run.pool_bytes = run.peak_allocated
+    gen.close()
+    return run
+
+
+def _mlx_lm_sample(gen: BatchGenerator, live: dict[int, int], workload: Workload, run: Run, now: float) -> Sample:
+    """Bytes from the caches themselves; held tokens from each row's offset. The independent
+    count: a row of the generation batch holds its prompt plus the tokens it has emitted."""
+    batches = [b for b in (gen._prompt_batch, gen._generation_batch) if b.prompt_cache]
+    allocated = sum(c.nbytes for b in batches for c in b.prompt_cache)
+    held = sum(int(np.maximum(np.array(b.prompt_cache[0].offset), 0).sum()) for b in batches)
+    requests = [live[uid] for uid in gen._generation_batch.uids if uid in live]
+    lengths = [len(workload.prompts[i]) + len(run.token_times.get(i, ())) for i in requests]
+    return Sample(now, allocated, held * run.bytes_per_token, lengths, sum(len(b.uids) for b in batches),
+                  exact=not gen._prompt_batch.uids)
+
+
+def run_mlxkv(model, tokenizer, workload: Workload, config: EngineConfig, name: str) -> tuple[Run, LLMEngine]:
+    """mlxkv's engine in either layout."""
+    engine = LLMEngine(model, tokenizer, config)
+    run = Run(name, engine.cache.storage.bytes_per_token, pool_bytes=engine.cache.storage.nbytes)
+    pending = list(range(workload.size))
+    mx.reset_peak_memory()
+    run.start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        arrived = _arrived(pending, workload, run.start)
+        for i in arrived:
+            engine.add_request(workload.prompts[i], SamplingParams(max_tokens=workload.output_lens[i],
+                                                                   ignore_eos=True), request_id=str(i))
+        pending = [i for i in pending if i not in set(arrived)]
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            run.token_times.setdefault(int(out.request_id), []).append(now)
+        usage = engine.cache.usage()
+        running = engine.scheduler.running
+        run.samples.append(Sample(now, usage.bytes_allocated, usage.bytes_holding_tokens,
+                                  [r.num_computed for r in running], len(running)))
+        if not outputs and not engine.has_unfinished():
+            time.sleep(0.001)
+    run.end = time.perf_counter()
+    run.peak_memory = mx.get_peak_memory()
+    return run, engine
