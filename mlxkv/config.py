@@ -35,7 +35,8 @@ class EngineConfig:
     The KV cache is sized by `num_blocks` (paged only), else `kv_cache_memory`, else
     enough for `max_num_seqs` sequences of `max_model_len` tokens, capped at a quarter of
     the machine's memory. In the contiguous layout the budget buys whole `max_model_len`
-    slots, at most `max_num_seqs`.
+    slots, at most `max_num_seqs`. `attention` is `metal` or `reference` (default:
+    `MLXKV_ATTENTION`, else Metal where available).
     """
 
     kv_layout: KVLayout | str | None = None
@@ -45,6 +46,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
+    attention: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_layout", resolve_layout(self.kv_layout))

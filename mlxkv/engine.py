@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .attention import reference_attention
 from .config import EngineConfig
 from .errors import RequestTooLong, UnknownSequenceError
+from .kernels import PagedAttentionKernels, select_attention
 from .model_runner import ModelRunner, kv_shape
 from .request import Request, Status
 from .sampling import SamplingParams, sample
@@ -50,7 +50,10 @@ class LLMEngine:
         layers, kv_heads, head_dim, dtype = kv_shape(model)
         self.cache = self.config.build_cache(layers, kv_heads, head_dim, dtype,
                                              getattr(model.args, "max_position_embeddings", None))
-        self.runner = ModelRunner(model, self.cache, reference_attention)
+        attention = select_attention(self.config.attention)
+        if isinstance(attention, PagedAttentionKernels):
+            attention.warm(dtype, head_dim, self.cache.block_size, model.args.num_attention_heads, kv_heads)
+        self.runner = ModelRunner(model, self.cache, attention)
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.vocab_size = model.args.vocab_size

@@ -39,7 +39,8 @@ class PagedAttentionKernels:
     project's CPU simulator in tests). Each template variant compiles once per process.
     """
 
-    def __init__(self, metal_kernel: Factory = mx.fast.metal_kernel) -> None:
+    def __init__(self, metal_kernel: Factory = mx.fast.metal_kernel, verbose: bool = False) -> None:
+        self.verbose = verbose
         header = (METAL_DIR / "paged_attention.h").read_text()
         inputs = ["queries", "k_pool", "v_pool", "block_tables", "token_rows", "token_pos", "scale"]
 
@@ -65,18 +66,26 @@ class PagedAttentionKernels:
         args = [queries, k_pool, v_pool, mx.array(batch.block_tables), mx.array(rows), mx.array(batch.positions),
                 mx.array(scale, mx.float32)]
         template = [("T", queries.dtype), ("D", head_dim), ("BS", block_size), ("G", group), ("NSG", SIMDGROUPS)]
-        threads = (32 * SIMDGROUPS, 1, 1)
+        launch = dict(threadgroup=(32 * SIMDGROUPS, 1, 1), verbose=self.verbose)
         if not split:
             return self.direct(inputs=args, template=template, grid=(32 * SIMDGROUPS, kv_heads, tokens),
-                               threadgroup=threads, output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]
+                               output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
         parts = max(1, -(-longest // PARTITION))
         acc, ml = self.partitioned(
             inputs=args + [mx.array(parts, mx.int32)], template=template + [("PARTITION", PARTITION)],
-            grid=(32 * SIMDGROUPS, kv_heads, tokens * parts), threadgroup=threads,
+            grid=(32 * SIMDGROUPS, kv_heads, tokens * parts),
             output_shapes=[(tokens, kv_heads, parts, group, head_dim), (tokens, kv_heads, parts, group, 2)],
-            output_dtypes=[mx.float32, mx.float32])
+            output_dtypes=[mx.float32, mx.float32], **launch)
         return self.reduce(inputs=[acc, ml], template=template, grid=(32 * SIMDGROUPS, kv_heads, tokens),
-                           threadgroup=threads, output_shapes=[queries.shape], output_dtypes=[queries.dtype])[0]
+                           output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
+
+    def warm(self, dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int) -> None:
+        """Compile both paths for one model's shapes now rather than on the first request."""
+        pool = mx.zeros((1, kv_heads, block_size, head_dim), dtype)
+        one = np.ones(1, np.int32)
+        batch = KVBatch((0,), one, one, np.zeros((1, 1), np.int32), np.zeros(1, np.int32), block_size)
+        for split in (False, True):
+            mx.eval(self(mx.zeros((1, q_heads, head_dim), dtype), pool, pool, batch, split=split))
 
 
 def select_attention(choice: str | None = None) -> Callable:

@@ -76,9 +76,10 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
+        attention: str | None = None,
     ) -> None:
         config = EngineConfig(kv_layout, block_size, num_blocks, kv_cache_memory, max_num_seqs,
-                              max_num_batched_tokens, max_model_len)
+                              max_num_batched_tokens, max_model_len, attention)
         self.model, self.tokenizer = model if isinstance(model, tuple) else load(model)
         self.engine = LLMEngine(self.model, self.tokenizer, config)
 

@@ -152,3 +152,8 @@ def test_a_model_handed_to_mlxkv_still_runs_under_mlx_lm(checkpoint):
     theirs = [int(t) for t, _ in mlx_lm_generate.generate_step(mx.array(PROMPTS[1]), model, max_tokens=MAX_TOKENS,
                                                                sampler=lambda x: mx.argmax(x, axis=-1))]
     assert ours == theirs[: len(ours)] == mlx_lm_greedy(path, PROMPTS[1])
+
+
+def test_forcing_metal_where_there_is_none_is_a_clear_error(checkpoint):
+    with pytest.raises(ValueError, match="attention='metal' but Metal is not available"):
+        LLM(str(checkpoint("llama-fp32")), attention="metal")

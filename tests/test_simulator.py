@@ -1,0 +1,114 @@
+import math
+import re
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxkv.kernels import PagedAttentionKernels
+from mlxkv.simulator import SimulatorError, metal_kernel
+from test_kernels import packed_step
+
+
+def run(source, n=64, threads=64, header=""):
+    kernel = metal_kernel("probe", ["a"], ["out"], source, header=header)
+    a = mx.arange(n, dtype=mx.float32)
+    return kernel(inputs=[a], output_shapes=[(n,)], output_dtypes=[mx.float32], grid=(n, 1, 1),
+                  threadgroup=(threads, 1, 1))[0]
+
+
+def test_barrier_simd_and_threadgroup_memory_work():
+    out = run("""
+        uint i = thread_position_in_grid.x;
+        threadgroup float tile[64];
+        tile[thread_index_in_threadgroup] = a[i];
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        float neighbour = tile[(thread_index_in_threadgroup + 1) % 64];
+        out[i] = simd_sum(a[i]) + neighbour;
+    """)
+    a = np.arange(64.0)
+    expected = np.repeat([a[:32].sum(), a[32:].sum()], 32) + np.roll(a, -1)
+    assert np.array(out).tolist() == expected.tolist()
+
+
+def test_out_of_bounds_read_names_the_buffer():
+    with pytest.raises(SimulatorError, match=r"out-of-bounds access to buffer 'a': element 64 of 64, by thread "
+                                             r"\(63,0,0\) of threadgroup \(0,0,0\)"):
+        run("uint i = thread_position_in_grid.x;\nout[i] = a[i + 1];")
+
+
+def test_missing_barrier_is_reported_as_a_race():
+    with pytest.raises(SimulatorError, match="output 'out' depends on the order threads run in"):
+        run("""
+            threadgroup float tile[64];
+            tile[thread_index_in_threadgroup] = a[thread_position_in_grid.x];
+            out[thread_position_in_grid.x] = tile[63 - thread_index_in_threadgroup];
+        """)
+
+
+def test_barrier_in_a_divergent_branch_names_the_line():
+    with pytest.raises(SimulatorError, match=r"barrier at body line 3 reached by 16 of 64 threads"):
+        run("""uint t = thread_index_in_threadgroup;
+            if (t < 16) {
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+            }
+            out[thread_position_in_grid.x] = a[thread_position_in_grid.x];
+        """)
+
+
+def test_simd_functions_at_different_places_in_one_simd_group_are_reported():
+    with pytest.raises(SimulatorError, match=r"SIMD-group operation in divergent control flow: .* is at body "
+                                             r"line 2 but .* is at body line 4"):
+        run("""if (thread_index_in_simdgroup < 5) {
+                out[thread_position_in_grid.x] = simd_sum(a[thread_position_in_grid.x]);
+            } else {
+                out[thread_position_in_grid.x] = simd_max(a[thread_position_in_grid.x]);
+            }
+        """)
+
+
+def test_lanes_that_returned_sit_out_simd_functions():
+    out = run("""if (thread_index_in_simdgroup >= 5) { out[thread_position_in_grid.x] = 0; return; }
+                 out[thread_position_in_grid.x] = simd_sum(a[thread_position_in_grid.x]);""")
+    assert np.array(out)[:5].tolist() == [10.0] * 5
+
+
+def test_compile_errors_point_into_the_body():
+    with pytest.raises(SimulatorError, match=r"body:2"):
+        run("uint i = thread_position_in_grid.x;\nout[i] = undefined_name;")
+
+
+def signature_lines(text: str, marker: str) -> list[list[str]]:
+    """Each signature's parameter lines, from MLX's generated source or the simulator's print."""
+    out = []
+    for block in text.split(marker)[1:]:
+        lines = []
+        for line in block.splitlines()[1:]:
+            line = line.strip()
+            if not line or line.startswith(("{", "}")):
+                break
+            lines.append(line.rstrip(",").removesuffix(") {"))
+            if line.endswith("{"):
+                break
+        out.append(lines)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_mlx_generates_the_signature_the_simulator_compiled(capfd, tmp_path, dtype):
+    cache, batch = packed_step("paged", 16, 2, 64, dtype, [3, 40], [1, 2])
+    q = mx.zeros((batch.num_tokens, 8, 64), dtype)
+    k, v = cache.kv(0)
+    scale = 1 / math.sqrt(64)
+
+    def launch_all(kernels, q, k, v):
+        return [kernels(q, k, v, batch, scale, split=False), kernels(q, k, v, batch, scale, split=True)]
+
+    launch_all(PagedAttentionKernels(metal_kernel, verbose=True), q, k, v)
+    simulated = signature_lines(capfd.readouterr().out, "Simulated signature of")
+    mlx_kernels = PagedAttentionKernels(verbose=True)
+    mx.export_function(str(tmp_path / "traced.mlxfn"), lambda *a: launch_all(mlx_kernels, *a), q, k, v)
+    generated = signature_lines(capfd.readouterr().out.replace("[[kernel]] void", "\nGenerated\n"), "\nGenerated\n")
+    assert len(simulated) == len(generated) == 3
+    assert [len(lines) for lines in simulated] == [15, 17, 6]
+    assert simulated == generated
