@@ -95,3 +95,12 @@ def test_chat_keeps_the_conversation_and_reports_each_turn(checkpoint):
     assert result.exit_code == 0, result.output
     assert result.stdout.count("KV cache: paged") == 2
     assert result.stdout.count("Generation: 6 tokens") == 2
+
+
+def test_default_model_is_the_shipped_demo_and_writes_readable_text():
+    result = runner.invoke(app, ["generate", "--prompt", "The import statement", "-m", "60"])
+    assert result.exit_code == 0, result.output
+    text = generated_text(result.stdout)
+    words = text.split()
+    assert len(words) >= 15
+    assert sum(ch.isalpha() or ch.isspace() for ch in text) / len(text) > 0.75
