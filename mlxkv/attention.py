@@ -59,18 +59,22 @@ def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, b
 
     `queries` is `[tokens, q_heads, head_dim]`, packed row after row as in `batch`; each
     new token attends causally to its sequence's cached tokens and the chunk's earlier
-    tokens, which must already be written to the pools. Decode rows are computed together;
-    each prefill chunk on its own in tiles of at most `QUERY_TILE` queries, which bounds
-    the score matrix whatever the chunk length. Returns `[tokens, q_heads, head_dim]`.
+    tokens, which must already be written to the pools. Decode rows are computed together
+    in buckets of similar length (page counts within a power of two), so a short context
+    does not copy the batch's longest; each prefill chunk runs on its own in tiles of at
+    most `QUERY_TILE` queries, which bounds the score matrix whatever the chunk length.
+    Returns `[tokens, q_heads, head_dim]`.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(queries.shape[-1])
     q_lens, ctx, tables = batch.query_lens, batch.context_lens, batch.block_tables
     starts = np.cumsum(q_lens) - q_lens
     parts = []
-    decode = q_lens == 1
-    if decode.any():
-        parts.append(_attend(queries, k_pool, v_pool, starts[decode], 1, ctx[decode], tables[decode], scale))
+    decode = np.flatnonzero(q_lens == 1)
+    buckets = np.array([int(n).bit_length() for n in -(-ctx[decode] // k_pool.shape[2])])
+    for bucket in np.unique(buckets):
+        rows = decode[buckets == bucket]
+        parts.append(_attend(queries, k_pool, v_pool, starts[rows], 1, ctx[rows], tables[rows], scale))
     for row in np.flatnonzero(q_lens > 1):
         for lo in range(0, int(q_lens[row]), QUERY_TILE):
             n = min(QUERY_TILE, int(q_lens[row]) - lo)
