@@ -1,8 +1,8 @@
 """mlxkv: paged KV cache and continuous batching for LLM inference with MLX."""
 
 from .attention import reference_attention
-from .engine import LLMEngine, RequestOutput
 from .block_table import BlockTable
+from .engine import LLMEngine, RequestOutput
 from .errors import (
     KVCacheExhausted,
     MlxkvError,
@@ -19,23 +19,23 @@ from .pool import PagePool
 from .sampling import SamplingParams
 
 __all__ = [
-    "LLM",
-    "Completion",
-    "LLMEngine",
-    "ModelLoadError",
-    "RequestOutput",
-    "RequestTooLong",
-    "SamplingParams",
-    "load",
     "BlockTable",
+    "Completion",
     "KVBatch",
     "KVCacheExhausted",
     "KVCacheManager",
     "KVLayout",
+    "LLM",
+    "LLMEngine",
     "MlxkvError",
+    "ModelLoadError",
     "PagePool",
+    "RequestOutput",
+    "RequestTooLong",
+    "SamplingParams",
     "SequenceTooLong",
     "UnknownSequenceError",
+    "load",
     "reference_attention",
     "resolve_layout",
 ]

@@ -1,5 +1,4 @@
 import math
-import re
 
 import mlx.core as mx
 import numpy as np
