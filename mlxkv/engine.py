@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -44,13 +44,16 @@ class LLMEngine:
     `step` touches MLX.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, config: EngineConfig | None = None,
+                 attention: Callable | None = None) -> None:
+        """`attention` overrides the backend `config.attention` picks (the tests pass the kernels
+        running in the CPU simulator)."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         layers, kv_heads, head_dim, dtype = kv_shape(model)
         self.cache = self.config.build_cache(layers, kv_heads, head_dim, dtype,
                                              getattr(model.args, "max_position_embeddings", None))
-        attention = select_attention(self.config.attention)
+        attention = attention or select_attention(self.config.attention)
         if isinstance(attention, PagedAttentionKernels):
             attention.warm(dtype, head_dim, self.cache.block_size, model.args.num_attention_heads, kv_heads)
         self.runner = ModelRunner(model, self.cache, attention)

@@ -88,3 +88,22 @@ def test_bad_requests_are_refused_without_disturbing_the_rest(model):
         engine.step()
     assert len(ok.output_ids) == 5 and ok.finish_reason == "length"
     assert engine.cache.free_pages == 8
+
+
+def test_metal_kernels_give_the_reference_tokens(checkpoint, model):
+    """The engine through the Metal kernels (run by the CPU simulator) and through the
+    reference path produce the same greedy tokens as mlx-lm."""
+    from mlxkv.kernels import PagedAttentionKernels
+    from mlxkv.simulator import metal_kernel
+    from test_llm import mlx_lm_greedy
+
+    prompts = [[5, 6, 7], list(range(10, 29))]
+    params = SamplingParams(max_tokens=6)
+    kernels = PagedAttentionKernels(metal_kernel)
+    engine = LLMEngine(*model, EngineConfig(block_size=8, max_num_seqs=2), attention=kernels)
+    requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    expected = [mlx_lm_greedy(checkpoint("llama-fp32"), p, max_tokens=6) for p in prompts]
+    assert [r.output_ids for r in requests] == expected
+    assert [c.token_ids for c in LLM(model, attention="reference").generate(prompts, params)] == expected

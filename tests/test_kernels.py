@@ -103,3 +103,12 @@ def test_attention_backend_choice(monkeypatch):
     monkeypatch.setenv("MLXKV_ATTENTION", "cuda")
     with pytest.raises(ValueError, match="MLXKV_ATTENTION='cuda' is not an attention backend"):
         select_attention()
+
+
+def test_warm_up_runs_both_paths(kernels):
+    launched = []
+    for name in ("direct", "partitioned", "reduce"):
+        original = getattr(kernels, name)
+        setattr(kernels, name, lambda _f=original, _n=name, **kw: launched.append(_n) or _f(**kw))
+    kernels.warm(mx.float16, 64, 16, 4, 2)
+    assert launched == ["direct", "partitioned", "reduce"]
