@@ -105,10 +105,10 @@ def test_attention_backend_choice(monkeypatch):
         select_attention()
 
 
-def test_warm_up_runs_both_paths(kernels):
+def test_warm_up_runs_both_paths(kernels, monkeypatch):
     launched = []
     for name in ("direct", "partitioned", "reduce"):
         original = getattr(kernels, name)
-        setattr(kernels, name, lambda _f=original, _n=name, **kw: launched.append(_n) or _f(**kw))
+        monkeypatch.setattr(kernels, name, lambda _f=original, _n=name, **kw: launched.append(_n) or _f(**kw))
     kernels.warm(mx.float16, 64, 16, 4, 2)
     assert launched == ["direct", "partitioned", "reduce"]
