@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .errors import positive_int
 from .kv_cache import KVCacheManager
+from .kv_storage import kv_bytes_per_token
 from .layout import KVLayout, resolve_layout
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -51,9 +53,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_layout", resolve_layout(self.kv_layout))
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_memory(self.kv_cache_memory))
         if self.num_blocks is not None and self.kv_layout is KVLayout.CONTIGUOUS:
@@ -62,7 +63,7 @@ class EngineConfig:
     def build_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
                     model_max_len: int | None) -> KVCacheManager:
         max_len = self.max_model_len or model_max_len or 4096
-        bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype.size
+        bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         budget = self.kv_cache_memory or min(self.max_num_seqs * max_len * bytes_per_token, total_memory() // 4)
         shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                      max_seq_len=max_len, layout=self.kv_layout)

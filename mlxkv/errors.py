@@ -5,6 +5,13 @@ class MlxkvError(Exception):
     """Base class of mlxkv's own errors."""
 
 
+def positive_int(name: str, value: object) -> int:
+    """`value` if it is an integer >= 1, else a ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
 class KVCacheExhausted(MlxkvError):
     """Not enough free KV pages (or sequence slots) for a request; nothing was changed."""
 

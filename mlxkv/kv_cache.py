@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from .block_table import BlockTable
-from .errors import KVCacheExhausted, MlxkvError, UnknownSequenceError
+from .errors import KVCacheExhausted, MlxkvError, UnknownSequenceError, positive_int
 from .kv_storage import KVStorage
 from .layout import KVLayout, resolve_layout
 from .pool import PagePool
@@ -110,8 +110,7 @@ class KVCacheManager:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("max_seqs", max_seqs),
                             ("max_seq_len", max_seq_len), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            positive_int(name, value)
         self.layout = resolve_layout(layout)
         self.max_seqs = max_seqs
         self.max_seq_len = max_seq_len

@@ -16,6 +16,11 @@ def resolve_dtype(dtype: mx.Dtype | str) -> mx.Dtype:
     raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
+    """K and V bytes one token takes across all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.size
+
+
 def dtype_name(dtype: mx.Dtype) -> str:
     return next(name for name, value in DTYPES.items() if value == dtype)
 
@@ -54,8 +59,7 @@ class KVStorage:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V bytes one token takes across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.size
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -5,13 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Iterable
 
-from .errors import KVCacheExhausted
-
-
-def _positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+from .errors import KVCacheExhausted, positive_int
 
 
 class PagePool:
@@ -25,8 +19,8 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
-        self.capacity = _positive_int("num_pages", num_pages)
-        self.page_size = _positive_int("page_size", page_size)
+        self.capacity = positive_int("num_pages", num_pages)
+        self.page_size = positive_int("page_size", page_size)
         self._free: deque[int] = deque(range(num_pages))
         self._refs = [0] * num_pages
         self._owned: dict[Hashable, list[int]] = {}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from harness import Workload, blas_in_use, kv_bytes_per_token, run_mlx_lm, run_mlxkv
+from harness import Workload, blas_in_use, model_kv_bytes_per_token, run_mlx_lm, run_mlxkv
 from mlx_lm import load as mlx_lm_load
 
 from mlxkv import SamplingParams
@@ -99,7 +99,7 @@ def main() -> None:
           f"{sum(workload.output_lens)} output tokens, batch cap {args.max_num_seqs}")
 
     warm = Workload([[1, 2, 3]] * 2, [4, 4], [0.0, 0.0])
-    bytes_per_token = kv_bytes_per_token(model)
+    bytes_per_token = model_kv_bytes_per_token(model)
     run_mlx_lm(model, warm, 2, bytes_per_token)
     reference = run_mlx_lm(model, workload, args.max_num_seqs, bytes_per_token)
     config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from harness import Run, Workload, blas_in_use, kv_bytes_per_token, run_mlx_lm, run_mlxkv
+from harness import Run, Workload, blas_in_use, model_kv_bytes_per_token, run_mlx_lm, run_mlxkv
 from mlx_lm import load as mlx_lm_load
 
 from mlxkv.config import EngineConfig, parse_memory
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = mlx_lm_load(str(args.model))
     max_len = args.max_seq_len or model.args.max_position_embeddings
     workload = make_workload(args, model.args.vocab_size, max_len)
-    bytes_per_token = kv_bytes_per_token(model)
+    bytes_per_token = model_kv_bytes_per_token(model)
     args.out.mkdir(parents=True, exist_ok=True)
 
     runs: dict[str, Run] = {}

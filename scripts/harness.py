@@ -19,6 +19,7 @@ from mlx_lm.generate import BatchGenerator
 from mlxkv import SamplingParams
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
+from mlxkv.kv_storage import kv_bytes_per_token
 from mlxkv.model_runner import kv_shape
 
 
@@ -33,10 +34,9 @@ def blas_in_use() -> str:
     return "the reference BLAS bundled with mlx[cpu] (slow; see the README for OpenBLAS)"
 
 
-def kv_bytes_per_token(model) -> int:
-    """K and V bytes one token takes across all layers, in the model's dtype."""
-    layers, kv_heads, head_dim, dtype = kv_shape(model)
-    return 2 * layers * kv_heads * head_dim * dtype.size
+def model_kv_bytes_per_token(model) -> int:
+    """K and V bytes one token of `model` takes across all layers, in the model's dtype."""
+    return kv_bytes_per_token(*kv_shape(model))
 
 
 @dataclass
