@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import mlx.nn as nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 from huggingface_hub import snapshot_download
-from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, load as mlx_lm_load
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+from mlx_lm.utils import load as mlx_lm_load
 
 from .errors import ModelLoadError
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pydoc_data.topics
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-import pydoc_data.topics
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
