@@ -76,11 +76,10 @@ class ModelRunner:
 
     def forward(self, step: ScheduledBatch) -> mx.array | None:
         """Logits `[rows that sample, vocab]` for `step`, None if no row samples (lazy either way)."""
-        token_ids = np.concatenate([r.token_ids[r.num_computed : r.num_computed + n]
-                                    for r, n in zip(step.requests, step.counts)]).astype(np.int32)
+        token_ids = np.concatenate([r.pending(n) for r, n in zip(step.requests, step.counts)]).astype(np.int32)
         context = StepContext(self.cache, step.kv, mx.array(step.kv.positions), self.attention)
         hidden = self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))
-        rows = (np.cumsum(step.counts) - 1)[np.asarray(step.samples(), dtype=bool)]
+        rows = (np.cumsum(step.counts) - 1)[np.asarray(step.samples, dtype=bool)]
         return self._head(hidden[0, mx.array(rows.astype(np.int32))]) if rows.size else None
 
     def _head(self, hidden: mx.array) -> mx.array:

@@ -20,8 +20,8 @@ class Status(enum.Enum):
 class Request:
     """One prompt being completed.
 
-    `num_computed` counts tokens whose K/V are in the cache; the rest of `token_ids`
-    (the prompt's remainder, or the token sampled last) is what the next step computes.
+    `num_computed` counts tokens (prompt, then outputs) whose K/V are in the cache; the
+    rest (the prompt's remainder, or the token sampled last) is what the next step computes.
     """
 
     request_id: str
@@ -41,9 +41,10 @@ class Request:
     def __post_init__(self) -> None:
         self.sampler = TokenSampler(self.params)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def pending(self, count: int) -> list[int]:
+        """The next `count` tokens to run through the model, without copying the whole history."""
+        start, stop, prompt = self.num_computed, self.num_computed + count, len(self.prompt_ids)
+        return self.prompt_ids[start:stop] + self.output_ids[max(0, start - prompt) : max(0, stop - prompt)]
 
     @property
     def num_tokens(self) -> int:
