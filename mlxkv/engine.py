@@ -121,7 +121,7 @@ class LLMEngine:
             if batch is None:
                 return []
             self._track_usage()
-        sampling = [r for r, s in zip(batch.requests, batch.samples()) if s]
+        sampling = [r for r, s in zip(batch.requests, batch.samples) if s]
         logits = self.runner.forward(batch)
         tokens = sample(logits, [r.sampler for r in sampling]) if sampling else mx.array([], mx.uint32)
         mx.eval(tokens, self.cache.storage.keys, self.cache.storage.values)

@@ -11,15 +11,13 @@ from .request import Request, Status
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """One engine step: `counts[i]` tokens of `requests[i]`, K/V slots already reserved."""
+    """One engine step: `counts[i]` tokens of `requests[i]`, K/V slots already reserved.
+    `samples[i]`: row i reaches the end of its tokens this step and so needs a next token."""
 
     requests: list[Request]
     counts: list[int]
     kv: KVBatch
-
-    def samples(self) -> list[bool]:
-        """Which rows reach the end of their tokens this step and so need a next token."""
-        return [r.num_computed + n == r.num_tokens for r, n in zip(self.requests, self.counts)]
+    samples: list[bool]
 
 
 @dataclass
@@ -90,7 +88,8 @@ class Scheduler:
         if not plan.counts:
             return None
         requests, counts = list(plan.counts), list(plan.counts.values())
-        return ScheduledBatch(requests, counts, self.cache.step([r.seq_id for r in requests], counts))
+        samples = [r.num_computed + n == r.num_tokens for r, n in zip(requests, counts)]
+        return ScheduledBatch(requests, counts, self.cache.step([r.seq_id for r in requests], counts), samples)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (done or aborted) and free its pages."""

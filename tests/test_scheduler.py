@@ -18,7 +18,7 @@ def request(name, prompt_len, max_tokens=8):
 def run_step(scheduler):
     """Play the engine: advance what was scheduled and 'sample' token 1 where a row samples."""
     batch = scheduler.schedule()
-    for r, n, samples in zip(batch.requests, batch.counts, batch.samples()):
+    for r, n, samples in zip(batch.requests, batch.counts, batch.samples):
         r.num_computed += n
         if samples:
             r.output_ids.append(1)
