@@ -67,8 +67,7 @@ def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, b
     """
     if scale is None:
         scale = 1.0 / math.sqrt(queries.shape[-1])
-    q_lens, ctx, tables = batch.query_lens, batch.context_lens, batch.block_tables
-    starts = np.cumsum(q_lens) - q_lens
+    q_lens, ctx, tables, starts = batch.query_lens, batch.context_lens, batch.block_tables, batch.query_starts
     parts = []
     decode = np.flatnonzero(q_lens == 1)
     buckets = np.array([int(n).bit_length() for n in -(-ctx[decode] // k_pool.shape[2])])

@@ -42,10 +42,15 @@ class KVBatch:
         return self.block_tables[:, 0]
 
     @cached_property
+    def query_starts(self) -> np.ndarray:
+        """Where each row's new tokens begin in the packed batch."""
+        return np.cumsum(self.query_lens) - self.query_lens
+
+    @cached_property
     def positions(self) -> np.ndarray:
         """The position of every new token, packed like the queries."""
         starts = np.repeat(self.context_lens - self.query_lens, self.query_lens)
-        offsets = np.arange(self.num_tokens) - np.repeat(np.cumsum(self.query_lens) - self.query_lens, self.query_lens)
+        offsets = np.arange(self.num_tokens) - np.repeat(self.query_starts, self.query_lens)
         return (starts + offsets).astype(np.int32)
 
     @cached_property
