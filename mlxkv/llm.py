@@ -91,8 +91,6 @@ class LLM:
         params = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        for prompt, p in zip(prompts, params):
-            self._check(prompt, p)
         requests = self._submit(prompts, params)
         try:
             while any(r.finish_reason is None for r in requests):
@@ -106,15 +104,13 @@ class LLM:
         (request,) = self._submit([prompt], [params or SamplingParams()])
         return Stream(self.engine, request)
 
-    def _check(self, prompt: Prompt, params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        self.engine.encode(prompt)
-
     def _submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[Request]:
+        """Queue every prompt, or none: a bad one aborts those already queued."""
         requests: list[Request] = []
         try:
             for prompt, p in zip(prompts, params):
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
                 requests.append(self.engine.add_request(prompt, p))
         except Exception:
             self._abort_unfinished(requests)
