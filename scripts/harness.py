@@ -102,9 +102,11 @@ class Run:
                 "ITL p99 ms": 1e3 * float(np.percentile(itl, 99))}
 
 
-def _arrived(pending: list[int], workload: Workload, start: float) -> list[int]:
+def _arrived(pending: list[int], workload: Workload, start: float) -> tuple[list[int], list[int]]:
+    """(requests that have arrived by now, those still to come) among `pending`."""
     now = time.perf_counter()
-    return [i for i in pending if start + workload.arrivals[i] <= now]
+    due = [start + workload.arrivals[i] <= now for i in pending]
+    return [i for i, d in zip(pending, due) if d], [i for i, d in zip(pending, due) if not d]
 
 
 def run_mlx_lm(model, workload: Workload, max_seqs: int, bytes_per_token: int) -> Run:
@@ -115,11 +117,10 @@ def run_mlx_lm(model, workload: Workload, max_seqs: int, bytes_per_token: int) -
     mx.reset_peak_memory()
     run.start = time.perf_counter()
     while pending or live:
-        arrived = _arrived(pending, workload, run.start)
+        arrived, pending = _arrived(pending, workload, run.start)
         if arrived:
             uids = gen.insert([workload.prompts[i] for i in arrived], [workload.output_lens[i] for i in arrived])
             live.update(zip(uids, arrived))
-            pending = [i for i in pending if i not in set(arrived)]
         if not live:
             time.sleep(0.001)
             continue
@@ -157,11 +158,10 @@ def run_mlxkv(model, tokenizer, workload: Workload, config: EngineConfig, name: 
     mx.reset_peak_memory()
     run.start = time.perf_counter()
     while pending or engine.has_unfinished():
-        arrived = _arrived(pending, workload, run.start)
+        arrived, pending = _arrived(pending, workload, run.start)
         for i in arrived:
             engine.add_request(workload.prompts[i], SamplingParams(max_tokens=workload.output_lens[i],
                                                                    ignore_eos=True), request_id=str(i))
-        pending = [i for i in pending if i not in set(arrived)]
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
