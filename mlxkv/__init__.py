@@ -1,8 +1,24 @@
-"""mlxkv: paged KV cache and continuous batching for LLM inference with MLX."""
+"""mlxkv: paged KV cache and continuous batching for LLM inference with MLX.
+
+The package is layered, each layer importing only those below it:
+`cache` (pages, block tables, K/V storage) < `attention` (reference path, Metal kernels)
+< `engine` (requests, scheduler, model runner, sampling) < `entrypoints` (`LLM`, CLI);
+`models` (loading) sits beside the engine, `config` and `errors` are shared.
+"""
 
 from .attention import reference_attention
-from .block_table import BlockTable
-from .engine import LLMEngine, RequestOutput
+from .cache import (
+    BlockTable,
+    KVBatch,
+    KVCacheManager,
+    KVLayout,
+    PagePool,
+    resolve_layout,
+)
+from .config import EngineConfig
+from .engine import AsyncLLM, LLMEngine, RequestOutput
+from .engine.sampling import SamplingParams
+from .entrypoints import LLM, Completion
 from .errors import (
     KVCacheExhausted,
     MlxkvError,
@@ -11,16 +27,13 @@ from .errors import (
     SequenceTooLong,
     UnknownSequenceError,
 )
-from .kv_cache import KVBatch, KVCacheManager
-from .layout import KVLayout, resolve_layout
-from .llm import LLM, Completion
-from .loading import load
-from .pool import PagePool
-from .sampling import SamplingParams
+from .models import load
 
 __all__ = [
+    "AsyncLLM",
     "BlockTable",
     "Completion",
+    "EngineConfig",
     "KVBatch",
     "KVCacheExhausted",
     "KVCacheManager",

@@ -1,3 +1,3 @@
-from .cli import app
+from .entrypoints.cli import app
 
 app(prog_name="mlxkv")

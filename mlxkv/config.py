@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .cache.layout import KVLayout, resolve_layout
+from .cache.manager import KVCacheManager
+from .cache.storage import kv_bytes_per_token
 from .errors import positive_int
-from .kv_cache import KVCacheManager
-from .kv_storage import kv_bytes_per_token
-from .layout import KVLayout, resolve_layout
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

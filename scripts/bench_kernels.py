@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv import KVBatch, reference_attention
-from mlxkv.kernels import PagedAttentionKernels
+from mlxkv.attention.kernels import PagedAttentionKernels
 
 
 def timed(fn, repeats: int) -> float:

@@ -16,13 +16,19 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from harness import Workload, blas_in_use, model_kv_bytes_per_token, run_mlx_lm, run_mlxkv
+from harness import (
+    Workload,
+    blas_in_use,
+    model_kv_bytes_per_token,
+    run_mlx_lm,
+    run_mlxkv,
+)
 from mlx_lm import load as mlx_lm_load
 
 from mlxkv import SamplingParams
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
-from mlxkv.random_model import LLAMA_100M, make_checkpoint
+from mlxkv.models.random_model import LLAMA_100M, make_checkpoint
 
 DEFAULT_MODEL = Path.home() / ".cache" / "mlxkv" / "bench-llama-100m"
 

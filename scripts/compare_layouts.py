@@ -21,11 +21,18 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from harness import Run, Workload, blas_in_use, model_kv_bytes_per_token, run_mlx_lm, run_mlxkv
+from harness import (
+    Run,
+    Workload,
+    blas_in_use,
+    model_kv_bytes_per_token,
+    run_mlx_lm,
+    run_mlxkv,
+)
 from mlx_lm import load as mlx_lm_load
 
 from mlxkv.config import EngineConfig, parse_memory
-from mlxkv.loading import DEMO_MODEL
+from mlxkv.models.loading import DEMO_MODEL
 
 BLOCK_SIZES = (8, 16, 32, 64)
 

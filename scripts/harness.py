@@ -17,10 +17,10 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 
 from mlxkv import SamplingParams
+from mlxkv.cache.storage import kv_bytes_per_token
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
-from mlxkv.kv_storage import kv_bytes_per_token
-from mlxkv.model_runner import kv_shape
+from mlxkv.engine.model_runner import kv_shape
 
 
 def blas_in_use() -> str:

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxkv.random_model import make_checkpoint
+from mlxkv.models.random_model import make_checkpoint
 
 SPECS = {
     "llama-fp32": dict(model_type="llama", dtype="float32"),

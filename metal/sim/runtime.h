@@ -1,7 +1,7 @@
 // CPU runtime for Metal kernel bodies: a shim of the Metal standard library plus a
 // scheduler that runs every GPU thread of a threadgroup as a fiber, with real barrier
 // and SIMD-group semantics. Included first by every translation unit the simulator
-// generates (see mlxkv/simulator.py); kernels are compiled unmodified against it.
+// generates (see mlxkv/attention/simulator.py); kernels are compiled unmodified against it.
 #pragma once
 
 #include <signal.h>

@@ -3,10 +3,11 @@ import threading
 import time
 
 import pytest
+from helpers import mlx_lm_greedy
 
 from mlxkv import LLM, LLMEngine, RequestTooLong, SamplingParams, UnknownSequenceError
 from mlxkv.config import EngineConfig
-from mlxkv.loading import load
+from mlxkv.models.loading import load
 
 N_REQUESTS = 200
 
@@ -93,9 +94,8 @@ def test_bad_requests_are_refused_without_disturbing_the_rest(model):
 def test_metal_kernels_give_the_reference_tokens(checkpoint, model):
     """The engine through the Metal kernels (run by the CPU simulator) and through the
     reference path produce the same greedy tokens as mlx-lm."""
-    from mlxkv.kernels import PagedAttentionKernels
-    from mlxkv.simulator import metal_kernel
-    from test_llm import mlx_lm_greedy
+    from mlxkv.attention.kernels import PagedAttentionKernels
+    from mlxkv.attention.simulator import metal_kernel
 
     prompts = [[5, 6, 7], list(range(10, 29))]
     params = SamplingParams(max_tokens=6)

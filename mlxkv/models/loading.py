@@ -11,10 +11,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-DEMO_MODEL = Path(__file__).parent / "demo_model"
+DEMO_MODEL = Path(__file__).parents[1] / "demo_model"
 
 
 def resolve_model_path(path_or_repo: str | Path) -> Path:

@@ -3,10 +3,10 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import packed_step
 
-from mlxkv.kernels import PagedAttentionKernels
-from mlxkv.simulator import SimulatorError, metal_kernel
-from test_kernels import packed_step
+from mlxkv.attention.kernels import PagedAttentionKernels
+from mlxkv.attention.simulator import SimulatorError, metal_kernel
 
 
 def run(source, n=64, threads=64, header=""):

@@ -8,9 +8,9 @@ from typing import Optional
 import mlx.core as mx
 import typer
 
-from .errors import MlxkvError
+from ..engine.sampling import SamplingParams
+from ..errors import MlxkvError
 from .llm import LLM, Stream
-from .sampling import SamplingParams
 
 app = typer.Typer(help="Local LLM inference with MLX over a paged KV cache.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)

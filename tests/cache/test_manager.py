@@ -7,8 +7,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mlxkv import KVCacheExhausted, KVCacheManager, KVLayout, SequenceTooLong, UnknownSequenceError
-from mlxkv.attention import gather_kv
+from mlxkv import (
+    KVCacheExhausted,
+    KVCacheManager,
+    KVLayout,
+    SequenceTooLong,
+    UnknownSequenceError,
+)
+from mlxkv.attention.reference import gather_kv
 
 
 def make(layout="paged", **kw):

@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .errors import MlxkvError
+from ..errors import MlxkvError
 from .kernels import METAL_DIR
 
 RUNTIME = METAL_DIR / "sim" / "runtime.h"

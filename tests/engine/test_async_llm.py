@@ -4,10 +4,10 @@ import threading
 import pytest
 
 from mlxkv import LLM, SamplingParams
-from mlxkv.async_llm import AsyncLLM
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
-from mlxkv.loading import load
+from mlxkv.engine.async_llm import AsyncLLM
+from mlxkv.models.loading import load
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61))]
 

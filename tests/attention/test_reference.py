@@ -3,6 +3,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import scramble_free_pages
 
 from mlxkv import KVCacheManager, reference_attention
 
@@ -18,14 +19,6 @@ def sdpa_oracle(q, keys, values, scale):
         q.transpose(1, 0, 2)[None], keys.transpose(1, 0, 2)[None], values.transpose(1, 0, 2)[None],
         scale=scale, mask=mx.array(allowed))
     return out[0].transpose(1, 0, 2)
-
-
-def scramble_free_pages(cache, rng):
-    """Leave the pool's free queue in random order: one page per owner, freed shuffled."""
-    for page in range(cache.pool.capacity):
-        cache.pool.alloc(("scramble", page), 1)
-    for page in rng.permutation(cache.pool.capacity):
-        cache.pool.free(("scramble", int(page)))
 
 
 def run_case(layout, block_size, kv_heads, group, dtype, contexts, query_lens, seed=0):
@@ -105,5 +98,5 @@ def test_rows_without_new_tokens_are_skipped():
 
 
 def test_chunk_longer_than_a_query_tile_matches_sdpa(monkeypatch):
-    monkeypatch.setattr("mlxkv.attention.QUERY_TILE", 8)
+    monkeypatch.setattr("mlxkv.attention.reference.QUERY_TILE", 8)
     run_case("paged", 16, 2, 4, mx.float32, contexts=[40, 21, 3], query_lens=[30, 21, 1])

@@ -1,37 +1,12 @@
-import importlib
-
 import mlx.core as mx
 import pytest
+from conftest import SPECS
+from helpers import MAX_TOKENS, mlx_lm_generate, mlx_lm_greedy, mlx_lm_text
 from mlx_lm import load as mlx_lm_load
 
-from conftest import SPECS
 from mlxkv import LLM, ModelLoadError, RequestTooLong, SamplingParams
 
-mlx_lm_generate = importlib.import_module("mlx_lm.generate")
-
 PROMPTS = [list(range(5, 8)), list(range(10, 27)), list(range(30, 70))]
-MAX_TOKENS = 20
-
-
-def mlx_lm_greedy(path, prompt, max_tokens=MAX_TOKENS):
-    """mlx-lm's own greedy tokens for `prompt`, up to (not including) EOS."""
-    model, tokenizer = mlx_lm_load(str(path))
-    tokens = []
-    for token, _ in mlx_lm_generate.generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                                                  sampler=lambda x: mx.argmax(x, axis=-1)):
-        if int(token) in tokenizer.eos_token_ids:
-            break
-        tokens.append(int(token))
-    return tokens
-
-
-def mlx_lm_text(tokenizer, tokens):
-    """The text mlx-lm's streaming detokenizer makes of `tokens` (what its own CLI prints)."""
-    detokenizer = tokenizer.detokenizer
-    for token in tokens:
-        detokenizer.add_token(token)
-    detokenizer.finalize()
-    return detokenizer.text
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])

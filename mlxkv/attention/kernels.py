@@ -17,11 +17,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .attention import reference_attention
-from .kv_cache import KVBatch
+from ..cache.manager import KVBatch
+from .reference import reference_attention
 
-_PACKAGED = Path(__file__).parent / "metal"
-METAL_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).parent.parent / "metal"
+_PACKAGED = Path(__file__).parents[1] / "metal"  # inside the wheel
+METAL_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).parents[2] / "metal"
 
 ENV_VAR = "MLXKV_ATTENTION"
 SIMDGROUPS = 4          # SIMD groups per threadgroup: 128 threads

@@ -3,11 +3,11 @@ import subprocess
 import sys
 
 import pytest
+from helpers import mlx_lm_greedy, mlx_lm_text
 from mlx_lm import load as mlx_lm_load
 from typer.testing import CliRunner
 
-from mlxkv.cli import app
-from test_llm import mlx_lm_greedy, mlx_lm_text
+from mlxkv.entrypoints.cli import app
 
 runner = CliRunner()
 PROMPT = "The quick brown fox jumps"

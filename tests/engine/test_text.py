@@ -1,4 +1,4 @@
-from mlxkv.text import TextStream
+from mlxkv.engine.text import TextStream
 
 
 class CharDetokenizer:

@@ -6,7 +6,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from .errors import SequenceTooLong
+from ..errors import SequenceTooLong
 from .pool import PagePool
 
 

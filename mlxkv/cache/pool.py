@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Iterable
 
-from .errors import KVCacheExhausted, positive_int
+from ..errors import KVCacheExhausted, positive_int
 
 
 class PagePool:

@@ -8,8 +8,8 @@ import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
 
-from .engine import LLMEngine, RequestOutput
-from .errors import MlxkvError, UnknownSequenceError
+from ..errors import MlxkvError, UnknownSequenceError
+from .llm_engine import LLMEngine, RequestOutput
 from .sampling import SamplingParams
 
 

@@ -1,8 +1,8 @@
 import mlx.core as mx
 
 from mlxkv import KVCacheManager, SamplingParams
-from mlxkv.request import Request, Status
-from mlxkv.scheduler import Scheduler
+from mlxkv.engine.request import Request, Status
+from mlxkv.engine.scheduler import Scheduler
 
 
 def make(num_blocks=32, block_size=4, max_num_seqs=8, budget=16, layout="paged"):

@@ -5,11 +5,11 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import packed_step
 
-from mlxkv import KVCacheManager, reference_attention
-from mlxkv.kernels import PagedAttentionKernels, select_attention
-from mlxkv.simulator import metal_kernel
-from test_attention import scramble_free_pages
+from mlxkv import reference_attention
+from mlxkv.attention.kernels import PagedAttentionKernels, select_attention
+from mlxkv.attention.simulator import metal_kernel
 
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
@@ -26,29 +26,6 @@ VARIANTS = [
 @pytest.fixture(scope="module")
 def kernels():
     return PagedAttentionKernels(metal_kernel)
-
-
-def packed_step(layout, block_size, kv_heads, head_dim, dtype, contexts, query_lens, seed=0):
-    """A cache filled in interleaved chunks (pages out of order), then one packed step."""
-    rng = np.random.default_rng(seed)
-    cache = KVCacheManager(1, kv_heads, head_dim, max_seqs=len(contexts) + 3, max_seq_len=128, layout=layout,
-                           block_size=block_size, num_blocks=1024 // block_size, dtype=dtype)
-    if layout == "paged":
-        scramble_free_pages(cache, rng)
-    ids = cache.claim(len(contexts))
-
-    def add(seq_ids, counts):
-        batch = cache.step(seq_ids, counts)
-        shape = (sum(counts), kv_heads, head_dim)
-        cache.write(0, batch, mx.array(rng.standard_normal(shape), dtype), mx.array(rng.standard_normal(shape), dtype))
-        return batch
-
-    left = {s: c - q for s, c, q in zip(ids, contexts, query_lens)}
-    while any(left.values()):
-        chunk = {s: min(n, int(rng.integers(1, 2 * block_size))) for s, n in left.items() if n}
-        add(list(chunk), list(chunk.values()))
-        left = {s: left[s] - chunk.get(s, 0) for s in left}
-    return cache, add(ids, query_lens)
 
 
 def compare(kernels, cache, batch, q_heads, dtype, split):

@@ -7,7 +7,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .kv_cache import KVBatch
+from ..cache.manager import KVBatch
 
 QUERY_TILE = 512
 

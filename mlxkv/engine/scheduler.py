@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import KVBatch, KVCacheManager
+from ..cache.manager import KVBatch, KVCacheManager
 from .request import Request, Status
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .config import EngineConfig
-from .engine import LLMEngine
-from .layout import KVLayout
-from .loading import load
-from .request import Request
-from .sampling import SamplingParams
+from ..cache.layout import KVLayout
+from ..config import EngineConfig
+from ..engine.llm_engine import LLMEngine
+from ..engine.request import Request
+from ..engine.sampling import SamplingParams
+from ..models.loading import load
 
 Prompt = str | Sequence[int]
 

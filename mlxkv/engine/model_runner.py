@@ -9,8 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .attention import reference_attention
-from .kv_cache import KVBatch, KVCacheManager
+from ..attention.reference import reference_attention
+from ..cache.manager import KVBatch, KVCacheManager
 from .scheduler import ScheduledBatch
 
 AttentionFn = Callable[[mx.array, mx.array, mx.array, KVBatch, float], mx.array]

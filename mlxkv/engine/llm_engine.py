@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .config import EngineConfig
-from .errors import RequestTooLong, UnknownSequenceError
-from .kernels import PagedAttentionKernels, select_attention
+from ..attention.kernels import PagedAttentionKernels, select_attention
+from ..config import EngineConfig
+from ..errors import RequestTooLong, UnknownSequenceError
 from .model_runner import ModelRunner, kv_shape
 from .request import Request, Status
 from .sampling import SamplingParams, sample

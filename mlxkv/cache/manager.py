@@ -10,11 +10,11 @@ from functools import cached_property
 import mlx.core as mx
 import numpy as np
 
+from ..errors import KVCacheExhausted, MlxkvError, UnknownSequenceError, positive_int
 from .block_table import BlockTable
-from .errors import KVCacheExhausted, MlxkvError, UnknownSequenceError, positive_int
-from .kv_storage import KVStorage
 from .layout import KVLayout, resolve_layout
 from .pool import PagePool
+from .storage import KVStorage
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,63 @@
+"""Helpers the test modules share: caches filled as an engine would fill them."""
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm import load as mlx_lm_load
+
+from mlxkv import KVCacheManager
+
+mlx_lm_generate = importlib.import_module("mlx_lm.generate")
+MAX_TOKENS = 20
+
+
+def scramble_free_pages(cache, rng):
+    """Leave the pool's free queue in random order: one page per owner, freed shuffled."""
+    for page in range(cache.pool.capacity):
+        cache.pool.alloc(("scramble", page), 1)
+    for page in rng.permutation(cache.pool.capacity):
+        cache.pool.free(("scramble", int(page)))
+
+def packed_step(layout, block_size, kv_heads, head_dim, dtype, contexts, query_lens, seed=0):
+    """A cache filled in interleaved chunks (pages out of order), then one packed step."""
+    rng = np.random.default_rng(seed)
+    cache = KVCacheManager(1, kv_heads, head_dim, max_seqs=len(contexts) + 3, max_seq_len=128, layout=layout,
+                           block_size=block_size, num_blocks=1024 // block_size, dtype=dtype)
+    if layout == "paged":
+        scramble_free_pages(cache, rng)
+    ids = cache.claim(len(contexts))
+
+    def add(seq_ids, counts):
+        batch = cache.step(seq_ids, counts)
+        shape = (sum(counts), kv_heads, head_dim)
+        cache.write(0, batch, mx.array(rng.standard_normal(shape), dtype), mx.array(rng.standard_normal(shape), dtype))
+        return batch
+
+    left = {s: c - q for s, c, q in zip(ids, contexts, query_lens)}
+    while any(left.values()):
+        chunk = {s: min(n, int(rng.integers(1, 2 * block_size))) for s, n in left.items() if n}
+        add(list(chunk), list(chunk.values()))
+        left = {s: left[s] - chunk.get(s, 0) for s in left}
+    return cache, add(ids, query_lens)
+
+
+def mlx_lm_greedy(path, prompt, max_tokens=MAX_TOKENS):
+    """mlx-lm's own greedy tokens for `prompt`, up to (not including) EOS."""
+    model, tokenizer = mlx_lm_load(str(path))
+    tokens = []
+    for token, _ in mlx_lm_generate.generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                                                  sampler=lambda x: mx.argmax(x, axis=-1)):
+        if int(token) in tokenizer.eos_token_ids:
+            break
+        tokens.append(int(token))
+    return tokens
+
+
+def mlx_lm_text(tokenizer, tokens):
+    """The text mlx-lm's streaming detokenizer makes of `tokens` (what its own CLI prints)."""
+    detokenizer = tokenizer.detokenizer
+    for token in tokens:
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text
