@@ -61,6 +61,17 @@ class BlockTable:
         pages = np.asarray(self.pages, dtype=np.int64)[positions // self.page_size]
         return (pages * self.page_size + positions % self.page_size).astype(np.int32)
 
+    @property
+    def blocks_in_use(self) -> int:
+        """Pages holding at least one token (a reserved, still empty page is not counted)."""
+        return -(-self.num_tokens // self.page_size)
+
+    def page_for_token(self, token: int) -> int | None:
+        """The page that holds token `token`, or None past the tokens stored."""
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"token must be a non-negative integer, got {token!r}")
+        return self.pages[token // self.page_size] if token < self.num_tokens else None
+
     def slot(self, position: int) -> int:
         if not 0 <= position < self.num_tokens:
             raise IndexError(f"position {position} is outside 0..{self.num_tokens - 1}")

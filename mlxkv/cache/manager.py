@@ -211,6 +211,22 @@ class KVCacheManager:
         """The K and V pools of `layer`, `[pages, kv_heads, block_size, head_dim]`."""
         return self.storage.layer(layer)
 
+    def as_tensor(self, seq_id: int, layer: int) -> tuple[mx.array, mx.array]:
+        """One sequence's K and V in `layer` as contiguous `[tokens, kv_heads, head_dim]` copies.
+
+        For inspection and tests (as CJC's `PagedKvCache.as_tensor`); attention reads the
+        pages in place instead. Call it on the thread that writes the K/V.
+        """
+        with self._lock:
+            table = self._table(seq_id)
+            return self.storage.read(layer, table.pages[: table.blocks_in_use], table.num_tokens)
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Pages holding at least one token; a page shared by several sequences counts once."""
+        with self._lock:
+            return len({page for t in self._tables.values() for page in t.pages[: t.blocks_in_use]})
+
     def usage(self) -> KVUsage:
         with self._lock:
             tokens = sum(t.num_tokens for t in self._tables.values())

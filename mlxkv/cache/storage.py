@@ -67,18 +67,34 @@ class KVStorage:
 
     def layer(self, layer: int) -> tuple[mx.array, mx.array]:
         """The K and V pools of `layer` (read them; don't keep them past the step)."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer!r} is outside 0..{self.num_layers - 1}")
         return self.keys[layer], self.values[layer]
+
+    def read(self, layer: int, pages: list[int], count: int) -> tuple[mx.array, mx.array]:
+        """The first `count` tokens stored in `pages` of `layer`, as fresh `[count, kv_heads, head_dim]`
+        K and V arrays (lazy copies: later writes to the pools do not change them)."""
+        pools = self.layer(layer)
+        if count == 0:
+            empty = mx.zeros((0, self.num_kv_heads, self.head_dim), self.dtype)
+            return empty, empty
+        index, width = mx.array(pages, mx.int32), min(count, self.page_size)
+
+        def tokens(pool: mx.array) -> mx.array:
+            rows = pool[index, :, :width].swapaxes(1, 2)
+            return rows.reshape(-1, self.num_kv_heads, self.head_dim)[:count]
+
+        return tokens(pools[0]), tokens(pools[1])
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `slots`."""
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} is outside 0..{self.num_layers - 1}")
+        key_pool, value_pool = self.layer(layer)
         for name, array in (("keys", keys), ("values", values)):
             self._check(name, array, slots.size)
         pages = slots // self.page_size
         offsets = slots % self.page_size
-        self.keys[layer][pages, :, offsets] = keys
-        self.values[layer][pages, :, offsets] = values
+        key_pool[pages, :, offsets] = keys
+        value_pool[pages, :, offsets] = values
 
     def _check(self, name: str, array: mx.array, tokens: int) -> None:
         expected = (tokens, self.num_kv_heads, self.head_dim)

@@ -47,6 +47,30 @@ def test_slot_outside_the_sequence_is_an_index_error():
         table.slot(2)
 
 
+def test_page_for_token_follows_the_table_and_is_none_past_the_end():
+    pool = PagePool(8, 4)
+    pool.alloc("other", 1)
+    table = BlockTable(pool, "s", max_tokens=32)
+    assert table.page_for_token(0) is None
+    table.append(6)
+    assert [table.page_for_token(t) for t in range(8)] == [1, 1, 1, 1, 2, 2, None, None]
+    assert table.page_for_token(1000) is None
+    with pytest.raises(ValueError, match="token must be a non-negative integer, got -1"):
+        table.page_for_token(-1)
+
+
+def test_blocks_in_use_counts_pages_holding_tokens():
+    table = BlockTable(PagePool(8, 4), "s", max_tokens=32)
+    table.reserve_pages(5)
+    assert (table.blocks_in_use, len(table.pages)) == (0, 2)
+    table.append(5)
+    assert table.blocks_in_use == 2
+    table.append(3)
+    assert table.blocks_in_use == 2
+    table.append(1)
+    assert table.blocks_in_use == 3
+
+
 def test_release_returns_the_pages():
     pool = PagePool(8, 4)
     table = BlockTable(pool, "s", max_tokens=32)

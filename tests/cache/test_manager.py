@@ -3,6 +3,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import scramble_free_pages
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -48,6 +49,66 @@ def test_lifecycle_writes_through_the_slot_mapping():
     assert cache.release(a) == 2
     assert cache.release(b) == 1
     assert cache.pool.free_count == 10
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_as_tensor_returns_each_sequences_kv_in_order(layout):
+    """Sequences written in interleaved chunks over pages taken out of order read back whole."""
+    cache = make(layout, num_blocks=16, max_seq_len=24)
+    if layout == "paged":
+        scramble_free_pages(cache, np.random.default_rng(0))
+    ids = cache.claim(3)
+    written = {s: ([], []) for s in ids}
+    rng = np.random.default_rng(1)
+    for counts in ([5, 1, 9], [3, 0, 2], [1, 7, 4], [6, 2, 1]):
+        batch = cache.step(ids, counts)
+        for layer in range(2):
+            keys, values = (mx.array(rng.standard_normal((sum(counts), 2, 4)), mx.float32) for _ in range(2))
+            cache.write(layer, batch, keys, values)
+            if layer == 1:
+                for s, k, v in zip(ids, np.split(np.array(keys), np.cumsum(counts)[:-1]),
+                                   np.split(np.array(values), np.cumsum(counts)[:-1])):
+                    written[s][0].append(k)
+                    written[s][1].append(v)
+    for s in ids:
+        keys, values = cache.as_tensor(s, 1)
+        assert keys.shape == values.shape == (cache.num_tokens(s), 2, 4)
+        assert np.array_equal(np.array(keys), np.concatenate(written[s][0]))
+        assert np.array_equal(np.array(values), np.concatenate(written[s][1]))
+
+
+def test_as_tensor_is_a_copy():
+    cache = make()
+    (a,) = cache.claim(1)
+    cache.write(0, cache.step([a], [3]), kv(3), kv(3, start=100))
+    keys, values = cache.as_tensor(a, 0)
+    mx.eval(keys, values)
+    cache.write(0, cache.step([a], [2]), kv(2, start=-50), kv(2, start=-50))
+    mx.eval(cache.storage.keys, cache.storage.values)
+    assert np.array_equal(np.array(keys), np.array(kv(3)))
+    assert np.array_equal(np.array(values), np.array(kv(3, start=100)))
+
+
+def test_as_tensor_of_an_empty_sequence_and_bad_arguments():
+    cache = make("contiguous")
+    (a,) = cache.claim(1)
+    keys, values = cache.as_tensor(a, 0)
+    assert keys.shape == values.shape == (0, 2, 4)
+    with pytest.raises(UnknownSequenceError):
+        cache.as_tensor(a + 1, 0)
+    with pytest.raises(IndexError, match="layer 2 is outside 0..1"):
+        cache.as_tensor(a, 2)
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_blocks_in_use_counts_pages_holding_tokens(layout):
+    cache = make(layout)
+    a, b = cache.claim(2)
+    assert cache.blocks_in_use == 0
+    cache.step([a, b], [5, 1])
+    assert cache.blocks_in_use == (3 if layout == "paged" else 2)
+    cache.release(a)
+    assert cache.blocks_in_use == 1
 
 
 def test_block_tables_are_padded_to_a_power_of_two_width():
@@ -311,6 +372,14 @@ class CacheMachine(RuleBasedStateMachine):
         keys = np.array(gather_kv(self.cache.kv(0)[0], batch.block_tables, length))
         for row, seq_id in enumerate(ids):
             assert keys[row, 0, : len(self.tokens[seq_id]), 0].tolist() == self.tokens[seq_id]
+            k, v = self.cache.as_tensor(seq_id, 0)
+            assert np.array(k)[:, 0, 0].tolist() == self.tokens[seq_id]
+            assert np.array(v)[:, 0, 0].tolist() == [-t for t in self.tokens[seq_id]]
+
+    @invariant()
+    def blocks_in_use_are_the_pages_holding_tokens(self):
+        held = {p for s, t in self.tokens.items() for p in self.pool.pages(s)[: -(-len(t) // self.cache.block_size)]}
+        assert self.cache.blocks_in_use == len(held)
 
     def teardown(self):
         for seq_id in list(self.tokens):
