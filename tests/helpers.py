@@ -19,11 +19,12 @@ def scramble_free_pages(cache, rng):
     for page in rng.permutation(cache.pool.capacity):
         cache.pool.free(("scramble", int(page)))
 
-def packed_step(layout, block_size, kv_heads, head_dim, dtype, contexts, query_lens, seed=0):
+
+def packed_step(layout, block_size, kv_heads, head_dim, dtype, contexts, query_lens, seed=0, max_seq_len=128):
     """A cache filled in interleaved chunks (pages out of order), then one packed step."""
     rng = np.random.default_rng(seed)
-    cache = KVCacheManager(1, kv_heads, head_dim, max_seqs=len(contexts) + 3, max_seq_len=128, layout=layout,
-                           block_size=block_size, num_blocks=1024 // block_size, dtype=dtype)
+    cache = KVCacheManager(1, kv_heads, head_dim, max_seqs=len(contexts) + 3, max_seq_len=max_seq_len,
+                           layout=layout, block_size=block_size, dtype=dtype)
     if layout == "paged":
         scramble_free_pages(cache, rng)
     ids = cache.claim(len(contexts))
@@ -61,3 +62,22 @@ def mlx_lm_text(tokenizer, tokens):
         detokenizer.add_token(token)
     detokenizer.finalize()
     return detokenizer.text
+
+
+def mutant_kernels(old: str, new: str):
+    """A `metal_kernel` factory for the CPU simulator that replaces `old` by `new` in every
+    kernel source holding it: a kernel with a planted bug."""
+    from mlxkv.attention.simulator import metal_kernel
+
+    def factory(**kw):
+        return metal_kernel(**{**kw, "source": kw["source"].replace(old, new)})
+
+    return factory
+
+
+def uncompilable_kernels(**kw):
+    """A `metal_kernel` factory whose kernels fail as Metal's compiler does on a bad source."""
+    def launch(**_):
+        raise RuntimeError(f"[metal::Device] Unable to build metal library from source\n"
+                           f"{kw['name']}:12:5: error: no matching function for call to 'attend_keys'")
+    return launch

@@ -3,6 +3,9 @@
 // and SIMD-group semantics. Included first by every translation unit the simulator
 // generates (see mlxkv/attention/simulator.py); kernels are compiled unmodified against it.
 #pragma once
+// A system header: the kernels it is included by are checked with -pedantic -Werror, the
+// runtime itself (which uses newer C++ than Metal's dialect) is not.
+#pragma GCC system_header
 
 #include <signal.h>
 #include <sys/mman.h>
@@ -32,6 +35,9 @@ struct uint3 {
   uint x, y, z;
 };
 
+#ifdef SIM_ADDRESS_SPACES
+using bfloat16_t = __bf16;  // the type check wants a built-in arithmetic type, as Metal's is
+#else
 struct bfloat16_t {
   uint16_t bits;
   bfloat16_t() = default;
@@ -51,13 +57,23 @@ struct bfloat16_t {
     return f;
   }
 };
+#endif
 
-// Address-space qualifiers mean nothing on the CPU; `threadgroup` declarations are
-// rewritten into the arena by the front end before these are erased.
+// Address spaces. For the type check (SIM_ADDRESS_SPACES, a clang -fsyntax-only pass) they
+// are distinct pointer types, as in Metal: a `constant` pointer converts neither to a
+// `device` one nor back, and threadgroup memory is its own space. `thread` is the default
+// space of locals. For the run they mean nothing. `threadgroup` declarations are rewritten
+// into the arena by the front end (see tg_alloc).
+#ifdef SIM_ADDRESS_SPACES
+#define device __attribute__((address_space(1)))
+#define constant __attribute__((address_space(2)))
+#define threadgroup __attribute__((address_space(3)))
+#else
 #define device
 #define constant
-#define thread
 #define threadgroup
+#endif
+#define thread
 
 namespace metal {
 using std::exp;
@@ -108,6 +124,11 @@ struct Fiber {
   uint3 tid{};     // thread_position_in_threadgroup
 };
 
+struct TgArray {
+  const char* name;
+  size_t bytes;
+};
+
 struct State {
   std::vector<Fiber> fibers;
   Fiber* current = nullptr;
@@ -115,6 +136,7 @@ struct State {
   uint3 group{};
   std::vector<unsigned char> arena;
   std::vector<long> slots;
+  std::vector<TgArray> arrays;  // this threadgroup's arrays, in declaration order
   size_t arena_used = 0;
 };
 
@@ -205,19 +227,31 @@ void exchange(Fiber** lanes, int n) {
   }
 }
 
-// Threadgroup memory: one arena per threadgroup, filled with 0xff bytes (NaN) so that a
-// read before any write shows up in the results.
+// Threadgroup memory: one arena per threadgroup of the 32 KiB an Apple GPU gives a
+// threadgroup, filled with 0xff bytes (NaN) so that a read before any write shows up.
+constexpr size_t kThreadgroupMemory = 32 * 1024;
+
+[[noreturn]] inline void too_much_threadgroup_memory(size_t total) {
+  std::string list;
+  for (const TgArray& a : state().arrays) {
+    list += std::string(list.empty() ? "" : ", ") + a.name + " (" + std::to_string(a.bytes) + " B)";
+  }
+  fail("launch refused: the kernel declares " + std::to_string(total) + " bytes of threadgroup memory, more than the " +
+       std::to_string(kThreadgroupMemory) + " an Apple GPU allows a threadgroup: " + list);
+}
+
 template <class A>
-A& tg_alloc(int slot) {
+A& tg_alloc(int slot, const char* name) {
   State& s = state();
   if (slot >= int(s.slots.size())) s.slots.resize(slot + 1, -1);
   if (s.slots[slot] < 0) {
     size_t offset = (s.arena_used + alignof(A) - 1) / alignof(A) * alignof(A);
-    if (offset + sizeof(A) > s.arena.size()) fail("threadgroup memory exceeds the 32 KiB Metal allows");
+    s.arrays.push_back({name, sizeof(A)});
+    if (offset + sizeof(A) > s.arena.size()) too_much_threadgroup_memory(offset + sizeof(A));
     s.slots[slot] = long(offset);
     s.arena_used = offset + sizeof(A);
   }
-  return *reinterpret_cast<A*>(s.arena.data() + s.slots[slot]);
+  return *(A*)(s.arena.data() + s.slots[slot]);
 }
 
 // ---- buffers between guard pages -----------------------------------------------------
@@ -365,6 +399,7 @@ inline void run_threadgroup(uint3 group, bool reverse) {
   s.group = group;
   std::fill(s.arena.begin(), s.arena.end(), 0xff);
   s.slots.assign(s.slots.size(), -1);
+  s.arrays.clear();
   s.arena_used = 0;
   uint count = 0;
   for (uint z = 0; z < g_tg.z; z++)
@@ -433,7 +468,7 @@ inline void run_grid(uint3 grid, uint3 tg, Body body, bool reverse) {
   uint threads = tg.x * tg.y * tg.z;
   s.fibers.assign(threads, Fiber{});
   for (auto& f : s.fibers) f.stack = static_cast<char*>(std::malloc(kStack));
-  s.arena.assign(32 * 1024, 0xff);
+  s.arena.assign(kThreadgroupMemory, 0xff);
   uint3 groups{(grid.x + tg.x - 1) / tg.x, (grid.y + tg.y - 1) / tg.y, (grid.z + tg.z - 1) / tg.z};
   std::vector<uint3> order;
   for (uint z = 0; z < groups.z; z++)
@@ -446,16 +481,33 @@ inline void run_grid(uint3 grid, uint3 tg, Body body, bool reverse) {
 }  // namespace sim
 
 // ---- Metal synchronisation and SIMD functions, routed through the scheduler -----------------
+namespace sim {
+// The value type of an expression, without reference, const or address space: what a SIMD
+// function exchanges.
+template <class T>
+struct strip_space { using type = T; };
+#ifdef SIM_ADDRESS_SPACES
+template <class T>
+struct strip_space<device T> { using type = T; };
+template <class T>
+struct strip_space<constant T> { using type = T; };
+template <class T>
+struct strip_space<threadgroup T> { using type = T; };
+#endif
+template <class T>
+using value_t = typename strip_space<std::remove_cv_t<std::remove_reference_t<T>>>::type;
+}  // namespace sim
+
 #define threadgroup_barrier(...) sim::barrier(__FILE__, __LINE__)
 #define simdgroup_barrier(...) sim::collective<int>(0, 0, sim::reduce_sum<int>, __FILE__, __LINE__)
-#define simd_sum(v) sim::collective((v), 0, sim::reduce_sum<std::decay_t<decltype(v)>>, __FILE__, __LINE__)
-#define simd_max(v) sim::collective((v), 0, sim::reduce_max<std::decay_t<decltype(v)>>, __FILE__, __LINE__)
-#define simd_min(v) sim::collective((v), 0, sim::reduce_min<std::decay_t<decltype(v)>>, __FILE__, __LINE__)
-#define simd_broadcast(v, l) sim::collective((v), int(l), sim::exchange<std::decay_t<decltype(v)>, 0>, __FILE__, __LINE__)
-#define simd_shuffle(v, l) sim::collective((v), int(l), sim::exchange<std::decay_t<decltype(v)>, 0>, __FILE__, __LINE__)
-#define simd_shuffle_down(v, d) sim::collective((v), int(d), sim::exchange<std::decay_t<decltype(v)>, 1>, __FILE__, __LINE__)
-#define simd_shuffle_up(v, d) sim::collective((v), int(d), sim::exchange<std::decay_t<decltype(v)>, 2>, __FILE__, __LINE__)
-#define simd_shuffle_xor(v, m) sim::collective((v), int(m), sim::exchange<std::decay_t<decltype(v)>, 3>, __FILE__, __LINE__)
+#define simd_sum(v) sim::collective<sim::value_t<decltype(v)>>((v), 0, sim::reduce_sum<sim::value_t<decltype(v)>>, __FILE__, __LINE__)
+#define simd_max(v) sim::collective<sim::value_t<decltype(v)>>((v), 0, sim::reduce_max<sim::value_t<decltype(v)>>, __FILE__, __LINE__)
+#define simd_min(v) sim::collective<sim::value_t<decltype(v)>>((v), 0, sim::reduce_min<sim::value_t<decltype(v)>>, __FILE__, __LINE__)
+#define simd_broadcast(v, l) sim::collective<sim::value_t<decltype(v)>>((v), int(l), sim::exchange<sim::value_t<decltype(v)>, 0>, __FILE__, __LINE__)
+#define simd_shuffle(v, l) sim::collective<sim::value_t<decltype(v)>>((v), int(l), sim::exchange<sim::value_t<decltype(v)>, 0>, __FILE__, __LINE__)
+#define simd_shuffle_down(v, d) sim::collective<sim::value_t<decltype(v)>>((v), int(d), sim::exchange<sim::value_t<decltype(v)>, 1>, __FILE__, __LINE__)
+#define simd_shuffle_up(v, d) sim::collective<sim::value_t<decltype(v)>>((v), int(d), sim::exchange<sim::value_t<decltype(v)>, 2>, __FILE__, __LINE__)
+#define simd_shuffle_xor(v, m) sim::collective<sim::value_t<decltype(v)>>((v), int(m), sim::exchange<sim::value_t<decltype(v)>, 3>, __FILE__, __LINE__)
 
 // ---- the launcher's entry point ------------------------------------------------------------
 // The manifest: `grid X Y Z`, `threadgroup X Y Z`, `reverse 0|1`, then one

@@ -24,12 +24,44 @@ _PACKAGED = Path(__file__).parents[1] / "metal"  # inside the wheel
 METAL_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).parents[2] / "metal"
 
 ENV_VAR = "MLXKV_ATTENTION"
-SIMDGROUPS = 4          # SIMD groups per threadgroup: 128 threads
+SIMDGROUPS = 4          # most SIMD groups per threadgroup: 128 threads
+THREADGROUP_MEMORY = 32 * 1024  # bytes of threadgroup memory an Apple GPU gives a threadgroup
 PARTITION = 256         # keys per split-K partition
-SPLIT_BELOW = 128       # split when fewer (token, KV head) threadgroups than this ...
+SPLIT_BELOW = 128       # split when fewer (token, head tile) threadgroups than this ...
 SPLIT_FROM = 2 * PARTITION  # ... would each walk at least this many keys
+TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}  # largest |kernel - reference|
 
 Factory = Callable[..., Callable]
+
+
+def launch_shape(group: int, head_dim: int) -> tuple[int, int]:
+    """(SIMD groups, query heads) per threadgroup whose merge arrays fit in threadgroup memory.
+
+    All heads of the GQA group share one threadgroup, so each K/V row is read once, with
+    as many SIMD groups (4 down to 2) as fit; only when none fits does a threadgroup take
+    fewer heads (a divisor of the group), e.g. head_dim 256 with GQA 16.
+    """
+    for heads in (h for h in range(group, 0, -1) if group % h == 0):
+        for simdgroups in range(SIMDGROUPS, 1 if heads > 1 else 0, -1):
+            if simdgroups * heads * (head_dim + 2) * 4 <= THREADGROUP_MEMORY:
+                return simdgroups, heads
+    raise ValueError(f"head_dim={head_dim} is too large for the Metal kernels' threadgroup memory")
+
+
+def _check_batch(dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int):
+    """A small batch for the start-up check: a decode row over two split-K partitions, pages
+    out of order, and a 3-token prefill chunk whose block table fits MLX's `constant` space."""
+    contexts, query_lens = np.array([PARTITION + 3, 5], np.int32), np.array([1, 3], np.int32)
+    pages = -(-contexts // block_size)
+    tables = np.zeros((2, int(pages.max())), np.int32)
+    tables[0, : pages[0]] = np.arange(pages[0])[::-1]
+    tables[1, : pages[1]] = pages[0] + np.arange(pages[1])
+    batch = KVBatch((0, 1), query_lens, contexts, tables, np.zeros(4, np.int32), block_size)
+    keys = mx.random.split(mx.random.key(0), 3)
+    shape = (int(pages.sum()), kv_heads, block_size, head_dim)
+    k_pool, v_pool = (mx.random.normal(shape, key=k).astype(dtype) for k in keys[:2])
+    queries = mx.random.normal((4, q_heads, head_dim), key=keys[2]).astype(dtype)
+    return queries, k_pool, v_pool, batch
 
 
 class PagedAttentionKernels:
@@ -56,36 +88,49 @@ class PagedAttentionKernels:
                  scale: float | None = None, split: bool | None = None) -> mx.array:
         """Same contract as `reference_attention`; `split` forces split-K on or off."""
         tokens, q_heads, head_dim = queries.shape
-        kv_heads, block_size = k_pool.shape[1], k_pool.shape[2]
-        group = q_heads // kv_heads
+        group = q_heads // k_pool.shape[1]
+        simdgroups, heads = launch_shape(group, head_dim)
+        tiles = q_heads // heads
         scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         rows = np.repeat(np.arange(len(batch.query_lens), dtype=np.int32), batch.query_lens)
         longest = int(batch.context_lens.max()) if tokens else 0
         if split is None:
-            split = tokens * kv_heads < SPLIT_BELOW and longest >= SPLIT_FROM
+            split = tokens * tiles < SPLIT_BELOW and longest >= SPLIT_FROM
         args = [queries, k_pool, v_pool, mx.array(batch.block_tables), mx.array(rows), mx.array(batch.positions),
                 mx.array(scale, mx.float32)]
-        template = [("T", queries.dtype), ("D", head_dim), ("BS", block_size), ("G", group), ("NSG", SIMDGROUPS)]
-        launch = dict(threadgroup=(32 * SIMDGROUPS, 1, 1), verbose=self.verbose)
+        template = [("T", queries.dtype), ("D", head_dim), ("BS", k_pool.shape[2]), ("G", group), ("HG", heads),
+                    ("NSG", simdgroups)]
+        launch = dict(threadgroup=(32 * simdgroups, 1, 1), verbose=self.verbose)
         if not split:
-            return self.direct(inputs=args, template=template, grid=(32 * SIMDGROUPS, kv_heads, tokens),
+            return self.direct(inputs=args, template=template, grid=(32 * simdgroups, tiles, tokens),
                                output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
         parts = max(1, -(-longest // PARTITION))
         acc, ml = self.partitioned(
             inputs=args + [mx.array(parts, mx.int32)], template=template + [("PARTITION", PARTITION)],
-            grid=(32 * SIMDGROUPS, kv_heads, tokens * parts),
-            output_shapes=[(tokens, kv_heads, parts, group, head_dim), (tokens, kv_heads, parts, group, 2)],
+            grid=(32 * simdgroups, tiles, tokens * parts),
+            output_shapes=[(tokens, tiles, parts, heads, head_dim), (tokens, tiles, parts, heads, 2)],
             output_dtypes=[mx.float32, mx.float32], **launch)
-        return self.reduce(inputs=[acc, ml], template=template, grid=(32 * SIMDGROUPS, kv_heads, tokens),
+        return self.reduce(inputs=[acc, ml], template=template, grid=(32 * simdgroups, tiles, tokens),
                            output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
 
-    def warm(self, dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int) -> None:
-        """Compile both paths for one model's shapes now rather than on the first request."""
-        pool = mx.zeros((1, kv_heads, block_size, head_dim), dtype)
-        one = np.ones(1, np.int32)
-        batch = KVBatch((0,), one, one, np.zeros((1, 1), np.int32), np.zeros(1, np.int32), block_size)
-        for split in (False, True):
-            mx.eval(self(mx.zeros((1, q_heads, head_dim), dtype), pool, pool, batch, split=split))
+    def warm(self, dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int) -> str | None:
+        """Compile both paths for one model's shapes and check them against the reference.
+
+        Returns None when both agree within the dtype's tolerance, else which kernel failed
+        and why (it did not compile or run, or its numbers differ), so the caller can fall
+        back to the reference path instead of crashing or writing wrong text.
+        """
+        queries, k_pool, v_pool, batch = _check_batch(dtype, head_dim, block_size, q_heads, kv_heads)
+        expected = reference_attention(queries, k_pool, v_pool, batch).astype(mx.float32)
+        for split, name in ((False, "paged_attention"), (True, "paged_attention_partitioned + _reduce")):
+            try:
+                out = self(queries, k_pool, v_pool, batch, split=split)
+                diff = mx.abs(out.astype(mx.float32) - expected).max().item()
+            except Exception as exc:  # a compile error from Metal's compiler, or any launch failure
+                return f"{name} failed to compile or run: {str(exc).strip().splitlines()[0]}"
+            if not diff <= TOLERANCE[dtype]:
+                return f"{name} differs from the reference attention by up to {diff:.3g} (tolerance {TOLERANCE[dtype]})"
+        return None
 
 
 def select_attention(choice: str | None = None) -> Callable:

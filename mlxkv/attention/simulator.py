@@ -64,13 +64,21 @@ class SimulatorError(MlxkvError):
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter of the generated signature: its Metal text, its C++ text and its data."""
+    """One parameter of the generated signature: its Metal text and its data."""
 
     metal: str
-    cpp: str
     data: np.ndarray | None  # None for thread attributes
     name: str
     output: bool = False
+
+    @property
+    def declaration(self) -> str:
+        """The Metal text without its `[[attribute]]`: what the simulator compiles."""
+        return self.metal.split(" [[", 1)[0]
+
+    @property
+    def type(self) -> str:
+        return self.declaration.rsplit(" ", 1)[0]
 
 
 def _host(array: mx.array) -> np.ndarray:
@@ -114,27 +122,26 @@ class SimKernel:
         for name, array in zip(self.input_names, inputs):
             t, data = MLX_TYPES[array.dtype], _host(array)
             if array.ndim == 0:
-                params.append(Param(f"const constant {t}& {name}", f"const {t}& {name}", data, name))
+                params.append(Param(f"const constant {t}& {name}", data, name))
                 continue
             space = "constant" if array.size < 8 else "device"
-            params.append(Param(f"const {space} {t}* {name}", f"const {t}* {name}", data, name))
+            params.append(Param(f"const {space} {t}* {name}", data, name))
             if f"{name}_shape" in self.source:
-                params.append(Param(f"const constant int* {name}_shape", f"const int* {name}_shape",
-                                    np.array(array.shape, np.int32), f"{name}_shape"))
+                params.append(Param(f"const constant int* {name}_shape", np.array(array.shape, np.int32),
+                                    f"{name}_shape"))
             if f"{name}_strides" in self.source:
                 strides = np.array(data.strides, np.int64) // data.itemsize
-                params.append(Param(f"const constant int64_t* {name}_strides",
-                                    f"const int64_t* {name}_strides", strides, f"{name}_strides"))
+                params.append(Param(f"const constant int64_t* {name}_strides", strides, f"{name}_strides"))
             if f"{name}_ndim" in self.source:
-                params.append(Param(f"const constant int& {name}_ndim", f"const int& {name}_ndim",
-                                    np.array(array.ndim, np.int32), f"{name}_ndim"))
+                params.append(Param(f"const constant int& {name}_ndim", np.array(array.ndim, np.int32),
+                                    f"{name}_ndim"))
         for name, shape, dtype in zip(self.output_names, output_shapes, output_dtypes):
             t = MLX_TYPES[dtype]
             empty = _host(mx.zeros(tuple(shape), dtype))
-            params.append(Param(f"device {t}* {name}", f"{t}* {name}", empty, name, output=True))
+            params.append(Param(f"device {t}* {name}", empty, name, output=True))
         for attr, t in ATTRIBUTES.items():
             if attr in self.source:
-                params.append(Param(f"{t} {attr} [[{attr}]]", f"{t} {attr}", None, attr))
+                params.append(Param(f"{t} {attr} [[{attr}]]", None, attr))
         return params
 
     def signature(self, params: list[Param]) -> list[str]:
@@ -157,23 +164,23 @@ class SimKernel:
 
         def rewrite(text: str) -> str:
             return THREADGROUP_DECL.sub(
-                lambda m: f"auto& {m.group(2)} = sim::tg_alloc<{m.group(1)}{m.group(3)}>({next(slots)});", text)
+                lambda m: f'auto& {m.group(2)} = sim::tg_alloc<threadgroup {m.group(1)}{m.group(3)}>'
+                          f'({next(slots)}, "{m.group(2)}");', text)
 
         buffers = [p for p in params if p.data is not None]
         casts = []
         for p in params:
             if p.data is None:
                 casts.append(RUNTIME_ATTRIBUTES[p.name])
+            elif p.type.endswith("&"):
+                casts.append(f"*({p.type[:-1]}*)g_buf[{buffers.index(p)}]")
             else:
-                ctype = p.cpp.rsplit(" ", 1)[0]
-                i = buffers.index(p)
-                casts.append(f"*({ctype.replace('&', '*')})g_buf[{i}]" if ctype.endswith("&")
-                             else f"({ctype})g_buf[{i}]")
+                casts.append(f"({p.type})g_buf[{buffers.index(p)}]")
         return "\n".join([
             f'#include "{RUNTIME}"',
             '#line 1 "header"', rewrite(self.header),
             '#line 1 "signature"', decl,
-            f"void kernel_body({', '.join(p.cpp for p in params)}) {{",
+            f"void kernel_body({', '.join(p.declaration for p in params)}) {{",
             '#line 1 "body"', rewrite(self.source), "}",
             '#line 1 "launcher"',
             f"static void* g_buf[{max(1, len(buffers))}];",
@@ -189,7 +196,9 @@ class SimKernel:
         unit = self.translation_unit(params, list(template))
         if verbose:
             print(f"Simulated signature of `{self.name}`:\n  " + ",\n  ".join(self.signature(params)))
-        binary = _compile(unit)
+        constant = [p.name for p in params
+                    if p.name in self.input_names and p.type.startswith("const constant") and p.type.endswith("*")]
+        binary = _compile(unit, {"header": self.header, "body": self.source}, constant)
         forward = _run(binary, params, grid, threadgroup, init_value, reverse=False)
         if check_races:
             backward = _run(binary, params, grid, threadgroup, init_value, reverse=True)
@@ -214,26 +223,82 @@ def _to_mx(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
     return mx.array(array).view(mx.bfloat16) if dtype == mx.bfloat16 else mx.array(array)
 
 
+METAL_DIALECT = "c++14"  # MSL 3.0-3.2, the versions MLX compiles for, are based on C++14
+CHECK_FLAGS = [f"-std={METAL_DIALECT}", "-fsyntax-only", "-pedantic", "-Werror", "-DSIM_ADDRESS_SPACES"]
+BUILD_FLAGS = ["-std=c++20", "-O1", "-w"]
+ADDRESS_SPACES = {"1": "device", "2": "constant", "3": "threadgroup"}
+NOT_VIABLE = re.compile(r"(header|body):(\d+):(\d+): note: candidate function(?: template)?(?: \[with [^\]]*\])? "
+                        r"not viable: cannot pass pointer to address space '(\w+)' as a pointer to address "
+                        r"space '(\w+)' in (\d+)\w* argument")
+
+
 def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "g++", "clang++"):
+    """clang++ 17 or newer: the type check needs its address-space attribute and arithmetic `__bf16`."""
+    names = [os.environ.get("MLXKV_SIM_CXX")] + [f"clang++-{v}" for v in range(30, 16, -1)] + ["clang++"]
+    for name in names:
         if name and shutil.which(name):
             return name
-    raise SimulatorError("no C++ compiler found (install g++ or clang++, or set CXX)")
+    raise SimulatorError("the Metal simulator needs clang++ 17 or newer, which type-checks address spaces as "
+                         "Metal's compiler does (Debian: apt-get install clang-19), or MLXKV_SIM_CXX set to one")
 
 
-def _compile(unit: str) -> Path:
-    key = hashlib.sha256((unit + RUNTIME.read_text()).encode()).hexdigest()[:24]
-    binary = CACHE / key
+def _metal_words(text: str) -> str:
+    """Compiler output with clang's numbered address spaces written as Metal's keywords
+    (its generic space is Metal's `thread`)."""
+    text = re.sub(r"__attribute__\(\(address_space\((\d)\)\)\) ?", lambda m: ADDRESS_SPACES[m.group(1)] + " ", text)
+    text = text.replace("generic address space", "address space 'thread'")
+    return re.sub(r"address space '(\d)'", lambda m: f"address space '{ADDRESS_SPACES[m.group(1)]}'", text)
+
+
+def _parameter(source: str, line: int, column: int, index: int) -> str:
+    """The text of parameter `index` (1-based) of the function declared at `line`:`column` of `source`."""
+    text = "\n".join(source.splitlines()[line - 1:])[column - 1:]
+    depth, params, start = 0, [], text.index("(") + 1
+    for i in range(start - 1, len(text)):
+        if text[i] in "(<[":
+            depth += 1
+        elif text[i] in ")>]":
+            depth -= 1
+        if depth == 0 or (depth == 1 and text[i] == ","):
+            params.append(" ".join(text[start:i].split()))
+            start = i + 1
+        if depth == 0:
+            break
+    return params[index - 1] if index <= len(params) else "?"
+
+
+def _explain(stderr: str, sources: dict[str, str], constant_inputs: list[str]) -> str:
+    """Name the parameter behind each address-space mismatch, and why an input is `constant`."""
+    notes = []
+    for file, line, column, have, want, arg in NOT_VIABLE.findall(_metal_words(stderr)):
+        param = _parameter(sources[file], int(line), int(column), int(arg))
+        notes.append(f"argument {arg} is a {have} pointer, but parameter `{param}` "
+                     f"({file} line {line}) takes a {want} one; Metal converts neither way")
+    if notes and constant_inputs:
+        notes.append(f"MLX passes inputs of fewer than 8 elements in the constant address space, as it does "
+                     f"{', '.join(constant_inputs)} in this call: template the helper on the pointer type")
+    return "".join(f"\n  {n}" for n in notes)
+
+
+def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str]) -> Path:
+    """Type-check `unit` in Metal's dialect with its address spaces, then build it to run."""
+    compiler = _compiler()
+    key = hashlib.sha256("\n".join([unit, RUNTIME.read_text(), compiler, *CHECK_FLAGS, *BUILD_FLAGS]).encode())
+    binary = CACHE / key.hexdigest()[:24]
     if binary.exists():
         return binary
     CACHE.mkdir(parents=True, exist_ok=True)
-    source = CACHE / f"{key}.cpp"
+    source = binary.with_suffix(".cpp")
     source.write_text(unit)
-    partial = CACHE / f"{key}.{os.getpid()}.tmp"
-    proc = subprocess.run([_compiler(), "-std=c++20", "-O1", "-w", "-o", str(partial), str(source)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SimulatorError("kernel does not compile:\n" + "\n".join(proc.stderr.splitlines()[:30]))
+    checked = subprocess.run([compiler, *CHECK_FLAGS, str(source)], capture_output=True, text=True)
+    if checked.returncode != 0:
+        raise SimulatorError("kernel does not compile as Metal (address spaces, C++14, pedantic):\n"
+                             + _metal_words("\n".join(checked.stderr.splitlines()[:30]))
+                             + _explain(checked.stderr, sources, constant_inputs))
+    partial = binary.with_suffix(f".{os.getpid()}.tmp")
+    built = subprocess.run([compiler, *BUILD_FLAGS, "-o", str(partial), str(source)], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise SimulatorError("kernel does not compile:\n" + "\n".join(built.stderr.splitlines()[:30]))
     partial.replace(binary)
     return binary
 

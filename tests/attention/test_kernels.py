@@ -5,13 +5,11 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import packed_step
+from helpers import mutant_kernels, packed_step, uncompilable_kernels
 
 from mlxkv import reference_attention
-from mlxkv.attention.kernels import PagedAttentionKernels, select_attention
-from mlxkv.attention.simulator import metal_kernel
-
-TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+from mlxkv.attention.kernels import METAL_DIR, TOLERANCE, PagedAttentionKernels, launch_shape, select_attention
+from mlxkv.attention.simulator import SimulatorError, metal_kernel
 
 # Each dtype meets every head dim once, and every block size, GQA ratio and split-K
 # setting at least once; every head dim meets both split settings.
@@ -82,10 +80,92 @@ def test_attention_backend_choice(monkeypatch):
         select_attention()
 
 
-def test_warm_up_runs_both_paths(kernels, monkeypatch):
+def test_warm_up_checks_both_paths_against_the_reference(kernels, monkeypatch):
     launched = []
     for name in ("direct", "partitioned", "reduce"):
         original = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda _f=original, _n=name, **kw: launched.append(_n) or _f(**kw))
-    kernels.warm(mx.float16, 64, 16, 4, 2)
+    assert kernels.warm(mx.float16, 64, 16, 4, 2) is None
     assert launched == ["direct", "partitioned", "reduce"]
+
+
+def test_warm_up_reports_a_kernel_that_does_not_compile():
+    problem = PagedAttentionKernels(uncompilable_kernels).warm(mx.float32, 64, 16, 4, 2)
+    assert problem == ("paged_attention failed to compile or run: "
+                       "[metal::Device] Unable to build metal library from source")
+
+
+@pytest.mark.parametrize("old, new, kernel", [
+    ("static_cast<T>(acc / sum)", "static_cast<T>(acc / sum + 0.01f)", "paged_attention"),
+    ("first + PARTITION", "first + PARTITION - 1", "paged_attention_partitioned + _reduce"),
+])
+def test_warm_up_reports_a_kernel_with_wrong_numbers(old, new, kernel):
+    problem = PagedAttentionKernels(mutant_kernels(old, new)).warm(mx.float32, 64, 16, 4, 2)
+    assert problem.startswith(f"{kernel} differs from the reference attention by up to ")
+    assert problem.endswith("(tolerance 1e-05)")
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
+@pytest.mark.parametrize("entries", [1, 7, 8, 9])
+def test_block_tables_of_any_size_in_either_address_space(kernels, entries, split):
+    """MLX passes an input of fewer than 8 elements in `constant`, a larger one in `device`:
+    block tables of 1, 7, 8 and 9 entries, from one paged sequence and from contiguous rows."""
+    cache, batch = packed_step("paged", 8, 2, 64, mx.float32, [8 * entries], [1], max_seq_len=8 * entries)
+    assert batch.block_tables.size == entries
+    compare(kernels, cache, batch, 4, mx.float32, split)
+    cache, batch = packed_step("contiguous", 8, 2, 64, mx.float32, list(range(3, 3 + entries)), [1] * entries)
+    assert batch.block_tables.size == entries
+    compare(kernels, cache, batch, 4, mx.float32, split)
+
+
+@pytest.mark.parametrize("head_dim, group, shape", [(64, 8, (4, 8)), (256, 8, (3, 8)), (128, 16, (3, 16)),
+                                                    (256, 16, (3, 8)), (128, 1, (4, 1))])
+def test_launch_shape_keeps_threadgroup_memory_within_32_kib(head_dim, group, shape):
+    simdgroups, heads = launch_shape(group, head_dim)
+    assert (simdgroups, heads) == shape
+    assert simdgroups * heads * (head_dim + 2) * 4 <= 32 * 1024
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
+@pytest.mark.parametrize("head_dim, group", [(256, 8), (128, 16)])  # GLM-4-9B, Qwen3-235B
+def test_large_head_groups_run_within_threadgroup_memory(kernels, head_dim, group, split):
+    cache, batch = packed_step("paged", 16, 1, head_dim, mx.float16, [40, 7], [1, 3])
+    compare(kernels, cache, batch, group, mx.float16, split)
+
+
+def test_the_simulator_refuses_a_launch_over_32_kib_naming_the_arrays(kernels, monkeypatch):
+    monkeypatch.setattr("mlxkv.attention.kernels.launch_shape", lambda group, head_dim: (4, group))
+    cache, batch = packed_step("paged", 16, 1, 256, mx.float16, [5], [1])
+    with pytest.raises(SimulatorError, match=r"launch refused: the kernel declares 33024 bytes of threadgroup memory, "
+                                             r"more than the 32768 an Apple GPU allows a threadgroup: sg_m \(128 B\), "
+                                             r"sg_l \(128 B\), sg_acc \(32768 B\)"):
+        compare(kernels, cache, batch, 8, mx.float16, False)
+
+
+def test_key_offsets_are_64_bit():
+    """A float16 layer pool of 4 GiB has more than 2^31 elements."""
+    kernel = metal_kernel("kv_row", ["pages"], ["out"], header=(METAL_DIR / "paged_attention.h").read_text(),
+                          source="uint i = thread_position_in_grid.x;\nout[i] = kv_row<16, 128>(pages[i], 8, 7, 15);")
+    pages = np.array([0, 1, 2**20, 2**31 - 1], np.int32)
+    out = kernel(inputs=[mx.array(pages)], output_shapes=[(4,)], output_dtypes=[mx.int64], grid=(4, 1, 1),
+                 threadgroup=(4, 1, 1))[0]
+    assert np.array(out).tolist() == (((pages.astype(np.int64) * 8 + 7) * 16 + 15) * 128).tolist()
+
+
+# Around and across split-K partition boundaries (256 keys), in one batch: decode rows, and a
+# 20-token prefill chunk over keys 250..269 that straddles the first boundary.
+CONTEXTS, QUERY_LENS = [255, 256, 257, 512, 513, 2900, 270], [1, 1, 1, 1, 1, 1, 20]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
+def test_contexts_over_many_split_k_partitions(kernels, split):
+    cache, batch = packed_step("paged", 16, 1, 64, mx.float32, CONTEXTS, QUERY_LENS, max_seq_len=2912)
+    compare(kernels, cache, batch, 2, mx.float32, split)
+
+
+def test_a_kernel_that_drops_each_partitions_last_key_is_caught():
+    assert "first + PARTITION" in (METAL_DIR / "paged_attention_partitioned.metal").read_text()
+    mutant = PagedAttentionKernels(mutant_kernels("first + PARTITION", "first + PARTITION - 1"))
+    cache, batch = packed_step("paged", 16, 1, 64, mx.float32, CONTEXTS, QUERY_LENS, max_seq_len=2912)
+    with pytest.raises(AssertionError):
+        compare(mutant, cache, batch, 2, mx.float32, True)

@@ -111,3 +111,63 @@ def test_mlx_generates_the_signature_the_simulator_compiled(capfd, tmp_path, dty
     assert len(simulated) == len(generated) == 3
     assert [len(lines) for lines in simulated] == [15, 17, 6]
     assert simulated == generated
+
+
+def run_helper(header, body, n):
+    """`body` over an n-element input `a` (MLX passes it in `constant` below 8 elements)."""
+    kernel = metal_kernel("probe", ["a"], ["out"], body, header=header)
+    return kernel(inputs=[mx.arange(n, dtype=mx.int32)], output_shapes=[(4,)], output_dtypes=[mx.int32],
+                  grid=(4, 1, 1), threadgroup=(4, 1, 1))[0]
+
+
+DEVICE_HELPER = "int first(const device int* table, int i) { return table[i % 1]; }\n"
+TEMPLATED_HELPER = "template <typename Table>\nint first(Table table, int i) { return table[i % 1]; }\n"
+CALL = "out[thread_position_in_grid.x] = first(a, int(thread_position_in_grid.x));"
+
+
+def test_a_constant_input_passed_to_a_device_parameter_fails_naming_the_parameter():
+    assert np.array(run_helper(DEVICE_HELPER, CALL, 8)).tolist() == [0] * 4
+    with pytest.raises(SimulatorError) as error:
+        run_helper(DEVICE_HELPER, CALL, 1)
+    assert ("argument 1 is a constant pointer, but parameter `const device int* table` (header line 1) takes a "
+            "device one; Metal converts neither way") in str(error.value)
+    assert ("MLX passes inputs of fewer than 8 elements in the constant address space, as it does a in this call: "
+            "template the helper on the pointer type") in str(error.value)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9])
+def test_a_helper_templated_on_the_pointer_type_takes_either_space(n):
+    assert np.array(run_helper(TEMPLATED_HELPER, CALL, n)).tolist() == [0] * 4
+
+
+@pytest.mark.parametrize("header, body, message", [
+    ("", "device int* p = a;", "cannot initialize a variable of type 'device int *' with an lvalue of type "
+                               "'device int32_t const *'"),
+    ("", "const constant int* p = a;", "cannot initialize a variable of type 'constant int const *' with an "
+                                       "lvalue of type 'device int32_t const *'"),
+    ("", "threadgroup int t[4];\ndevice int* p = t;", "cannot initialize a variable of type 'device int *' with "
+                                                    "an lvalue of type 'threadgroup int[4]'"),
+    ("int get(threadgroup int* p) { return p[0]; }\n", "out[0] = get(out);",
+     "argument 1 is a device pointer, but parameter `threadgroup int* p` (header line 1) takes a threadgroup one"),
+    ("int get(thread int* p) { return p[0]; }\n", "out[0] = get(out);",
+     "argument 1 is a device pointer, but parameter `thread int* p` (header line 1) takes a thread one"),
+    ("int get(const device int* p) { return p[0]; }\n", "threadgroup int t[4];\nt[0] = 1;\nout[0] = get(t);",
+     "no known conversion from 'threadgroup int[4]' to 'device int const *'"),
+])
+def test_address_spaces_are_distinct_pointer_types(header, body, message):
+    with pytest.raises(SimulatorError, match="does not compile as Metal") as error:
+        run_helper(header, body, 8)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("if constexpr (true) { out[0] = 1; }", "constexpr if is a C++17 extension"),
+    ("struct P { int x; int y; };\nauto [x, y] = P{1, 2};\nout[0] = x + y;",
+     "decomposition declarations are a C++17 extension"),
+    ("if (int x = a[0]; x > 0) { out[0] = x; }", "'if' initialization statements are a C++17 extension"),
+    ("int n = a[0];\nint v[n];\nv[0] = 1;\nout[0] = v[0];", "variable length arrays in C++ are a Clang extension"),
+])
+def test_code_newer_than_metals_cpp14_or_not_pedantic_is_rejected(body, message):
+    with pytest.raises(SimulatorError, match="does not compile as Metal") as error:
+        run_helper("", body, 8)
+    assert message in str(error.value)
