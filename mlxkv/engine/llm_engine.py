@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -13,6 +14,8 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..attention.kernels import PagedAttentionKernels, select_attention
+from ..attention.reference import reference_attention
+from ..cache.storage import dtype_name
 from ..config import EngineConfig
 from ..errors import RequestTooLong, UnknownSequenceError
 from .model_runner import ModelRunner, kv_shape
@@ -20,6 +23,8 @@ from .request import Request, Status
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .text import TextStream
+
+logger = logging.getLogger("mlxkv")
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,13 @@ class LLMEngine:
                                              getattr(model.args, "max_position_embeddings", None))
         attention = attention or select_attention(self.config.attention)
         if isinstance(attention, PagedAttentionKernels):
-            attention.warm(dtype, head_dim, self.cache.block_size, model.args.num_attention_heads, kv_heads)
+            problem = attention.warm(dtype, head_dim, self.cache.block_size, model.args.num_attention_heads, kv_heads)
+            if problem is not None:
+                logger.warning("mlxkv: the Metal kernels fail their start-up check for this model (%s, head_dim %d, "
+                               "block %d, GQA %d): %s; attention runs on the reference path instead",
+                               dtype_name(dtype), head_dim, self.cache.block_size,
+                               model.args.num_attention_heads // kv_heads, problem)
+                attention = reference_attention
         self.runner = ModelRunner(model, self.cache, attention)
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}

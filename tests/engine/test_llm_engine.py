@@ -3,9 +3,10 @@ import threading
 import time
 
 import pytest
-from helpers import mlx_lm_greedy
+from helpers import mlx_lm_greedy, mutant_kernels, uncompilable_kernels
 
-from mlxkv import LLM, LLMEngine, RequestTooLong, SamplingParams, UnknownSequenceError
+from mlxkv import LLM, LLMEngine, RequestTooLong, SamplingParams, UnknownSequenceError, reference_attention
+from mlxkv.attention.kernels import PagedAttentionKernels
 from mlxkv.config import EngineConfig
 from mlxkv.models.loading import load
 
@@ -94,7 +95,6 @@ def test_bad_requests_are_refused_without_disturbing_the_rest(model):
 def test_metal_kernels_give_the_reference_tokens(checkpoint, model):
     """The engine through the Metal kernels (run by the CPU simulator) and through the
     reference path produce the same greedy tokens as mlx-lm."""
-    from mlxkv.attention.kernels import PagedAttentionKernels
     from mlxkv.attention.simulator import metal_kernel
 
     prompts = [[5, 6, 7], list(range(10, 29))]
@@ -107,3 +107,23 @@ def test_metal_kernels_give_the_reference_tokens(checkpoint, model):
     expected = [mlx_lm_greedy(checkpoint("llama-fp32"), p, max_tokens=6) for p in prompts]
     assert [r.output_ids for r in requests] == expected
     assert [c.token_ids for c in LLM(model, attention="reference").generate(prompts, params)] == expected
+
+
+@pytest.mark.parametrize("factory, why", [
+    (uncompilable_kernels, "paged_attention failed to compile or run: [metal::Device] Unable to build metal library"),
+    (mutant_kernels("static_cast<T>(acc / sum)", "static_cast<T>(-acc / sum)"),
+     "paged_attention differs from the reference attention by up to "),
+], ids=["does-not-compile", "wrong-numbers"])
+def test_kernels_that_fail_the_start_up_check_leave_the_reference_path(checkpoint, model, caplog, factory, why):
+    """A Mac user gets one warning and the reference tokens, never a crash or wrong text."""
+    engine = LLMEngine(*model, EngineConfig(block_size=8), attention=PagedAttentionKernels(factory))
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and record.name == "mlxkv"
+    assert record.getMessage().startswith("mlxkv: the Metal kernels fail their start-up check for this model "
+                                          f"(float32, head_dim 16, block 8, GQA 2): {why}")
+    assert record.getMessage().endswith("; attention runs on the reference path instead")
+    assert engine.runner.attention is reference_attention
+    request = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    assert request.output_ids == mlx_lm_greedy(checkpoint("llama-fp32"), [5, 6, 7], max_tokens=6)
