@@ -47,3 +47,11 @@ class ModelLoadError(MlxkvError):
 
 class RequestTooLong(MlxkvError, ValueError):
     """A request whose prompt plus max_tokens can never fit the KV cache."""
+
+
+class RequestFailed(MlxkvError):
+    """A request ended by an error in the step that ran it; the other requests went on."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(f"request {request_id!r} failed: {cause}")
+        self.request_id = request_id

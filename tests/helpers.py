@@ -7,6 +7,7 @@ import numpy as np
 from mlx_lm import load as mlx_lm_load
 
 from mlxkv import KVCacheManager
+from mlxkv.engine.sampling import TokenSampler
 
 mlx_lm_generate = importlib.import_module("mlx_lm.generate")
 MAX_TOKENS = 20
@@ -81,3 +82,10 @@ def uncompilable_kernels(**kw):
         raise RuntimeError(f"[metal::Device] Unable to build metal library from source\n"
                            f"{kw['name']}:12:5: error: no matching function for call to 'attend_keys'")
     return launch
+
+
+class ExplodingSampler(TokenSampler):
+    """A request's sampler that raises when used: a failure that belongs to one request."""
+
+    def __call__(self, logits, index):
+        raise RuntimeError("sampler exploded")

@@ -48,10 +48,17 @@ class KVStorage:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
-        shape = (num_pages, num_kv_heads, page_size, head_dim)
-        self.keys = [mx.zeros(shape, self.dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(shape, self.dtype) for _ in range(num_layers)]
-        mx.eval(self.keys, self.values)
+        self.shape = (num_pages, num_kv_heads, page_size, head_dim)
+        self.keys, self.values = self._zeroed(num_layers)
+
+    def reset(self) -> None:
+        """Fresh zeroed pools, for when a failed step left the old ones unusable."""
+        self.keys, self.values = self._zeroed(self.num_layers)
+
+    def _zeroed(self, num_layers: int) -> tuple[list[mx.array], list[mx.array]]:
+        keys, values = ([mx.zeros(self.shape, self.dtype) for _ in range(num_layers)] for _ in range(2))
+        mx.eval(keys, values)
+        return keys, values
 
     @property
     def num_layers(self) -> int:

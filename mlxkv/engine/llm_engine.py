@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..attention.kernels import PagedAttentionKernels, select_attention
@@ -20,11 +21,30 @@ from ..config import EngineConfig
 from ..errors import RequestTooLong, UnknownSequenceError
 from .model_runner import ModelRunner, kv_shape
 from .request import Request, Status
-from .sampling import SamplingParams, sample
+from .sampling import SamplingFailed, SamplingParams, sample
 from .scheduler import Scheduler
 from .text import TextStream
 
 logger = logging.getLogger("mlxkv")
+
+
+def request_key(request_id: object) -> str:
+    """The id a request is stored under: a string, or an integer written as one."""
+    if isinstance(request_id, str) or (isinstance(request_id, int) and not isinstance(request_id, bool)):
+        return str(request_id)
+    raise TypeError(f"request_id must be a string or an integer, got {type(request_id).__name__}")
+
+
+def token_ids(prompt: object) -> list[int]:
+    """A prompt of token ids as a list of ints: a sequence or 1-D array of integers, numpy's included."""
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer):
+        return prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
+    bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+    if bad is not None:
+        raise TypeError(f"prompt token ids must be integers, got {bad!r}")
+    return [int(t) for t in prompt]
 
 
 @dataclass(frozen=True)
@@ -35,6 +55,7 @@ class RequestOutput:
     delta: str
     finished: bool
     finish_reason: str | None
+    error: Exception | None = None  # set when finish_reason is "error"
 
 
 class LLMEngine:
@@ -80,13 +101,13 @@ class LLMEngine:
         """The most KV slots one request can ever hold."""
         return min(self.cache.max_seq_len, self.cache.pool.capacity * self.cache.block_size)
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         """Token ids for a prompt given as text or ids (text gets the tokenizer's BOS, as in mlx-lm)."""
         if isinstance(prompt, str):
             bos = self.tokenizer.bos_token
             ids = self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
         else:
-            ids = [int(t) for t in prompt]
+            ids = token_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
@@ -94,12 +115,21 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         return ids
 
+    def new_request_id(self) -> str:
+        """An automatic request id that no live request uses."""
+        with self._lock:
+            while (request_id := str(next(self._ids))) in self.requests:
+                pass
+            return request_id
+
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | int | None = None) -> Request:
         """Queue a prompt; raises `RequestTooLong` if it could never fit the KV cache."""
-        params = params or SamplingParams()
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        request = Request(request_id, self.encode(prompt), params)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        request = Request(self.new_request_id() if request_id is None else request_key(request_id),
+                          self.encode(prompt), params)
         if request.max_kv_tokens > self.max_request_tokens:
             raise RequestTooLong(
                 f"prompt of {len(request.prompt_ids)} tokens plus max_tokens={params.max_tokens} needs "
@@ -107,16 +137,16 @@ class LLMEngine:
             )
         request.stream = TextStream(self.tokenizer.detokenizer, params.stop)
         with self._lock:
-            if request_id in self.requests:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self.requests[request_id] = request
+            if request.request_id in self.requests:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self.requests[request.request_id] = request
             self.scheduler.add(request)
         return request
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str | int) -> None:
         """Drop a request wherever it is; its pages are free when this returns."""
         with self._lock:
-            request = self.requests.pop(request_id, None)
+            request = self.requests.pop(request_key(request_id), None)
             if request is None:
                 raise UnknownSequenceError(request_id)
             self.scheduler.finish(request, "abort")
@@ -126,39 +156,78 @@ class LLMEngine:
             return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that produced text or finished."""
+        """Run one batch; returns an output for every request that produced text or finished.
+
+        A step that fails (in the forward pass, sampling or evaluation) changes nothing for
+        the requests that did not cause it: see `_recover`.
+        """
         with self._lock:
             batch = self.scheduler.schedule()
             if batch is None:
                 return []
             self._track_usage()
         sampling = [r for r, s in zip(batch.requests, batch.samples) if s]
-        logits = self.runner.forward(batch)
-        tokens = sample(logits, [r.sampler for r in sampling]) if sampling else mx.array([], mx.uint32)
-        mx.eval(tokens, self.cache.storage.keys, self.cache.storage.values)
+        try:
+            logits = self.runner.forward(batch)
+            tokens = sample(logits, [r.sampler for r in sampling], [len(r.output_ids) for r in sampling]) \
+                if sampling else mx.array([], mx.uint32)
+            mx.eval(tokens, self.cache.storage.keys, self.cache.storage.values)
+        except SamplingFailed as exc:
+            return self._recover(batch.requests, [sampling[exc.row]], exc.cause)
+        except Exception as exc:
+            return self._recover(batch.requests, None, exc)
         with self._lock:
             for request, count in zip(batch.requests, batch.counts):
                 request.num_computed += count
             return [self._accept(request, token) for request, token in zip(sampling, tokens.tolist())
                     if request.status is not Status.FINISHED]
 
+    def fail_all(self, error: Exception) -> list[RequestOutput]:
+        """End every unfinished request with `error` (for a failure no request can be blamed for)."""
+        with self._lock:
+            return [self._fail(request, error) for request in list(self.requests.values())]
+
+    def _recover(self, batch: list[Request], culprits: list[Request] | None, error: Exception) -> list[RequestOutput]:
+        """Undo a failed step, then fail the requests that caused it (all of `batch` when that
+        cannot be told).
+
+        The batch's requests go back to the waiting queue as if preempted: their pages are
+        freed, so K/V the step may have half-written is never read, and they recompute to
+        the same tokens (sampling keys depend only on a request's seed and progress). If the
+        KV tensors themselves cannot be evaluated any more, every running request is rolled
+        back and the tensors start afresh.
+        """
+        with self._lock:
+            self.scheduler.roll_back(batch)
+            try:
+                mx.eval(self.cache.storage.keys, self.cache.storage.values)
+            except Exception:
+                self.scheduler.roll_back(list(self.scheduler.running))
+                self.cache.storage.reset()
+            return [self._fail(r, error) for r in (batch if culprits is None else culprits)
+                    if r.status is not Status.FINISHED]
+
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        request.error = error
+        return self._finish(request, "error")
+
     def _accept(self, request: Request, token: int) -> RequestOutput:
         request.first_token_time = request.first_token_time or time.perf_counter()
-        reason = None
         if token in self.tokenizer.eos_token_ids and not request.params.ignore_eos:
-            reason = "stop"
-        else:
-            request.output_ids.append(token)
-            if request.stream.add(token):
-                reason = "stop"
-            elif len(request.output_ids) >= request.params.max_tokens:
-                reason = "length"
-        if reason is not None:
-            request.stream.finish()
-            request.finish_time = time.perf_counter()
-            self.scheduler.finish(request, reason)
-            del self.requests[request.request_id]
-        return RequestOutput(request.request_id, request.stream.take_delta(), reason is not None, reason)
+            return self._finish(request, "stop")
+        request.output_ids.append(token)
+        if request.stream.add(token):
+            return self._finish(request, "stop")
+        if len(request.output_ids) >= request.params.max_tokens:
+            return self._finish(request, "length")
+        return RequestOutput(request.request_id, request.stream.take_delta(), False, None)
+
+    def _finish(self, request: Request, reason: str) -> RequestOutput:
+        request.stream.finish()
+        request.finish_time = time.perf_counter()
+        self.scheduler.finish(request, reason)
+        del self.requests[request.request_id]
+        return RequestOutput(request.request_id, request.stream.take_delta(), True, reason, request.error)
 
     def reset_peak_usage(self) -> None:
         """Start tracking the KV cache's peak use afresh (e.g. per chat turn)."""

@@ -32,6 +32,7 @@ class Request:
     seq_id: int | None = None
     num_computed: int = 0
     finish_reason: str | None = None
+    error: Exception | None = None  # why it failed, when finish_reason is "error"
     stream: TextStream | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

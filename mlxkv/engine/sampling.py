@@ -9,13 +9,18 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from ..errors import MlxkvError
+
+GREEDY_BELOW = 1e-5  # a lower temperature is greedy: 1/T would push the scaled logits past float32
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens for one request. `temperature=0` is greedy.
+    """How to pick tokens for one request. `temperature` 0 (or below `GREEDY_BELOW`) is greedy.
 
-    `stop` strings end the text before the stop string; `seed` makes sampling reproducible
-    whatever else shares the batch; `ignore_eos` generates past EOS (for benchmarks).
+    `stop` strings end the text before the stop string; `seed` (0 <= seed < 2**64) makes
+    sampling reproducible whatever else shares the batch; `ignore_eos` generates past EOS
+    (for benchmarks).
     """
 
     max_tokens: int = 256
@@ -28,17 +33,20 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if isinstance(stop, (list, tuple)):
+            object.__setattr__(self, "stop", tuple(stop))
         checks = [
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
             ("temperature", _is_real(self.temperature) and self.temperature >= 0, "a number >= 0"),
             ("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", _is_int(self.top_k) and self.top_k >= 0, "an integer >= 0 (0 disables it)"),
             ("min_p", _is_real(self.min_p) and 0 <= self.min_p < 1, "a number in [0, 1)"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
-            ("seed", self.seed is None or _is_int(self.seed), "an integer or None"),
+            ("stop", isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+             "a non-empty string or a list of them"),
+            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
+             "an integer in [0, 2**64) or None"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -46,7 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(value: object) -> bool:
@@ -57,20 +65,25 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-class TokenSampler:
-    """One request's sampler: its own PRNG key, so a seed gives the same tokens in any batch.
+def _mix(seed: int, index: int) -> int:
+    """A 64-bit key seed for sample `index` of a request seeded `seed` (splitmix64's mixer)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
 
-    The key is made on first use, on the engine's thread: MLX arrays belong to the thread
-    that builds them, and requests may be created on any thread.
-    """
+
+class TokenSampler:
+    """One request's sampler. The PRNG key of its n-th token is a function of its seed and n
+    alone, so a seed gives the same tokens in any batch, and a step that is run again (after
+    a preemption or a failed step) draws exactly what it would have drawn."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        self._seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self._key: mx.array | None = None
+        self.seed = params.seed if params.seed is not None else random.getrandbits(64)
 
-    def __call__(self, logits: mx.array) -> mx.array:
-        """The next token (a 0-d uint32 array) from one row of logits."""
+    def __call__(self, logits: mx.array, index: int) -> mx.array:
+        """Token number `index` of the request (a 0-d array) from one row of logits."""
         p = self.params
         if p.greedy:
             return mx.argmax(logits, axis=-1)
@@ -81,12 +94,26 @@ class TokenSampler:
             logprobs = apply_min_p(logprobs[None], p.min_p)[0]
         if 0 < p.top_k < logits.shape[-1]:
             logprobs = apply_top_k(logprobs, p.top_k)
-        self._key, key = mx.random.split(mx.random.key(self._seed) if self._key is None else self._key)
-        return mx.random.categorical(logprobs * (1 / p.temperature), key=key)
+        return mx.random.categorical(logprobs * (1 / p.temperature), key=mx.random.key(_mix(self.seed, index)))
 
 
-def sample(logits: mx.array, samplers: list[TokenSampler]) -> mx.array:
-    """Next tokens for rows of `logits` (`[rows, vocab]`), one sampler per row."""
+class SamplingFailed(MlxkvError):
+    """Row `row`'s sampler raised: the request behind that row is the one to fail."""
+
+    def __init__(self, row: int, cause: Exception) -> None:
+        super().__init__(f"sampling failed: {cause}")
+        self.row = row
+        self.cause = cause
+
+
+def sample(logits: mx.array, samplers: list[TokenSampler], indices: list[int]) -> mx.array:
+    """Next tokens for rows of `logits` (`[rows, vocab]`): row i is token `indices[i]` of its request."""
     if all(s.params.greedy for s in samplers):
         return mx.argmax(logits, axis=-1)
-    return mx.stack([s(logits[i]) for i, s in enumerate(samplers)]).astype(mx.uint32)
+    tokens = []
+    for row, (sampler, index) in enumerate(zip(samplers, indices)):
+        try:
+            tokens.append(sampler(logits[row], index))
+        except Exception as exc:
+            raise SamplingFailed(row, exc) from exc
+    return mx.stack(tokens).astype(mx.uint32)

@@ -119,12 +119,23 @@ class Scheduler:
             if victim is request:
                 return
 
+    def roll_back(self, requests: list[Request]) -> None:
+        """Undo a step that failed: its running requests go back to the front of the waiting
+        queue in their order, pages freed, to be recomputed as after a preemption."""
+        undone = set(requests)
+        for request in reversed([r for r in self.running if r in undone]):
+            self.running.remove(request)
+            self._requeue(request)
+
     def _preempt_newest(self) -> Request:
         request = self.running.pop()
+        self._requeue(request)
+        self.num_preemptions += 1
+        return request
+
+    def _requeue(self, request: Request) -> None:
         self.cache.release(request.seq_id)
         request.seq_id = None
         request.num_computed = 0
         request.status = Status.WAITING
         self.waiting.appendleft(request)
-        self.num_preemptions += 1
-        return request

@@ -2,8 +2,9 @@ import random
 import threading
 import time
 
+import mlx.core as mx
 import pytest
-from helpers import mlx_lm_greedy, mutant_kernels, uncompilable_kernels
+from helpers import ExplodingSampler, mlx_lm_greedy, mutant_kernels, uncompilable_kernels
 
 from mlxkv import LLM, LLMEngine, RequestTooLong, SamplingParams, UnknownSequenceError, reference_attention
 from mlxkv.attention.kernels import PagedAttentionKernels
@@ -127,3 +128,101 @@ def test_kernels_that_fail_the_start_up_check_leave_the_reference_path(checkpoin
     while engine.has_unfinished():
         engine.step()
     assert request.output_ids == mlx_lm_greedy(checkpoint("llama-fp32"), [5, 6, 7], max_tokens=6)
+
+
+FAILURE_PROMPTS = [[5, 6, 7], list(range(10, 29)), [40, 41], list(range(50, 61))]
+
+
+@pytest.fixture(scope="module")
+def solo(model):
+    """Each FAILURE_PROMPTS prompt's tokens alone: greedy, and seeded sampling."""
+    alone = LLM(model, max_num_seqs=1)
+    greedy = [alone.generate(p, SamplingParams(max_tokens=8))[0].token_ids for p in FAILURE_PROMPTS]
+    seeded = [alone.generate(p, SamplingParams(max_tokens=8, temperature=0.9, seed=i))[0].token_ids
+              for i, p in enumerate(FAILURE_PROMPTS)]
+    return greedy, seeded
+
+
+def run_all(engine, prompts, params):
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    return requests, outputs
+
+
+def test_a_failing_sampler_fails_only_its_own_request(model, solo):
+    """A step that fails leaves the engine as if it had not run: the others equal their solo runs
+    (the bug was every neighbour recomputed at shifted positions)."""
+    engine = LLMEngine(*model, EngineConfig(block_size=4, max_num_seqs=4))
+    params = [SamplingParams(max_tokens=8, temperature=0.9, seed=i) for i in range(4)]
+    requests = [engine.add_request(p, sp) for p, sp in zip(FAILURE_PROMPTS, params)]
+    for _ in range(3):
+        engine.step()
+    broken = requests[1]
+    broken.sampler = ExplodingSampler(broken.params)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    [failure] = [o for o in outputs if o.finish_reason == "error"]
+    assert failure.request_id == broken.request_id and isinstance(failure.error, RuntimeError)
+    assert broken.finish_reason == "error" and str(broken.error) == "sampler exploded"
+    assert [r.output_ids for r in requests if r is not broken] == [t for i, t in enumerate(solo[1]) if i != 1]
+    assert engine.cache.free_pages == engine.cache.pool.capacity
+
+
+def test_a_forward_pass_failure_fails_its_batch_and_nothing_else(model, solo, monkeypatch):
+    engine = LLMEngine(*model, EngineConfig(block_size=4, max_num_seqs=2))
+    requests = [engine.add_request(p, SamplingParams(max_tokens=8)) for p in FAILURE_PROMPTS]
+    engine.step()
+    forward = engine.runner.forward
+    calls = iter(range(10**6))
+
+    def fail_on_the_second_call(batch):
+        if next(calls) == 1:
+            raise RuntimeError("[metal::malloc] Resource limit exceeded")
+        return forward(batch)
+
+    monkeypatch.setattr(engine.runner, "forward", fail_on_the_second_call)
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.finish_reason for r in requests] == ["error", "error", "length", "length"]
+    assert str(requests[0].error) == "[metal::malloc] Resource limit exceeded"
+    assert [r.output_ids for r in requests[2:]] == solo[0][2:]
+    assert engine.cache.free_pages == engine.cache.pool.capacity
+
+
+def test_kv_tensors_that_cannot_be_evaluated_start_afresh(model, solo, monkeypatch):
+    """If the failure poisoned the KV pools themselves, every running request recomputes."""
+    engine = LLMEngine(*model, EngineConfig(block_size=4, max_num_seqs=2))
+    first = engine.add_request(FAILURE_PROMPTS[0], SamplingParams(max_tokens=8))
+    engine.step()
+    real_eval, failures = mx.eval, iter([True, True])
+
+    def failing_eval(*args):
+        if next(failures, False):
+            raise RuntimeError("device lost")
+        return real_eval(*args)
+
+    monkeypatch.setattr(mx, "eval", failing_eval)
+    engine.step()
+    assert first.finish_reason == "error"
+    requests, _ = run_all(engine, FAILURE_PROMPTS[2:], [SamplingParams(max_tokens=8)] * 2)
+    assert [r.output_ids for r in requests] == solo[0][2:]
+    assert engine.cache.free_pages == engine.cache.pool.capacity
+
+
+def test_request_ids_are_strings_and_never_collide(model):
+    engine = LLMEngine(*model, EngineConfig(block_size=4))
+    given = engine.add_request([1, 2], request_id="0")
+    automatic = engine.add_request([1, 2])
+    assert given.request_id == "0" and automatic.request_id not in ("0",)
+    numbered = engine.add_request([1, 2], request_id=7)
+    assert numbered.request_id == "7"
+    engine.abort(7)
+    assert numbered.finish_reason == "abort"
+    with pytest.raises(TypeError, match="request_id must be a string or an integer, got float"):
+        engine.add_request([1, 2], request_id=1.5)
+    for request_id in ("0", automatic.request_id):
+        engine.abort(request_id)
+    assert engine.cache.free_pages == engine.cache.pool.capacity
