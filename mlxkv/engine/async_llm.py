@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
-import itertools
 import threading
 from collections.abc import AsyncIterator, Sequence
 
-from ..errors import MlxkvError, UnknownSequenceError
-from .llm_engine import LLMEngine, RequestOutput
+import mlx.core as mx
+
+from ..errors import RequestFailed, UnknownSequenceError
+from .llm_engine import LLMEngine, RequestOutput, request_key
 from .sampling import SamplingParams
 
 
@@ -18,8 +20,10 @@ class AsyncLLM:
 
     Any thread or event loop may add and abort requests; each request's outputs are
     handed to the event loop that asked for them. Leaving an `async for` early (break,
-    cancellation, an exception) aborts the request and frees its pages. If a step fails,
-    the requests in flight are aborted and each of their consumers gets the error.
+    cancellation, an exception) aborts the request and frees its pages. A request that
+    fails raises `RequestFailed` in its own consumer only. Nothing a consumer does (closing
+    its event loop, aborting at any moment) stops the engine thread; `shutdown()` does,
+    and is called at interpreter exit if the caller did not.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -27,17 +31,17 @@ class AsyncLLM:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Condition()
         self._stopped = False
-        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="mlxkv-engine", daemon=True)
         self._thread.start()
+        atexit.register(self.shutdown)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[str]:
+                       request_id: str | int | None = None) -> AsyncIterator[str]:
         """Yield the completion's text deltas as the engine produces them."""
-        request_id = f"async-{next(self._ids)}" if request_id is None else str(request_id)
+        request_id = self.engine.new_request_id() if request_id is None else request_key(request_id)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         try:
             self.engine.add_request(prompt, params, request_id)
@@ -50,8 +54,8 @@ class AsyncLLM:
         try:
             while not finished:
                 output = await queue.get()
-                if isinstance(output, BaseException):
-                    raise MlxkvError(f"engine step failed: {output}") from output
+                if output.error is not None:
+                    raise RequestFailed(request_id, output.error) from output.error
                 finished = output.finished
                 if output.delta:
                     yield output.delta
@@ -61,35 +65,43 @@ class AsyncLLM:
                 with contextlib.suppress(UnknownSequenceError):
                     self.engine.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str | int) -> None:
         """Cancel a request from any thread; its pages are free when this returns."""
         self.engine.abort(request_id)
-        self._deliver(RequestOutput(request_id, "", True, "abort"), request_id)
+        self._deliver(RequestOutput(request_key(request_id), "", True, "abort"))
 
     def shutdown(self) -> None:
+        """Stop the engine thread (requests in flight stay unfinished)."""
+        atexit.unregister(self.shutdown)
         with self._wake:
             self._stopped = True
             self._wake.notify()
         self._thread.join()
 
     def _loop(self) -> None:
-        while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._stopped or self.engine.has_unfinished())
-                if self._stopped:
-                    return
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # handed to every consumer in flight, not lost with the thread
-                for request_id in list(self.engine.requests):
-                    self.engine.abort(request_id)
-                    self._deliver(exc, request_id)
-                continue
-            for output in outputs:
-                self._deliver(output, output.request_id)
+        try:
+            while True:
+                with self._wake:
+                    self._wake.wait_for(lambda: self._stopped or self.engine.has_unfinished())
+                    if self._stopped:
+                        return
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # outside any one request (the engine's own steps fail requests)
+                    outputs = self.engine.fail_all(exc)
+                for output in outputs:
+                    self._deliver(output)
+        finally:
+            mx.clear_streams()  # MLX aborts the process if a thread that used it ends without this
 
-    def _deliver(self, item: RequestOutput | BaseException, request_id: str) -> None:
-        target = self._queues.get(request_id)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+    def _deliver(self, output: RequestOutput) -> None:
+        target = self._queues.get(output.request_id)
+        if target is None:
+            return
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, output)
+        except RuntimeError:  # the consumer's event loop is closed: nobody will read this request
+            self._queues.pop(output.request_id, None)
+            with contextlib.suppress(UnknownSequenceError):
+                self.engine.abort(output.request_id)

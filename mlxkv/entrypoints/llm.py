@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..cache.layout import KVLayout
@@ -14,6 +18,7 @@ from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
+from ..errors import RequestFailed, UnknownSequenceError
 from ..models.loading import load
 
 Prompt = str | Sequence[int]
@@ -32,31 +37,32 @@ class Completion:
 class Stream:
     """Text deltas of one request as they are produced; `request` holds its tokens and timings.
 
-    Stopping early (breaking out, `close()`) aborts the request and frees its pages.
+    Iterating steps the shared engine when this request has no text waiting; text the step
+    makes for other requests waits for their own consumers. Closing the stream, or dropping
+    it before the request finishes, aborts the request and frees its pages.
     """
 
-    def __init__(self, engine: LLMEngine, request: Request) -> None:
-        self.engine = engine
+    def __init__(self, llm: LLM, request: Request) -> None:
         self.request = request
-        self._deltas = self._run()
+        self._llm = llm
+        self._deltas = llm._deltas[request.request_id]
+        self._closed = weakref.finalize(self, llm._forget, request)
 
     def __iter__(self) -> Iterator[str]:
-        return self._deltas
+        return self
+
+    def __next__(self) -> str:
+        while not self._deltas:
+            if self.request.finish_reason is not None:
+                self.close()
+                if self.request.error is not None:
+                    raise RequestFailed(self.request.request_id, self.request.error) from self.request.error
+                raise StopIteration
+            self._llm._step()
+        return self._deltas.popleft()
 
     def close(self) -> None:
-        self._deltas.close()
-        if self.request.finish_reason is None:
-            self.engine.abort(self.request.request_id)
-
-    def _run(self) -> Iterator[str]:
-        try:
-            while self.request.finish_reason is None:
-                for output in self.engine.step():
-                    if output.request_id == self.request.request_id and output.delta:
-                        yield output.delta
-        finally:
-            if self.request.finish_reason is None:
-                self.engine.abort(self.request.request_id)
+        self._closed()
 
 
 class LLM:
@@ -82,42 +88,67 @@ class LLM:
                               max_num_batched_tokens, max_model_len, attention)
         self.model, self.tokenizer = model if isinstance(model, tuple) else load(model)
         self.engine = LLMEngine(self.model, self.tokenizer, config)
+        self._deltas: dict[str, deque[str]] = {}  # text waiting for each live request's consumer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        """Complete every prompt, batched; results come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Complete every prompt, batched; results come back in prompt order.
+
+        Raises `RequestFailed` if a prompt's request fails (the others are aborted)."""
+        if _is_one_prompt(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple, np.ndarray)):
+            raise TypeError(f"prompts must be text, token ids, or a list of those, got {type(prompts).__name__}")
         params = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         requests = self._submit(prompts, params)
         try:
             while any(r.finish_reason is None for r in requests):
-                self.engine.step()
+                self._step()
         finally:
-            self._abort_unfinished(requests)
+            for request in requests:
+                self._forget(request)
+        failed = next((r for r in requests if r.error is not None), None)
+        if failed is not None:
+            raise RequestFailed(failed.request_id, failed.error) from failed.error
         return [Completion(r.stream.text, list(r.output_ids), r.finish_reason, list(r.prompt_ids)) for r in requests]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Stream:
         """Iterate over the returned `Stream` for the text as it is produced."""
         (request,) = self._submit([prompt], [params or SamplingParams()])
-        return Stream(self.engine, request)
+        return Stream(self, request)
+
+    def _step(self) -> None:
+        """One engine step; each request's new text goes to its own consumer."""
+        for output in self.engine.step():
+            deltas = self._deltas.get(output.request_id)
+            if deltas is not None and output.delta:
+                deltas.append(output.delta)
 
     def _submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[Request]:
         """Queue every prompt, or none: a bad one aborts those already queued."""
         requests: list[Request] = []
         try:
             for prompt, p in zip(prompts, params):
-                if not isinstance(p, SamplingParams):
-                    raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
                 requests.append(self.engine.add_request(prompt, p))
+                self._deltas[requests[-1].request_id] = deque()
         except Exception:
-            self._abort_unfinished(requests)
+            for request in requests:
+                self._forget(request)
             raise
         return requests
 
-    def _abort_unfinished(self, requests: list[Request]) -> None:
-        for request in requests:
-            if request.finish_reason is None:
+    def _forget(self, request: Request) -> None:
+        """Stop delivering `request`'s text, and abort it if it is still running."""
+        self._deltas.pop(request.request_id, None)
+        if request.finish_reason is None:
+            with contextlib.suppress(UnknownSequenceError):
                 self.engine.abort(request.request_id)
+
+
+def _is_one_prompt(prompts: object) -> bool:
+    """True for a single prompt (text, or token ids), False for a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
+        return True
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], (int, np.integer))

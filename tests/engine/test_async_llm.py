@@ -1,12 +1,15 @@
 import asyncio
 import threading
+import time
 
 import pytest
+from helpers import ExplodingSampler
 
-from mlxkv import LLM, SamplingParams
+from mlxkv import LLM, RequestFailed, SamplingParams
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
 from mlxkv.engine.async_llm import AsyncLLM
+from mlxkv.engine.sampling import TokenSampler
 from mlxkv.models.loading import load
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61))]
@@ -73,3 +76,63 @@ def test_duplicate_and_oversized_requests_are_refused(setup):
         return "".join([d async for d in llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))])
 
     assert asyncio.run(main())
+
+
+async def collect(llm, prompt, params=SamplingParams(max_tokens=16)):
+    return "".join([delta async for delta in llm.generate(prompt, params)])
+
+
+def test_a_consumer_whose_event_loop_closed_does_not_stop_the_engine(setup):
+    llm, expected = setup
+    loop = asyncio.new_event_loop()
+    orphan = llm.generate(PROMPTS[1], SamplingParams(max_tokens=300))
+    loop.run_until_complete(orphan.__anext__())
+    loop.close()  # the consumer vanishes mid-stream; its outputs can no longer be delivered
+    assert asyncio.run(collect(llm, PROMPTS[0])) == expected[0]
+    deadline = time.monotonic() + 30
+    while llm.engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
+
+
+def test_a_failed_request_fails_in_its_own_consumer_while_others_finish(setup, monkeypatch):
+    llm, expected = setup
+    original = TokenSampler.__call__
+    monkeypatch.setattr(TokenSampler, "__call__", lambda self, logits, index: ExplodingSampler.__call__(
+        self, logits, index) if self.params.seed == 13 else original(self, logits, index))
+
+    async def main():
+        bad = collect(llm, PROMPTS[2], SamplingParams(max_tokens=16, temperature=1.0, seed=13))
+        return await asyncio.gather(collect(llm, PROMPTS[0]), bad, collect(llm, PROMPTS[1]),
+                                    return_exceptions=True)
+
+    first, failure, second = asyncio.run(main())
+    assert [first, second] == [expected[0], expected[1]]
+    assert isinstance(failure, RequestFailed) and "sampler exploded" in str(failure)
+    assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
+
+
+def test_aborts_racing_a_failing_step_leave_the_engine_serving(setup, monkeypatch):
+    llm, expected = setup
+    forward, calls = llm.engine.runner.forward, iter(range(10**6))
+
+    def slow_then_failing(batch):
+        time.sleep(0.05)
+        if next(calls) % 3 == 1:
+            raise RuntimeError("forward failed")
+        return forward(batch)
+
+    monkeypatch.setattr(llm.engine.runner, "forward", slow_then_failing)
+
+    async def main():
+        tasks = [asyncio.ensure_future(collect(llm, p, SamplingParams(max_tokens=40))) for p in PROMPTS * 3]
+        await asyncio.sleep(0.12)
+        for task in tasks[::2]:
+            task.cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, (str, RequestFailed, asyncio.CancelledError)) for r in results)
+    monkeypatch.setattr(llm.engine.runner, "forward", forward)
+    assert asyncio.run(collect(llm, PROMPTS[0])) == expected[0]
+    assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity

@@ -1,10 +1,13 @@
+import gc
+
 import mlx.core as mx
 import pytest
 from conftest import SPECS
-from helpers import MAX_TOKENS, mlx_lm_generate, mlx_lm_greedy, mlx_lm_text
+from helpers import MAX_TOKENS, ExplodingSampler, mlx_lm_generate, mlx_lm_greedy, mlx_lm_text
 from mlx_lm import load as mlx_lm_load
 
-from mlxkv import LLM, ModelLoadError, RequestTooLong, SamplingParams
+from mlxkv import LLM, ModelLoadError, RequestFailed, RequestTooLong, SamplingParams
+from mlxkv.engine.sampling import TokenSampler
 
 PROMPTS = [list(range(5, 8)), list(range(10, 27)), list(range(30, 70))]
 
@@ -132,3 +135,44 @@ def test_a_model_handed_to_mlxkv_still_runs_under_mlx_lm(checkpoint):
 def test_forcing_metal_where_there_is_none_is_a_clear_error(checkpoint):
     with pytest.raises(ValueError, match="attention='metal' but Metal is not available"):
         LLM(str(checkpoint("llama-fp32")), attention="metal")
+
+
+def test_two_streams_and_generate_share_the_engine_without_losing_text(checkpoint):
+    llm = LLM(str(checkpoint("llama-fp32")))
+    params = SamplingParams(max_tokens=12)
+    expected = [c.text for c in llm.generate(PROMPTS, params)]
+    first, second = llm.stream(PROMPTS[0], params), llm.stream(PROMPTS[1], params)
+    text = {0: next(first), 1: ""}
+    for delta in second:
+        text[1] += delta
+    [completion] = llm.generate(PROMPTS[2], params)
+    text[0] += "".join(first)
+    assert [text[0], text[1], completion.text] == expected
+    assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
+
+
+def test_a_stream_never_iterated_is_aborted_when_dropped(checkpoint):
+    llm = LLM(str(checkpoint("llama-fp32")))
+    stream = llm.stream(PROMPTS[0], SamplingParams(max_tokens=50))
+    request = stream.request
+    del stream
+    gc.collect()
+    assert request.finish_reason == "abort"
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
+
+
+def test_a_failed_request_raises_in_its_own_consumer_only(checkpoint, monkeypatch):
+    llm = LLM(str(checkpoint("llama-fp32")))
+    params = SamplingParams(max_tokens=6)
+    expected = llm.generate(PROMPTS[1], params)[0].text
+    bad, good = llm.stream(PROMPTS[0], params), llm.stream(PROMPTS[1], params)
+    bad.request.sampler = ExplodingSampler(SamplingParams(temperature=1.0))
+    assert "".join(good) == expected
+    with pytest.raises(RequestFailed, match=r"request '\d+' failed: sampler exploded"):
+        next(bad)
+    monkeypatch.setattr(TokenSampler, "__call__", lambda self, logits, index: ExplodingSampler.__call__(
+        self, logits, index) if self.params.temperature == 0.5 else mx.argmax(logits, axis=-1))
+    with pytest.raises(RequestFailed, match="sampler exploded"):
+        llm.generate([PROMPTS[0], PROMPTS[2]], [params, SamplingParams(max_tokens=6, temperature=0.5)])
+    assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
