@@ -17,17 +17,27 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "M
 
 
 def parse_memory(value: int | str) -> int:
-    """Bytes from an int or a string such as `2GB`, `512MiB` or `1.5GB`."""
+    """Bytes from an int or a string such as `2GB`, `512MiB` or `1.5GB` (at least one byte)."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(value), re.IGNORECASE)
-    if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"kv_cache_memory must be a size such as 2GB or 512MiB, got {value!r}")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]) if match else 0
+    if size < 1 or isinstance(value, bool):
+        raise ValueError(f"kv_cache_memory must be a size such as 2GB or 512MiB (at least one byte), got {value!r}")
+    return size
 
 
-def total_memory() -> int:
+def device_memory() -> int:
+    """Bytes the device running the model can use: Metal's recommended working set on a Mac,
+    physical memory elsewhere."""
+    info = mx.device_info()
+    if "max_recommended_working_set_size" in info:
+        return int(info["max_recommended_working_set_size"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.1f} GB"
 
 
 @dataclass(frozen=True)
@@ -35,10 +45,12 @@ class EngineConfig:
     """How the engine batches and how much KV cache it keeps.
 
     The KV cache is sized by `num_blocks` (paged only), else `kv_cache_memory`, else
-    enough for `max_num_seqs` sequences of `max_model_len` tokens, capped at a quarter of
-    the machine's memory. In the contiguous layout the budget buys whole `max_model_len`
-    slots, at most `max_num_seqs`. `attention` is `metal` or `reference` (default:
-    `MLXKV_ATTENTION`, else Metal where available).
+    `kv_cache_fraction` of the memory the device can use after the model's weights, and
+    never more than `max_num_seqs` sequences of `max_model_len` tokens need. A cache that
+    would not fit beside the weights is refused before anything is allocated. In the
+    contiguous layout the budget buys whole `max_model_len` slots, at most `max_num_seqs`.
+    `attention` is `metal` or `reference` (default: `MLXKV_ATTENTION`, else Metal where
+    available).
     """
 
     kv_layout: KVLayout | str | None = None
@@ -49,22 +61,42 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     attention: str | None = None
+    kv_cache_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_layout", resolve_layout(self.kv_layout))
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "max_model_len"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            positive_int(name, getattr(self, name))
+        for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_memory(self.kv_cache_memory))
+        if self.attention is not None and not isinstance(self.attention, str):
+            raise ValueError(f"attention must be 'metal', 'reference' or None, got {self.attention!r}")
+        fraction = self.kv_cache_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be a number in (0, 1], got {fraction!r}")
         if self.num_blocks is not None and self.kv_layout is KVLayout.CONTIGUOUS:
             raise ValueError("num_blocks applies to the paged layout; size the contiguous one with kv_cache_memory")
 
     def build_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
-                    model_max_len: int | None) -> KVCacheManager:
+                    model_max_len: int | None, weights_bytes: int = 0) -> KVCacheManager:
+        """The KV cache for a model of this shape, checked against the memory left beside its weights."""
         max_len = self.max_model_len or model_max_len or 4096
         bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
-        budget = self.kv_cache_memory or min(self.max_num_seqs * max_len * bytes_per_token, total_memory() // 4)
+        memory = device_memory()
+        available = max(0, memory - weights_bytes)
+        per_seq = max_len if self.kv_layout is KVLayout.CONTIGUOUS else -(-max_len // self.block_size) * self.block_size
+        full = self.max_num_seqs * per_seq * bytes_per_token
+        budget = self.kv_cache_memory or min(full, int(self.kv_cache_fraction * available))
+        if self.num_blocks is not None:
+            asked, what = self.num_blocks * self.block_size * bytes_per_token, f"num_blocks={self.num_blocks}"
+        else:
+            asked, what = budget, f"kv_cache_memory={_gb(budget)}"
+        if asked > available:
+            raise ValueError(f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
+                             f"({_gb(memory)} the device can use, less {_gb(weights_bytes)} of weights)")
         shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                      max_seq_len=max_len, layout=self.kv_layout)
         if self.kv_layout is KVLayout.CONTIGUOUS:

@@ -1,3 +1,5 @@
+import re
+
 import mlx.core as mx
 import pytest
 
@@ -37,3 +39,38 @@ def test_contiguous_slot_larger_than_the_budget_names_the_fix():
 def test_num_blocks_is_only_for_the_paged_layout():
     with pytest.raises(ValueError, match="num_blocks applies to the paged layout"):
         EngineConfig(kv_layout="contiguous", num_blocks=10)
+
+
+def test_sub_byte_sizes_are_refused_not_taken_for_the_default():
+    with pytest.raises(ValueError, match=r"kv_cache_memory must be a size .* \(at least one byte\), got '0.5'"):
+        EngineConfig(kv_cache_memory="0.5")
+
+
+@pytest.mark.parametrize("sizing, asked", [(dict(kv_cache_memory="200GB"), "kv_cache_memory=200.0 GB asks for 200.0 GB"),
+                                           (dict(num_blocks=100_000_000), "num_blocks=100000000 asks for 183500.8 GB")])
+def test_a_cache_larger_than_the_memory_left_beside_the_weights_is_refused(sizing, asked, monkeypatch):
+    monkeypatch.setattr("mlxkv.config.device_memory", lambda: 16 * 10**9)
+    with pytest.raises(ValueError, match=re.escape(f"{asked} of KV cache, but at most 14.8 GB fits "
+                                                   "(16.0 GB the device can use, less 1.2 GB of weights)")):
+        EngineConfig(**sizing).build_cache(28, 8, 128, mx.bfloat16, 40960, weights_bytes=12 * 10**8)
+
+
+def test_the_default_budget_is_a_fraction_of_the_memory_left_and_no_more_than_the_sequences_need(monkeypatch):
+    monkeypatch.setattr("mlxkv.config.device_memory", lambda: 16 * 10**9)
+    per_token = 2 * 28 * 8 * 128 * 2
+    cache = EngineConfig(max_num_seqs=16).build_cache(28, 8, 128, mx.bfloat16, 40960, weights_bytes=12 * 10**8)
+    assert cache.pool.capacity == int(0.5 * (16 * 10**9 - 12 * 10**8)) // (16 * per_token)
+    small = EngineConfig(max_num_seqs=1, max_model_len=30).build_cache(28, 8, 128, mx.bfloat16, 40960)
+    assert small.pool.capacity == 2  # 30 tokens in pages of 16
+    frugal = EngineConfig(kv_cache_fraction=0.1).build_cache(28, 8, 128, mx.bfloat16, 40960, weights_bytes=0)
+    assert frugal.pool.capacity == int(0.1 * 16 * 10**9) // (16 * per_token)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=None), "block_size must be a positive integer, got None"),
+    (dict(attention=5), "attention must be 'metal', 'reference' or None, got 5"),
+    (dict(kv_cache_fraction=0), r"kv_cache_fraction must be a number in \(0, 1\], got 0"),
+])
+def test_bad_engine_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)

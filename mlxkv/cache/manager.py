@@ -78,6 +78,17 @@ class KVUsage:
     def bytes_holding_tokens(self) -> int:
         return self.tokens * self.bytes_per_token
 
+    @property
+    def bytes_pool(self) -> int:
+        """Bytes of the whole pool, in use or not."""
+        return self.pages_total * self.block_size * self.bytes_per_token
+
+    def __str__(self) -> str:
+        pool = f"{self.bytes_pool / 2**30:.2f} GiB" if self.bytes_pool >= 2**30 else f"{self.bytes_pool / 2**20:.2f} MiB"
+        return (f"{self.layout.value}, {self.pages_used}/{self.pages_total} pages of {self.block_size} tokens in use "
+                f"(pool {pool}), {self.bytes_holding_tokens / 2**20:.2f} of {self.bytes_allocated / 2**20:.2f} MiB "
+                "in use holding tokens")
+
 
 def _stable_width(pages: int, limit: int) -> int:
     """Pad block tables to the next power of two so kernels see few distinct shapes."""

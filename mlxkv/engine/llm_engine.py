@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..attention.kernels import PagedAttentionKernels, select_attention
@@ -33,6 +34,12 @@ def request_key(request_id: object) -> str:
     if isinstance(request_id, str) or (isinstance(request_id, int) and not isinstance(request_id, bool)):
         return str(request_id)
     raise TypeError(f"request_id must be a string or an integer, got {type(request_id).__name__}")
+
+
+def encode_text(tokenizer: TokenizerWrapper, text: str) -> list[int]:
+    """Token ids of `text`, with the tokenizer's BOS unless the text starts with it (as mlx-lm does)."""
+    bos = tokenizer.bos_token
+    return tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
 
 
 def token_ids(prompt: object) -> list[int]:
@@ -77,8 +84,9 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         layers, kv_heads, head_dim, dtype = kv_shape(model)
+        weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
         self.cache = self.config.build_cache(layers, kv_heads, head_dim, dtype,
-                                             getattr(model.args, "max_position_embeddings", None))
+                                             getattr(model.args, "max_position_embeddings", None), weights)
         attention = attention or select_attention(self.config.attention)
         if isinstance(attention, PagedAttentionKernels):
             problem = attention.warm(dtype, head_dim, self.cache.block_size, model.args.num_attention_heads, kv_heads)
@@ -104,8 +112,7 @@ class LLMEngine:
     def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         """Token ids for a prompt given as text or ids (text gets the tokenizer's BOS, as in mlx-lm)."""
         if isinstance(prompt, str):
-            bos = self.tokenizer.bos_token
-            ids = self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+            ids = encode_text(self.tokenizer, prompt)
         else:
             ids = token_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -176,6 +183,9 @@ class LLMEngine:
             return self._recover(batch.requests, [sampling[exc.row]], exc.cause)
         except Exception as exc:
             return self._recover(batch.requests, None, exc)
+        except BaseException:  # e.g. Ctrl-C: undo the step, fail no request, let it through
+            self._recover(batch.requests, [], None)
+            raise
         with self._lock:
             for request, count in zip(batch.requests, batch.counts):
                 request.num_computed += count
@@ -187,7 +197,8 @@ class LLMEngine:
         with self._lock:
             return [self._fail(request, error) for request in list(self.requests.values())]
 
-    def _recover(self, batch: list[Request], culprits: list[Request] | None, error: Exception) -> list[RequestOutput]:
+    def _recover(self, batch: list[Request], culprits: list[Request] | None,
+                 error: Exception | None) -> list[RequestOutput]:
         """Undo a failed step, then fail the requests that caused it (all of `batch` when that
         cannot be told).
 

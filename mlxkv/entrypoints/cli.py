@@ -3,31 +3,42 @@
 from __future__ import annotations
 
 import sys
+from importlib.metadata import version
 from typing import Optional
 
 import mlx.core as mx
 import typer
 
+from ..engine.llm_engine import encode_text
 from ..engine.sampling import SamplingParams
 from ..errors import MlxkvError
+from ..models.loading import load
 from .llm import LLM, Stream
 
 app = typer.Typer(help="Local LLM inference with MLX over a paged KV cache.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
+                  add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 
-MODEL = typer.Option(None, help="mlx-lm checkpoint directory or Hugging Face repo id [default: the shipped demo model]")
-MAX_TOKENS = typer.Option(100, "--max-tokens", "-m", help="Most tokens to generate.")
+MODEL = typer.Option(None, "--model", help="mlx-lm checkpoint directory or Hugging Face repo id "
+                                            "[default: the shipped demo model]", show_default=False)
 TEMP = typer.Option(0.0, help="Sampling temperature; 0 is greedy.")
 TOP_P = typer.Option(1.0, help="Nucleus sampling threshold in (0, 1].")
 TOP_K = typer.Option(0, help="Sample from the k most likely tokens; 0 disables.")
 MIN_P = typer.Option(0.0, help="Drop tokens below min_p times the top probability.")
-SEED = typer.Option(None, help="Seed for reproducible sampling.")
+SEED = typer.Option(None, help="Seed for reproducible sampling, in [0, 2**64).")
 SYSTEM = typer.Option(None, help="System prompt for the chat template.")
 NO_TEMPLATE = typer.Option(False, help="Use the prompt as is, without the chat template.")
-LAYOUT = typer.Option(None, help="KV layout: paged or contiguous [default: $MLXKV_KV_LAYOUT or paged].")
+LAYOUT = typer.Option(None, help="KV layout: paged or contiguous [default: $MLXKV_KV_LAYOUT or paged].",
+                      show_default=False)
 BLOCK = typer.Option(16, help="Tokens per KV page.")
-MEMORY = typer.Option(None, help="KV cache size, e.g. 2GB or 512MiB.")
+MEMORY = typer.Option(None, help="KV cache size, e.g. 2GB or 512MiB [default: what the job needs].",
+                      show_default=False)
 BLOCKS = typer.Option(None, help="Number of KV pages (paged layout), instead of --kv-cache-memory.")
+MAX_LEN = typer.Option(None, help="Most tokens one sequence may hold [default: the model's context].",
+                       show_default=False)
+MAX_SEQS = typer.Option(1, help="Most sequences the KV cache is sized and scheduled for.")
+VERBOSE = typer.Option(True, "--verbose/--no-verbose", help="Print the figures after the text; with "
+                                                             "--no-verbose only the text goes to stdout.")
 
 
 def fail(message: object) -> None:
@@ -35,72 +46,113 @@ def fail(message: object) -> None:
     raise typer.Exit(1)
 
 
-def build(model, layout, block_size, memory, blocks, max_tokens, temp, top_p, top_k, min_p, seed):
-    """Validate the sampling options first (cheap), then load the model."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    llm = LLM(model, kv_layout=layout, block_size=block_size, kv_cache_memory=memory, num_blocks=blocks, max_num_seqs=1)
-    return llm, params
+def show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"mlxkv {version('mlxkv')}")
+        raise typer.Exit()
 
 
-def prompt_ids(llm: LLM, messages: list[dict], ignore_template: bool) -> list[int] | str:
-    if llm.tokenizer.has_chat_template and not ignore_template:
-        return llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return "\n".join(m["content"] for m in messages if m["role"] != "system")
+@app.callback()
+def main(_: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                help="Print the version and exit.")) -> None:
+    """Local LLM inference with MLX over a paged KV cache."""
 
 
-def run_and_report(llm: LLM, prompt, params: SamplingParams) -> str:
-    """Stream one completion to stdout, then print mlx-lm's figures and the KV cache's."""
+def sampling(max_tokens: int, temp: float, top_p: float, top_k: int, min_p: float, seed: int | None) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+
+
+def model_len(model, max_model_len: int | None) -> int:
+    """`--max-model-len`, else the model's own context."""
+    return max_model_len or getattr(model.args, "max_position_embeddings", None) or 4096
+
+
+def prompt_ids(tokenizer, messages: list[dict], ignore_template: bool) -> list[int]:
+    if tokenizer.has_chat_template and not ignore_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return encode_text(tokenizer, "\n".join(m["content"] for m in messages if m["role"] != "system"))
+
+
+def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose: bool) -> str:
+    """Stream one completion to stdout, then (verbose) print mlx-lm's figures and the KV cache's."""
     llm.engine.reset_peak_usage()
     stream: Stream = llm.stream(prompt, params)
-    for delta in stream:
-        typer.echo(delta, nl=False)
-    request, usage = stream.request, llm.engine.peak_usage
-    typer.echo("\n==========")
-    typer.echo(f"Prompt: {len(request.prompt_ids)} tokens, {request.prompt_tps:.3f} tokens-per-sec")
-    typer.echo(f"Generation: {len(request.output_ids)} tokens, {request.generation_tps:.3f} tokens-per-sec")
-    typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-    typer.echo(f"KV cache: {usage.layout.value}, {usage.pages_used}/{usage.pages_total} pages of "
-               f"{usage.block_size} tokens, {usage.bytes_holding_tokens / 2**20:.2f} of "
-               f"{usage.bytes_allocated / 2**20:.2f} MiB holding tokens")
+    if verbose:
+        typer.echo("==========")
+    try:
+        for delta in stream:
+            typer.echo(delta, nl=False)
+    finally:
+        stream.close()
+    typer.echo()
+    request = stream.request
+    if verbose and request.first_token_time is not None:
+        typer.echo("==========")
+        typer.echo(f"Prompt: {len(request.prompt_ids)} tokens, {request.prompt_tps:.3f} tokens-per-sec")
+        typer.echo(f"Generation: {len(request.output_ids)} tokens, {request.generation_tps:.3f} tokens-per-sec")
+        typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+        typer.echo(f"KV cache: {llm.engine.peak_usage}")
     return request.stream.text
+
+
+def read_stdin() -> str:
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the prompt on stdin is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 @app.command()
 def generate(
     model: Optional[str] = MODEL,
     prompt: str = typer.Option("hello", "--prompt", "-p", help="The prompt; - reads it from stdin."),
-    max_tokens: int = MAX_TOKENS, temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K,
-    min_p: float = MIN_P, seed: Optional[int] = SEED, system_prompt: Optional[str] = SYSTEM,
+    max_tokens: int = typer.Option(100, "--max-tokens", "-m", help="Most tokens to generate."),
+    temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P,
+    seed: Optional[int] = SEED, system_prompt: Optional[str] = SYSTEM,
     ignore_chat_template: bool = NO_TEMPLATE, kv_layout: Optional[str] = LAYOUT, block_size: int = BLOCK,
     kv_cache_memory: Optional[str] = MEMORY, num_blocks: Optional[int] = BLOCKS,
+    max_model_len: Optional[int] = MAX_LEN, max_num_seqs: int = MAX_SEQS, verbose: bool = VERBOSE,
 ) -> None:
-    """Generate a completion for one prompt, streamed, then print speed and memory figures."""
+    """Generate a completion for one prompt, streamed, then print speed and memory figures.
+
+    The KV cache is sized to this one request (prompt plus --max-tokens) unless
+    --kv-cache-memory or --num-blocks says otherwise."""
     try:
-        if prompt == "-":
-            prompt = sys.stdin.read()
-        llm, params = build(model, kv_layout, block_size, kv_cache_memory, num_blocks,
-                            max_tokens, temp, top_p, top_k, min_p, seed)
+        params = sampling(max_tokens, temp, top_p, top_k, min_p, seed)
+        text = read_stdin() if prompt == "-" else prompt
+        loaded = load(model)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": prompt}]
-        typer.echo("==========")
-        run_and_report(llm, prompt_ids(llm, messages, ignore_chat_template), params)
+            {"role": "user", "content": text}]
+        ids = prompt_ids(loaded[1], messages, ignore_chat_template)
+        length = min(model_len(loaded[0], max_model_len), len(ids) + max_tokens)
+        llm = LLM(loaded, kv_layout=kv_layout, block_size=block_size, kv_cache_memory=kv_cache_memory,
+                  num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=length)
+        run_and_report(llm, ids, params, verbose)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
+
+
+BANNER = "Chat: type a message. /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply (and drops the turn)."
 
 
 @app.command()
 def chat(
-    model: Optional[str] = MODEL, max_tokens: int = typer.Option(512, "--max-tokens", "-m", help="Most tokens per reply."),
+    model: Optional[str] = MODEL,
+    max_tokens: int = typer.Option(512, "--max-tokens", "-m", help="Most tokens per reply."),
     temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P,
     seed: Optional[int] = SEED, system_prompt: Optional[str] = SYSTEM, kv_layout: Optional[str] = LAYOUT,
     block_size: int = BLOCK, kv_cache_memory: Optional[str] = MEMORY, num_blocks: Optional[int] = BLOCKS,
+    max_model_len: Optional[int] = MAX_LEN, verbose: bool = VERBOSE,
 ) -> None:
-    """A multi-turn chat in the terminal (/reset starts over, /exit or Ctrl-D quits)."""
+    """A multi-turn chat in the terminal. The KV cache holds one conversation of --max-model-len tokens."""
     try:
-        llm, params = build(model, kv_layout, block_size, kv_cache_memory, num_blocks,
-                            max_tokens, temp, top_p, top_k, min_p, seed)
+        params = sampling(max_tokens, temp, top_p, top_k, min_p, seed)
+        loaded = load(model)
+        llm = LLM(loaded, kv_layout=kv_layout, block_size=block_size, kv_cache_memory=kv_cache_memory,
+                  num_blocks=num_blocks, max_num_seqs=1, max_model_len=model_len(loaded[0], max_model_len))
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
+    typer.echo(BANNER)
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages = list(system)
     while True:
@@ -109,16 +161,36 @@ def chat(
         except EOFError:
             typer.echo()
             return
+        except KeyboardInterrupt:
+            typer.echo()
+            continue
+        except UnicodeDecodeError as exc:
+            typer.echo(f"error: that line is not UTF-8 text ({exc.reason}); type it again", err=True)
+            continue
         if line.strip() == "/exit":
             return
         if line.strip() == "/reset":
             messages = list(system)
             continue
         messages.append({"role": "user", "content": line})
-        try:
-            reply = run_and_report(llm, prompt_ids(llm, messages, False), params)
-        except (MlxkvError, ValueError) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            messages.pop()
-            continue
-        messages.append({"role": "assistant", "content": reply})
+        messages = chat_turn(llm, messages, params, verbose)
+
+
+def chat_turn(llm: LLM, messages: list[dict], params: SamplingParams, verbose: bool) -> list[dict]:
+    """Answer the last message within what is left of the context; returns the conversation after it."""
+    ids = prompt_ids(llm.tokenizer, messages, False)
+    room = llm.engine.max_request_tokens - len(ids) + 1
+    if room < 1:
+        typer.echo(f"error: the conversation ({len(ids)} tokens) has outgrown the context of "
+                   f"{llm.engine.max_request_tokens} tokens; /reset starts a new one", err=True)
+        return messages[:-1]
+    turn = SamplingParams(**{**params.__dict__, "max_tokens": min(params.max_tokens, room)})
+    try:
+        reply = run_and_report(llm, ids, turn, verbose)
+    except KeyboardInterrupt:
+        typer.echo("\n[reply stopped]")
+        return messages[:-1]
+    except (MlxkvError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return messages[:-1]
+    return messages + [{"role": "assistant", "content": reply}]

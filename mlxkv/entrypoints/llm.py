@@ -83,9 +83,10 @@ class LLM:
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
         attention: str | None = None,
+        kv_cache_fraction: float = 0.5,
     ) -> None:
         config = EngineConfig(kv_layout, block_size, num_blocks, kv_cache_memory, max_num_seqs,
-                              max_num_batched_tokens, max_model_len, attention)
+                              max_num_batched_tokens, max_model_len, attention, kv_cache_fraction)
         self.model, self.tokenizer = model if isinstance(model, tuple) else load(model)
         self.engine = LLMEngine(self.model, self.tokenizer, config)
         self._deltas: dict[str, deque[str]] = {}  # text waiting for each live request's consumer

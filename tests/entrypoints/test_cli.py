@@ -15,7 +15,8 @@ STATS = [
     r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$",
     r"^Generation: \d+ tokens, [\d.]+ tokens-per-sec$",
     r"^Peak memory: [\d.]+ GB$",
-    r"^KV cache: (paged|contiguous), \d+/\d+ pages of \d+ tokens, [\d.]+ of [\d.]+ MiB holding tokens$",
+    r"^KV cache: (paged|contiguous), \d+/\d+ pages of \d+ tokens in use \(pool [\d.]+ [MG]iB\), "
+    r"[\d.]+ of [\d.]+ MiB in use holding tokens$",
 ]
 
 
