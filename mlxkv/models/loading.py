@@ -19,6 +19,9 @@ DEMO_MODEL = Path(__file__).parents[1] / "demo_model"
 
 def resolve_model_path(path_or_repo: str | Path) -> Path:
     """A local checkpoint directory for `path_or_repo`; a repo id is fetched as mlx-lm fetches it."""
+    if not isinstance(path_or_repo, (str, Path)):
+        raise ModelLoadError(f"model must be a checkpoint directory or a Hugging Face repo id, "
+                             f"got {type(path_or_repo).__name__}")
     path = Path(path_or_repo).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -34,21 +37,42 @@ def resolve_model_path(path_or_repo: str | Path) -> Path:
 
 
 def check_config(path: Path) -> dict:
-    """The checkpoint's config.json, if its architecture is one mlxkv runs."""
+    """The checkpoint's config.json, if mlxkv runs its architecture as mlx-lm does."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{str(path)!r} has no config.json; expected an mlx-lm checkpoint directory")
     try:
-        config = json.loads(config_file.read_text())
+        config = json.loads(config_file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"{str(config_file)!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{str(config_file)!r} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{str(config_file)!r} must hold a JSON object, got a {type(config).__name__}")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"unsupported model_type {model_type!r} in {str(config_file)!r}; "
             f"mlxkv supports {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if "sliding_attention" in (config.get("layer_types") or ()):
+        raise ModelLoadError(f"{str(config_file)!r} has sliding-window attention layers (layer_types), "
+                             "which mlxkv does not run yet")
     return config
+
+
+def rope_overrides(config: dict) -> dict:
+    """`rope_theta` and `rope_scaling` lifted out of `rope_parameters` (where transformers 5 writes
+    them) for the model code that reads only the old fields."""
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return {}
+    lifted = {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        lifted["rope_theta"] = rope["rope_theta"]
+    if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+        lifted["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return lifted
 
 
 def load(path_or_repo: str | Path | None = None) -> tuple[nn.Module, TokenizerWrapper]:
@@ -57,8 +81,8 @@ def load(path_or_repo: str | Path | None = None) -> tuple[nn.Module, TokenizerWr
     `None` loads the small demo model shipped inside the package.
     """
     path = resolve_model_path(DEMO_MODEL if path_or_repo is None else path_or_repo)
-    check_config(path)
+    config = check_config(path)
     try:
-        return mlx_lm_load(str(path))
+        return mlx_lm_load(str(path), model_config=rope_overrides(config))
     except Exception as exc:
         raise ModelLoadError(f"could not load the checkpoint in {str(path)!r}: {exc}") from None
