@@ -44,7 +44,9 @@ def encode_text(tokenizer: TokenizerWrapper, text: str) -> list[int]:
 
 def token_ids(prompt: object) -> list[int]:
     """A prompt of token ids as a list of ints: a sequence or 1-D array of integers, numpy's included."""
-    if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer):
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+            raise TypeError(f"a prompt array must be 1-D integer token ids, got {prompt.ndim}-D {prompt.dtype}")
         return prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
         raise TypeError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")

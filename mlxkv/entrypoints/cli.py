@@ -95,11 +95,12 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
     return request.stream.text
 
 
-def read_stdin() -> str:
+def utf8(text: str | bytes, what: str) -> str:
+    """`text` if it is valid UTF-8 (bytes decoded; undecodable input arrives as surrogates)."""
     try:
-        return sys.stdin.buffer.read().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"the prompt on stdin is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        return text.decode("utf-8") if isinstance(text, bytes) else text.encode("utf-8").decode("utf-8")
+    except UnicodeError as exc:
+        raise ValueError(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 @app.command()
@@ -119,7 +120,7 @@ def generate(
     --kv-cache-memory or --num-blocks says otherwise."""
     try:
         params = sampling(max_tokens, temp, top_p, top_k, min_p, seed)
-        text = read_stdin() if prompt == "-" else prompt
+        text = utf8(sys.stdin.buffer.read(), "the prompt on stdin") if prompt == "-" else utf8(prompt, "--prompt")
         loaded = load(model)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": text}]
@@ -157,15 +158,15 @@ def chat(
     messages = list(system)
     while True:
         try:
-            line = input(">> ")
+            line = utf8(input(">> "), "that line")
         except EOFError:
             typer.echo()
             return
         except KeyboardInterrupt:
             typer.echo()
             continue
-        except UnicodeDecodeError as exc:
-            typer.echo(f"error: that line is not UTF-8 text ({exc.reason}); type it again", err=True)
+        except (UnicodeError, ValueError) as exc:
+            typer.echo(f"error: {exc}; type it again", err=True)
             continue
         if line.strip() == "/exit":
             return

@@ -105,3 +105,57 @@ def test_default_model_is_the_shipped_demo_and_writes_readable_text():
     words = text.split()
     assert len(words) >= 15
     assert sum(ch.isalpha() or ch.isspace() for ch in text) / len(text) > 0.75
+
+
+def test_short_help_version_and_help_that_shows_its_defaults():
+    assert runner.invoke(app, ["-h"]).exit_code == 0
+    version = runner.invoke(app, ["--version"])
+    assert re.fullmatch(r"mlxkv \d+\.\d+\.\d+\S*\n", version.stdout)
+    help_text = " ".join(runner.invoke(app, ["generate", "-h"]).stdout.split())
+    for note in ("[default: the shipped demo model]", "[default: $MLXKV_KV_LAYOUT or paged]",
+                 "[default: what the job needs]", "[default: the model's context]", "--max-num-seqs",
+                 "--verbose / --no-verbose"):
+        assert note in help_text, note
+
+
+def test_no_verbose_prints_only_the_text(checkpoint):
+    path = checkpoint("llama-fp32")
+    result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "-m", "12", "--no-verbose"])
+    _, tokenizer = mlx_lm_load(str(path))
+    assert result.stdout == mlx_lm_text(tokenizer, mlx_lm_greedy(path, tokenizer.encode(PROMPT), 12)) + "\n"
+
+
+def test_chat_banner_and_a_conversation_that_outgrows_the_context(checkpoint):
+    result = runner.invoke(app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6", "--max-model-len", "24",
+                                 "--no-verbose"], input="The quick brown\nfox jumps over\nthe lazy dog\n/reset\nhi\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("Chat: type a message. /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops")
+    assert re.search(r"error: the conversation \(\d+ tokens\) has outgrown the context of 24 tokens; "
+                     r"/reset starts a new one", result.stderr)
+    assert result.stdout.count(">> ") == 6
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_session(checkpoint, monkeypatch):
+    from mlxkv.entrypoints.llm import Stream
+
+    original, calls = Stream.__next__, iter(range(10**6))
+
+    def interrupted_once(self):
+        if next(calls) == 2:
+            raise KeyboardInterrupt
+        return original(self)
+
+    monkeypatch.setattr(Stream, "__next__", interrupted_once)
+    result = runner.invoke(app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6"],
+                           input="The quick\nbrown fox\n")
+    assert result.exit_code == 0, result.output
+    assert "[reply stopped]" in result.stdout
+    assert result.stdout.count("Generation: 6 tokens") == 1
+
+
+def test_chat_names_a_line_that_is_not_utf8_and_goes_on(checkpoint):
+    proc = subprocess.run([sys.executable, "-m", "mlxkv", "chat", "--model", str(checkpoint("llama-fp32")), "-m", "4"],
+                          input=b"caf\xe9\xff\nThe quick\n", capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert b"error: that line is not UTF-8 text" in proc.stderr
+    assert proc.stdout.count(b"Generation: 4 tokens") == 1

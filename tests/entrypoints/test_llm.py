@@ -1,6 +1,7 @@
 import gc
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import SPECS
 from helpers import MAX_TOKENS, ExplodingSampler, mlx_lm_generate, mlx_lm_greedy, mlx_lm_text
@@ -176,3 +177,19 @@ def test_a_failed_request_raises_in_its_own_consumer_only(checkpoint, monkeypatc
     with pytest.raises(RequestFailed, match="sampler exploded"):
         llm.generate([PROMPTS[0], PROMPTS[2]], [params, SamplingParams(max_tokens=6, temperature=0.5)])
     assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
+
+
+def test_a_vanishing_temperature_is_greedy_not_token_zero(checkpoint):
+    llm = LLM(str(checkpoint("llama-fp32")))
+    greedy = llm.generate(PROMPTS[1], SamplingParams(max_tokens=8))[0].token_ids
+    assert llm.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=1e-300))[0].token_ids == greedy
+    assert greedy != [0] * 8
+
+
+def test_numpy_token_ids_are_prompts(checkpoint):
+    llm = LLM(str(checkpoint("llama-fp32")))
+    expected = llm.generate(PROMPTS[1], SamplingParams(max_tokens=6))[0].token_ids
+    for prompt in (np.array(PROMPTS[1]), [np.int64(t) for t in PROMPTS[1]]):
+        assert llm.generate(prompt, SamplingParams(max_tokens=6))[0].token_ids == expected
+    assert [c.token_ids for c in llm.generate(np.array([PROMPTS[1]] * 2), SamplingParams(max_tokens=6))] == \
+        [expected] * 2
