@@ -22,7 +22,7 @@ def parse_memory(value: int | str) -> int:
         return value
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(value), re.IGNORECASE)
     size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]) if match else 0
-    if size < 1 or isinstance(value, bool):
+    if size < 1:
         raise ValueError(f"kv_cache_memory must be a size such as 2GB or 512MiB (at least one byte), got {value!r}")
     return size
 
@@ -34,6 +34,11 @@ def device_memory() -> int:
     if "max_recommended_working_set_size" in info:
         return int(info["max_recommended_working_set_size"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def context_length(max_model_len: int | None, model_max_len: int | None) -> int:
+    """Most tokens one sequence may hold: `max_model_len`, else the model's context, else 4096."""
+    return max_model_len or model_max_len or 4096
 
 
 def _gb(size: int) -> str:
@@ -83,7 +88,7 @@ class EngineConfig:
     def build_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
                     model_max_len: int | None, weights_bytes: int = 0) -> KVCacheManager:
         """The KV cache for a model of this shape, checked against the memory left beside its weights."""
-        max_len = self.max_model_len or model_max_len or 4096
+        max_len = context_length(self.max_model_len, model_max_len)
         bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         memory = device_memory()
         available = max(0, memory - weights_bytes)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import threading
 from collections.abc import AsyncIterator, Sequence
 
 import mlx.core as mx
 
-from ..errors import RequestFailed, UnknownSequenceError
+from ..errors import RequestFailed
 from .llm_engine import LLMEngine, RequestOutput, request_key
 from .sampling import SamplingParams
 
@@ -62,8 +61,7 @@ class AsyncLLM:
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                with contextlib.suppress(UnknownSequenceError):
-                    self.engine.abort(request_id)
+                self.engine.abort(request_id, missing_ok=True)
 
     def abort(self, request_id: str | int) -> None:
         """Cancel a request from any thread; its pages are free when this returns."""
@@ -103,5 +101,4 @@ class AsyncLLM:
             loop.call_soon_threadsafe(queue.put_nowait, output)
         except RuntimeError:  # the consumer's event loop is closed: nobody will read this request
             self._queues.pop(output.request_id, None)
-            with contextlib.suppress(UnknownSequenceError):
-                self.engine.abort(output.request_id)
+            self.engine.abort(output.request_id, missing_ok=True)

@@ -152,13 +152,15 @@ class LLMEngine:
             self.scheduler.add(request)
         return request
 
-    def abort(self, request_id: str | int) -> None:
-        """Drop a request wherever it is; its pages are free when this returns."""
+    def abort(self, request_id: str | int, missing_ok: bool = False) -> None:
+        """Drop a request wherever it is; its pages are free when this returns. An id that is
+        not live (unknown, or already finished) raises `UnknownSequenceError` unless `missing_ok`."""
         with self._lock:
             request = self.requests.pop(request_key(request_id), None)
-            if request is None:
+            if request is not None:
+                self.scheduler.finish(request, "abort")
+            elif not missing_ok:
                 raise UnknownSequenceError(request_id)
-            self.scheduler.finish(request, "abort")
 
     def has_unfinished(self) -> bool:
         with self._lock:

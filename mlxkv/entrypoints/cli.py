@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from importlib.metadata import version
 from typing import Optional
 
 import mlx.core as mx
 import typer
 
+from ..config import context_length
 from ..engine.llm_engine import encode_text
 from ..engine.sampling import SamplingParams
 from ..errors import MlxkvError
@@ -60,11 +62,6 @@ def main(_: bool = typer.Option(False, "--version", callback=show_version, is_ea
 
 def sampling(max_tokens: int, temp: float, top_p: float, top_k: int, min_p: float, seed: int | None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-
-
-def model_len(model, max_model_len: int | None) -> int:
-    """`--max-model-len`, else the model's own context."""
-    return max_model_len or getattr(model.args, "max_position_embeddings", None) or 4096
 
 
 def prompt_ids(tokenizer, messages: list[dict], ignore_template: bool) -> list[int]:
@@ -125,7 +122,8 @@ def generate(
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": text}]
         ids = prompt_ids(loaded[1], messages, ignore_chat_template)
-        length = min(model_len(loaded[0], max_model_len), len(ids) + max_tokens)
+        context = context_length(max_model_len, getattr(loaded[0].args, "max_position_embeddings", None))
+        length = min(context, len(ids) + max_tokens)
         llm = LLM(loaded, kv_layout=kv_layout, block_size=block_size, kv_cache_memory=kv_cache_memory,
                   num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=length)
         run_and_report(llm, ids, params, verbose)
@@ -150,7 +148,7 @@ def chat(
         params = sampling(max_tokens, temp, top_p, top_k, min_p, seed)
         loaded = load(model)
         llm = LLM(loaded, kv_layout=kv_layout, block_size=block_size, kv_cache_memory=kv_cache_memory,
-                  num_blocks=num_blocks, max_num_seqs=1, max_model_len=model_len(loaded[0], max_model_len))
+                  num_blocks=num_blocks, max_num_seqs=1, max_model_len=max_model_len)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
     typer.echo(BANNER)
@@ -185,7 +183,7 @@ def chat_turn(llm: LLM, messages: list[dict], params: SamplingParams, verbose: b
         typer.echo(f"error: the conversation ({len(ids)} tokens) has outgrown the context of "
                    f"{llm.engine.max_request_tokens} tokens; /reset starts a new one", err=True)
         return messages[:-1]
-    turn = SamplingParams(**{**params.__dict__, "max_tokens": min(params.max_tokens, room)})
+    turn = replace(params, max_tokens=min(params.max_tokens, room))
     try:
         reply = run_and_report(llm, ids, turn, verbose)
     except KeyboardInterrupt:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -18,7 +17,7 @@ from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
-from ..errors import RequestFailed, UnknownSequenceError
+from ..errors import RequestFailed
 from ..models.loading import load
 
 Prompt = str | Sequence[int]
@@ -144,8 +143,7 @@ class LLM:
         """Stop delivering `request`'s text, and abort it if it is still running."""
         self._deltas.pop(request.request_id, None)
         if request.finish_reason is None:
-            with contextlib.suppress(UnknownSequenceError):
-                self.engine.abort(request.request_id)
+            self.engine.abort(request.request_id, missing_ok=True)
 
 
 def _is_one_prompt(prompts: object) -> bool:
