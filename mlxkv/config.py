@@ -55,7 +55,8 @@ class EngineConfig:
     would not fit beside the weights is refused before anything is allocated. In the
     contiguous layout the budget buys whole `max_model_len` slots, at most `max_num_seqs`.
     `attention` is `metal` or `reference` (default: `MLXKV_ATTENTION`, else Metal where
-    available).
+    available). `enable_prefix_caching` lets requests share the cached pages of a common
+    prefix (paged layout only).
     """
 
     kv_layout: KVLayout | str | None = None
@@ -67,6 +68,7 @@ class EngineConfig:
     max_model_len: int | None = None
     attention: str | None = None
     kv_cache_fraction: float = 0.5
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_layout", resolve_layout(self.kv_layout))
@@ -82,6 +84,8 @@ class EngineConfig:
         fraction = self.kv_cache_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be a number in (0, 1], got {fraction!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.num_blocks is not None and self.kv_layout is KVLayout.CONTIGUOUS:
             raise ValueError("num_blocks applies to the paged layout; size the contiguous one with kv_cache_memory")
 
@@ -103,7 +107,7 @@ class EngineConfig:
             raise ValueError(f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
                              f"({_gb(memory)} the device can use, less {_gb(weights_bytes)} of weights)")
         shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                     max_seq_len=max_len, layout=self.kv_layout)
+                     max_seq_len=max_len, layout=self.kv_layout, prefix_caching=self.enable_prefix_caching)
         if self.kv_layout is KVLayout.CONTIGUOUS:
             slots = min(self.max_num_seqs, budget // (max_len * bytes_per_token))
             if slots == 0:

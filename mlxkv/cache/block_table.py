@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from ..errors import SequenceTooLong
 from .pool import PagePool
+from .prefix_cache import page_key, root_key
 
 
 class BlockTable:
     """Logical block i of a sequence lives in physical page `pages[i]` of the pool.
 
     Token `p` is stored at slot `pages[p // page_size] * page_size + p % page_size`.
-    The table grows from the pool as tokens are appended, up to `max_tokens`.
+    The table grows from the pool as tokens are appended, up to `max_tokens`. With prefix
+    caching it starts from the cached pages of its prefix (`reuse_prefix`) and publishes
+    each page its tokens fill (`publish`); `keys[i]` is the content key of full page i.
     """
 
     def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int) -> None:
@@ -23,6 +26,8 @@ class BlockTable:
         self.max_tokens = max_tokens
         self.num_tokens = 0
         self.pages: list[int] = []
+        self.keys: list[bytes] = []
+        self.salt: str | None = None
 
     @property
     def page_size(self) -> int:
@@ -78,8 +83,38 @@ class BlockTable:
         page = self.pages[position // self.page_size]
         return page * self.page_size + position % self.page_size
 
+    def reuse_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
+        """Start the empty table from the cached pages holding `tokens`' leading full pages, up
+        to the first miss, and never the last token (whose logits must be computed).
+        Returns how many tokens are already in place."""
+        if self.pages:
+            raise ValueError(f"sequence {self.owner} already holds pages; a prefix is reused only before its first step")
+        self.salt, size = salt, self.page_size
+        parent, pages = root_key(salt), []
+        for start in range(0, (len(tokens) - 1) // size * size, size):
+            key = page_key(parent, tokens[start : start + size])
+            page = self.pool.lookup(key)
+            if page is None:
+                break
+            pages.append(page)
+            self.keys.append(key)
+            parent = key
+        self.pool.share(self.owner, pages)
+        self.pages, self.num_tokens = pages, len(pages) * size
+        return self.num_tokens
+
+    def publish(self, tokens: Sequence[int], num_computed: int) -> None:
+        """Offer every page filled by the first `num_computed` of `tokens` (K/V now stored) to the cache."""
+        if not 0 <= num_computed <= min(self.num_tokens, len(tokens)):
+            raise ValueError(f"num_computed={num_computed} is outside 0..{min(self.num_tokens, len(tokens))}")
+        size = self.page_size
+        for index in range(len(self.keys), num_computed // size):
+            parent = self.keys[-1] if self.keys else root_key(self.salt)
+            self.keys.append(page_key(parent, tokens[index * size : (index + 1) * size]))
+            self.pool.publish(self.pages[index], self.keys[-1])
+
     def release(self) -> int:
         """Return the pages to the pool; returns how many the sequence held."""
-        self.pages = []
+        self.pages, self.keys = [], []
         self.num_tokens = 0
         return self.pool.free(self.owner)

@@ -68,6 +68,7 @@ class KVUsage:
     block_size: int
     tokens: int
     bytes_per_token: int
+    pages_cached: int = 0  # free pages still holding cached prefix pages
 
     @property
     def bytes_allocated(self) -> int:
@@ -85,9 +86,10 @@ class KVUsage:
 
     def __str__(self) -> str:
         pool = f"{self.bytes_pool / 2**30:.2f} GiB" if self.bytes_pool >= 2**30 else f"{self.bytes_pool / 2**20:.2f} MiB"
-        return (f"{self.layout.value}, {self.pages_used}/{self.pages_total} pages of {self.block_size} tokens in use "
-                f"(pool {pool}), {self.bytes_holding_tokens / 2**20:.2f} of {self.bytes_allocated / 2**20:.2f} MiB "
-                "in use holding tokens")
+        cached = f", {self.pages_cached} more cached" if self.pages_cached else ""
+        return (f"{self.layout.value}, {self.pages_used}/{self.pages_total} pages of {self.block_size} tokens in use"
+                f"{cached} (pool {pool}), {self.bytes_holding_tokens / 2**20:.2f} of "
+                f"{self.bytes_allocated / 2**20:.2f} MiB in use holding tokens")
 
 
 def _stable_width(pages: int, limit: int) -> int:
@@ -98,9 +100,13 @@ def _stable_width(pages: int, limit: int) -> int:
 class KVCacheManager:
     """Per-sequence KV caches over one page pool, in either layout.
 
-    Lifecycle (as MAX's continuous-batching manager): `claim` ids, `step` to add new tokens
-    (pages are taken on demand) and `write` each layer's K/V through the returned slot
-    mapping, `fetch` what attention needs, `release` when done.
+    Lifecycle (as MAX's continuous-batching manager): `claim` ids, `reuse_prefix` to start
+    from cached pages, `step` to add new tokens (pages are taken on demand) and `write` each
+    layer's K/V through the returned slot mapping, `publish` the pages those tokens filled
+    once their K/V are evaluated, `fetch` what attention needs, `release` when done.
+
+    Prefix caching (on by default) applies to the paged layout only: a contiguous slot
+    belongs to one sequence, so there is nothing to share and `prefix_caching` is False.
 
     Thread safety: one re-entrant lock serialises every public method, so `claim`, `step`,
     `fetch` and `release` may be called from any thread. The tensors are different: MLX
@@ -122,12 +128,16 @@ class KVCacheManager:
         block_size: int = 16,
         num_blocks: int | None = None,
         dtype: mx.Dtype | str = mx.float16,
+        prefix_caching: bool = True,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("max_seqs", max_seqs),
                             ("max_seq_len", max_seq_len), ("block_size", block_size)):
             positive_int(name, value)
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         self.layout = resolve_layout(layout)
+        self.prefix_caching = prefix_caching and self.layout is KVLayout.PAGED
         self.max_seqs = max_seqs
         self.max_seq_len = max_seq_len
         if self.layout is KVLayout.PAGED:
@@ -174,6 +184,22 @@ class KVCacheManager:
                     self._tables[seq_id].reserve_pages(1)
             return ids
 
+    def reuse_prefix(self, seq_id: int, tokens: Sequence[int], salt: str | None = None) -> int:
+        """Start the new sequence `seq_id` from the cached pages of `tokens`' prefix (its full
+        pages, never the last token); returns how many tokens it now holds (0 with prefix
+        caching off). Sequences share pages only when their `salt`s are equal."""
+        with self._lock:
+            table = self._table(seq_id)
+            return table.reuse_prefix(tokens, salt) if self.prefix_caching else 0
+
+    def publish(self, seq_id: int, tokens: Sequence[int], num_computed: int) -> None:
+        """Cache the pages filled by the first `num_computed` of the sequence's `tokens`, whose
+        K/V are now evaluated (never before: a page is shared only once it holds its K/V)."""
+        with self._lock:
+            table = self._table(seq_id)
+            if self.prefix_caching:
+                table.publish(tokens, num_computed)
+
     def step(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""
         seq_ids = tuple(seq_ids)
@@ -218,6 +244,14 @@ class KVCacheManager:
             del self._tables[seq_id]
             return table.release()
 
+    def reset(self) -> None:
+        """Start the K/V tensors afresh and forget every cached page (no sequence may be open)."""
+        with self._lock:
+            if self._tables:
+                raise MlxkvError(f"reset needs every sequence released; {len(self._tables)} are open")
+            self.storage.reset()
+            self.pool.forget_cached()
+
     def kv(self, layer: int) -> tuple[mx.array, mx.array]:
         """The K and V pools of `layer`, `[pages, kv_heads, block_size, head_dim]`."""
         return self.storage.layer(layer)
@@ -240,9 +274,10 @@ class KVCacheManager:
 
     def usage(self) -> KVUsage:
         with self._lock:
-            tokens = sum(t.num_tokens for t in self._tables.values())
+            shared_twice = self.pool.extra_refs * self.block_size  # shared pages are full
+            tokens = sum(t.num_tokens for t in self._tables.values()) - shared_twice
             return KVUsage(self.layout, self.pool.used_count, self.pool.capacity, self.block_size,
-                           tokens, self.storage.bytes_per_token)
+                           tokens, self.storage.bytes_per_token, self.pool.cached_free_count)
 
     @property
     def free_pages(self) -> int:

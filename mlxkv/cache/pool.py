@@ -1,8 +1,9 @@
-"""The host-side page allocator: which physical KV pages are free and who holds each."""
+"""The host-side page allocator: which physical KV pages are free, who holds each, and which
+free pages still hold a cached prefix page."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable
 
 from ..errors import KVCacheExhausted, positive_int
@@ -11,35 +12,48 @@ from ..errors import KVCacheExhausted, positive_int
 class PagePool:
     """A fixed set of `num_pages` pages of `page_size` tokens, handed out to requests.
 
-    Pages are reference counted so that full pages can be shared between requests
-    (prefix caching): a page returns to the free queue when its last holder frees it.
-    The free queue is FIFO, so the least recently freed page is reused first.
-    Every operation costs O(pages involved), never O(pool). Not thread-safe on its
-    own: `KVCacheManager` serialises access.
+    Pages are reference counted so that full pages can be shared between requests. A full
+    page can also be published under a content key (see `prefix_cache`): when its last
+    holder frees it, it keeps key and content and waits among the cached free pages, where
+    a later `share` can revive it. Allocation takes free pages holding nothing first
+    (least recently freed first), then evicts cached ones, least recently used first, and
+    drops their keys. Every operation costs O(pages involved), never O(pool). Not
+    thread-safe on its own: `KVCacheManager` serialises access.
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.capacity = positive_int("num_pages", num_pages)
         self.page_size = positive_int("page_size", page_size)
         self._free: deque[int] = deque(range(num_pages))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._refs = [0] * num_pages
         self._owned: dict[Hashable, list[int]] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}
+        self.num_evictions = 0
+        self.extra_refs = 0  # references beyond a page's first, summed over pages
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take, cached ones included."""
+        return len(self._free) + len(self._cached_free)
 
     @property
     def used_count(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - self.free_count
+
+    @property
+    def cached_free_count(self) -> int:
+        """Free pages still holding a cached page that a hit would revive."""
+        return len(self._cached_free)
 
     def alloc(self, request_id: Hashable, count: int) -> list[int]:
         """Give `request_id` `count` more pages, all or nothing."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"count must be a non-negative integer, got {count!r}")
-        if count > len(self._free):
-            raise KVCacheExhausted(count, len(self._free))
-        pages = [self._free.popleft() for _ in range(count)]
+        if count > self.free_count:
+            raise KVCacheExhausted(count, self.free_count)
+        pages = [self._take_free() for _ in range(count)]
         for page in pages:
             self._refs[page] = 1
         if pages:
@@ -47,24 +61,60 @@ class PagePool:
         return pages
 
     def share(self, request_id: Hashable, pages: Iterable[int]) -> None:
-        """Let `request_id` hold pages that are already in use (one more reference each)."""
+        """Let `request_id` hold pages that are in use or cached (one more reference each)."""
         pages = list(pages)
         for page in pages:
-            if not (isinstance(page, int) and 0 <= page < self.capacity) or self._refs[page] == 0:
-                raise ValueError(f"page {page!r} is not an allocated page of this pool")
+            if not (isinstance(page, int) and 0 <= page < self.capacity) or \
+                    (self._refs[page] == 0 and page not in self._cached_free):
+                raise ValueError(f"page {page!r} is neither an allocated nor a cached page of this pool")
         for page in pages:
+            if self._refs[page] == 0:
+                del self._cached_free[page]
+            else:
+                self.extra_refs += 1
             self._refs[page] += 1
         if pages:
             self._owned.setdefault(request_id, []).extend(pages)
 
     def free(self, request_id: Hashable) -> int:
-        """Drop every reference `request_id` holds; returns how many pages it held."""
+        """Drop every reference `request_id` holds; returns how many pages it held.
+
+        Pages go back last first, so that of a freed sequence the end of its prefix, which
+        fewer requests share, is evicted before its start."""
         pages = self._owned.pop(request_id, [])
-        for page in pages:
+        for page in reversed(pages):
+            self.extra_refs -= self._refs[page] > 1
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                self._free.append(page)
+                if page in self._key_of:
+                    self._cached_free[page] = None
+                else:
+                    self._free.append(page)
         return len(pages)
+
+    def publish(self, page: int, key: bytes) -> bool:
+        """Cache the allocated, full `page` under its content `key`. Returns False (and changes
+        nothing) if another page already holds that content."""
+        if self._refs[page] == 0 or page in self._key_of:
+            raise ValueError(f"page {page} must be allocated and not published yet")
+        if key in self._page_of:
+            return False
+        self._key_of[page], self._page_of[key] = key, page
+        return True
+
+    def lookup(self, key: bytes) -> int | None:
+        """The page holding the content `key`, in use or cached, or None."""
+        return self._page_of.get(key)
+
+    def key(self, page: int) -> bytes | None:
+        return self._key_of.get(page)
+
+    def forget_cached(self) -> None:
+        """Drop every content key (the K/V behind them is gone); cached free pages become plain free pages."""
+        self._free.extend(self._cached_free)
+        self._cached_free.clear()
+        self._key_of.clear()
+        self._page_of.clear()
 
     def pages(self, request_id: Hashable) -> list[int]:
         """The pages `request_id` holds, in the order it got them (empty if none)."""
@@ -76,3 +126,11 @@ class PagePool:
     def owners(self) -> list[Hashable]:
         """The requests that hold at least one page."""
         return list(self._owned)
+
+    def _take_free(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        page, _ = self._cached_free.popitem(last=False)
+        del self._page_of[self._key_of.pop(page)]
+        self.num_evictions += 1
+        return page

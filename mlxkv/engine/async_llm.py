@@ -35,7 +35,7 @@ class AsyncLLM:
         atexit.register(self.shutdown)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | int | None = None) -> AsyncIterator[str]:
+                       request_id: str | int | None = None, cache_salt: str | None = None) -> AsyncIterator[str]:
         """Yield the completion's text deltas as the engine produces them."""
         request_id = self.engine.new_request_id() if request_id is None else request_key(request_id)
         if request_id in self._queues:
@@ -43,7 +43,7 @@ class AsyncLLM:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         try:
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_request(prompt, params, request_id, cache_salt)
         except Exception:
             del self._queues[request_id]
             raise

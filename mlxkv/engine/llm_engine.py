@@ -17,6 +17,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..attention.kernels import PagedAttentionKernels, select_attention
 from ..attention.reference import reference_attention
+from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..cache.storage import dtype_name
 from ..config import EngineConfig
 from ..errors import RequestTooLong, UnknownSequenceError
@@ -111,6 +112,11 @@ class LLMEngine:
         """The most KV slots one request can ever hold."""
         return min(self.cache.max_seq_len, self.cache.pool.capacity * self.cache.block_size)
 
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache, and how many were reused (its hit rate)."""
+        return self.scheduler.prefix_stats
+
     def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         """Token ids for a prompt given as text or ids (text gets the tokenizer's BOS, as in mlx-lm)."""
         if isinstance(prompt, str):
@@ -132,13 +138,14 @@ class LLMEngine:
             return request_id
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | int | None = None) -> Request:
-        """Queue a prompt; raises `RequestTooLong` if it could never fit the KV cache."""
+                    request_id: str | int | None = None, cache_salt: str | None = None) -> Request:
+        """Queue a prompt; raises `RequestTooLong` if it could never fit the KV cache.
+        Requests reuse each other's cached prefix pages only when their `cache_salt`s are equal."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         request = Request(self.new_request_id() if request_id is None else request_key(request_id),
-                          self.encode(prompt), params)
+                          self.encode(prompt), params, check_salt(cache_salt))
         if request.max_kv_tokens > self.max_request_tokens:
             raise RequestTooLong(
                 f"prompt of {len(request.prompt_ids)} tokens plus max_tokens={params.max_tokens} needs "
@@ -191,8 +198,7 @@ class LLMEngine:
             self._recover(batch.requests, [], None)
             raise
         with self._lock:
-            for request, count in zip(batch.requests, batch.counts):
-                request.num_computed += count
+            self.scheduler.commit(batch)
             return [self._accept(request, token) for request, token in zip(sampling, tokens.tolist())
                     if request.status is not Status.FINISHED]
 
@@ -210,7 +216,7 @@ class LLMEngine:
         freed, so K/V the step may have half-written is never read, and they recompute to
         the same tokens (sampling keys depend only on a request's seed and progress). If the
         KV tensors themselves cannot be evaluated any more, every running request is rolled
-        back and the tensors start afresh.
+        back and the tensors start afresh, and so does the prefix cache whose pages they held.
         """
         with self._lock:
             self.scheduler.roll_back(batch)
@@ -218,7 +224,7 @@ class LLMEngine:
                 mx.eval(self.cache.storage.keys, self.cache.storage.values)
             except Exception:
                 self.scheduler.roll_back(list(self.scheduler.running))
-                self.cache.storage.reset()
+                self.cache.reset()
             return [self._fail(r, error) for r in (batch if culprits is None else culprits)
                     if r.status is not Status.FINISHED]
 
@@ -230,7 +236,7 @@ class LLMEngine:
         request.first_token_time = request.first_token_time or time.perf_counter()
         if token in self.tokenizer.eos_token_ids and not request.params.ignore_eos:
             return self._finish(request, "stop")
-        request.output_ids.append(token)
+        request.append_output(token)
         if request.stream.add(token):
             return self._finish(request, "stop")
         if len(request.output_ids) >= request.params.max_tokens:

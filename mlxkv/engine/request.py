@@ -22,15 +22,21 @@ class Request:
 
     `num_computed` counts tokens (prompt, then outputs) whose K/V are in the cache; the
     rest (the prompt's remainder, or the token sampled last) is what the next step computes.
+    `num_cached_tokens` is how many prompt tokens its first admission found in the prefix
+    cache (None until admitted); requests share cached pages only when their
+    `cache_salt`s are equal.
     """
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
     output_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)  # prompt then outputs, for slicing and hashing
     status: Status = Status.WAITING
     seq_id: int | None = None
     num_computed: int = 0
+    num_cached_tokens: int | None = None
     finish_reason: str | None = None
     error: Exception | None = None  # why it failed, when finish_reason is "error"
     stream: TextStream | None = None
@@ -41,11 +47,15 @@ class Request:
 
     def __post_init__(self) -> None:
         self.sampler = TokenSampler(self.params)
+        self.all_token_ids = self.prompt_ids + self.output_ids
+
+    def append_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.all_token_ids.append(token)
 
     def pending(self, count: int) -> list[int]:
-        """The next `count` tokens to run through the model, without copying the whole history."""
-        start, stop, prompt = self.num_computed, self.num_computed + count, len(self.prompt_ids)
-        return self.prompt_ids[start:stop] + self.output_ids[max(0, start - prompt) : max(0, stop - prompt)]
+        """The next `count` tokens to run through the model."""
+        return self.all_token_ids[self.num_computed : self.num_computed + count]
 
     @property
     def num_tokens(self) -> int:

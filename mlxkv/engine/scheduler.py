@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.manager import KVBatch, KVCacheManager
+from ..cache.prefix_cache import PrefixCacheStats
 from .request import Request, Status
 
 
@@ -48,10 +49,12 @@ class Scheduler:
 
     Each step takes running requests first, decodes before prefill chunks, then admits
     waiting requests in arrival order while the token budget, the sequence cap and free
-    pages allow; a prefill that does not fit the budget is split and its rest runs next
-    step. When a running request needs a page and none is free, the most recently
-    admitted running request is preempted by recompute: its pages are freed and it goes
-    back to the front of the waiting queue with its generated tokens kept.
+    pages allow; an admitted request starts from the cached pages of its prefix and
+    computes only the rest. A prefill that does not fit the budget is split and its rest
+    runs next step. When a running request needs a page and none is free, the most
+    recently admitted running request is preempted by recompute: its pages are freed (the
+    full ones stay cached, so its recompute is mostly hits) and it goes back to the front
+    of the waiting queue with its generated tokens kept.
     """
 
     def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -61,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_stats = PrefixCacheStats()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -77,10 +81,7 @@ class Scheduler:
         while self.waiting and plan.budget and len(self.running) < self.max_num_seqs \
                 and self.cache.num_active < self.cache.max_seqs:
             request = self.waiting[0]
-            (request.seq_id,) = self.cache.claim(1)
-            if not self._try_pick(plan, request):
-                self.cache.release(request.seq_id)
-                request.seq_id = None
+            if not self._admit(plan, request):
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
@@ -90,6 +91,14 @@ class Scheduler:
         requests, counts = list(plan.counts), list(plan.counts.values())
         samples = [r.num_computed + n == r.num_tokens for r, n in zip(requests, counts)]
         return ScheduledBatch(requests, counts, self.cache.step([r.seq_id for r in requests], counts), samples)
+
+    def commit(self, step: ScheduledBatch) -> None:
+        """Count `step`'s tokens as computed, now that their K/V are evaluated, and cache the
+        pages they filled (requests aborted meanwhile are skipped)."""
+        for request, count in zip(step.requests, step.counts):
+            if request.status is Status.RUNNING:
+                request.num_computed += count
+                self.cache.publish(request.seq_id, request.all_token_ids, request.num_computed)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (done or aborted) and free its pages."""
@@ -101,6 +110,20 @@ class Scheduler:
         request.seq_id = None
         request.status = Status.FINISHED
         request.finish_reason = reason
+
+    def _admit(self, plan: _Plan, request: Request) -> bool:
+        """Open a sequence for `request` from its cached prefix and pick its first tokens, if
+        their pages are free; otherwise leave everything as it was."""
+        (request.seq_id,) = self.cache.claim(1)
+        request.num_computed = self.cache.reuse_prefix(request.seq_id, request.all_token_ids, request.cache_salt)
+        if not self._try_pick(plan, request):
+            self.cache.release(request.seq_id)
+            request.seq_id, request.num_computed = None, 0
+            return False
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = request.num_computed
+            self.prefix_stats.record(len(request.prompt_ids), request.num_computed)
+        return True
 
     def _try_pick(self, plan: _Plan, request: Request) -> bool:
         """Pick as many of `request`'s tokens as the budget allows, if their pages are free."""

@@ -10,8 +10,10 @@ from typing import Optional
 import mlx.core as mx
 import typer
 
+from ..cache.layout import KVLayout
 from ..config import context_length
 from ..engine.llm_engine import encode_text
+from ..engine.request import Request
 from ..engine.sampling import SamplingParams
 from ..errors import MlxkvError
 from ..models.loading import load
@@ -39,6 +41,8 @@ BLOCKS = typer.Option(None, help="Number of KV pages (paged layout), instead of 
 MAX_LEN = typer.Option(None, help="Most tokens one sequence may hold [default: the model's context].",
                        show_default=False)
 MAX_SEQS = typer.Option(1, help="Most sequences the KV cache is sized and scheduled for.")
+PREFIX = typer.Option(True, "--prefix-caching/--no-prefix-caching",
+                      help="Reuse the KV pages of a prompt prefix computed before (paged layout).")
 VERBOSE = typer.Option(True, "--verbose/--no-verbose", help="Print the figures after the text; with "
                                                              "--no-verbose only the text goes to stdout.")
 
@@ -67,7 +71,29 @@ def sampling(max_tokens: int, temp: float, top_p: float, top_k: int, min_p: floa
 def prompt_ids(tokenizer, messages: list[dict], ignore_template: bool) -> list[int]:
     if tokenizer.has_chat_template and not ignore_template:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return encode_text(tokenizer, "\n".join(m["content"] for m in messages if m["role"] != "system"))
+    return encode_text(tokenizer, plain_text(messages))
+
+
+def plain_text(messages: list[dict]) -> str:
+    """A conversation as a model without a chat template saw it: each reply continues the
+    message before it, each user message starts a new line, system prompts are left out."""
+    text = ""
+    for message in messages:
+        if message["role"] == "user":
+            text += ("\n" if text else "") + message["content"]
+        elif message["role"] == "assistant":
+            text += message["content"]
+    return text
+
+
+def prefix_figures(llm: LLM, request: Request) -> str:
+    """What the prefix cache did for `request`, or why it did nothing."""
+    cache = llm.engine.cache
+    if cache.prefix_caching:
+        return f"prefix cache: {request.num_cached_tokens} of {len(request.prompt_ids)} prompt tokens reused"
+    if cache.layout is KVLayout.CONTIGUOUS:
+        return "prefix cache: none (the contiguous layout gives each sequence its own slot and shares nothing)"
+    return "prefix cache: off"
 
 
 def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose: bool) -> str:
@@ -88,7 +114,7 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
         typer.echo(f"Prompt: {len(request.prompt_ids)} tokens, {request.prompt_tps:.3f} tokens-per-sec")
         typer.echo(f"Generation: {len(request.output_ids)} tokens, {request.generation_tps:.3f} tokens-per-sec")
         typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-        typer.echo(f"KV cache: {llm.engine.peak_usage}")
+        typer.echo(f"KV cache: {llm.engine.peak_usage}; {prefix_figures(llm, request)}")
     return request.stream.text
 
 
@@ -109,7 +135,8 @@ def generate(
     seed: Optional[int] = SEED, system_prompt: Optional[str] = SYSTEM,
     ignore_chat_template: bool = NO_TEMPLATE, kv_layout: Optional[str] = LAYOUT, block_size: int = BLOCK,
     kv_cache_memory: Optional[str] = MEMORY, num_blocks: Optional[int] = BLOCKS,
-    max_model_len: Optional[int] = MAX_LEN, max_num_seqs: int = MAX_SEQS, verbose: bool = VERBOSE,
+    max_model_len: Optional[int] = MAX_LEN, max_num_seqs: int = MAX_SEQS, prefix_caching: bool = PREFIX,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Generate a completion for one prompt, streamed, then print speed and memory figures.
 
@@ -125,7 +152,8 @@ def generate(
         context = context_length(max_model_len, getattr(loaded[0].args, "max_position_embeddings", None))
         length = min(context, len(ids) + max_tokens)
         llm = LLM(loaded, kv_layout=kv_layout, block_size=block_size, kv_cache_memory=kv_cache_memory,
-                  num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=length)
+                  num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=length,
+                  enable_prefix_caching=prefix_caching)
         run_and_report(llm, ids, params, verbose)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
@@ -141,14 +169,16 @@ def chat(
     temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P,
     seed: Optional[int] = SEED, system_prompt: Optional[str] = SYSTEM, kv_layout: Optional[str] = LAYOUT,
     block_size: int = BLOCK, kv_cache_memory: Optional[str] = MEMORY, num_blocks: Optional[int] = BLOCKS,
-    max_model_len: Optional[int] = MAX_LEN, verbose: bool = VERBOSE,
+    max_model_len: Optional[int] = MAX_LEN, prefix_caching: bool = PREFIX, verbose: bool = VERBOSE,
 ) -> None:
-    """A multi-turn chat in the terminal. The KV cache holds one conversation of --max-model-len tokens."""
+    """A multi-turn chat in the terminal. The KV cache holds one conversation of --max-model-len
+    tokens; with prefix caching each turn computes only what the turn before did not."""
     try:
         params = sampling(max_tokens, temp, top_p, top_k, min_p, seed)
         loaded = load(model)
         llm = LLM(loaded, kv_layout=kv_layout, block_size=block_size, kv_cache_memory=kv_cache_memory,
-                  num_blocks=num_blocks, max_num_seqs=1, max_model_len=max_model_len)
+                  num_blocks=num_blocks, max_num_seqs=1, max_model_len=max_model_len,
+                  enable_prefix_caching=prefix_caching)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
     typer.echo(BANNER)

@@ -25,12 +25,14 @@ Prompt = str | Sequence[int]
 
 @dataclass(frozen=True)
 class Completion:
-    """The result for one prompt. `finish_reason` is `stop` (EOS or a stop string) or `length`."""
+    """The result for one prompt. `finish_reason` is `stop` (EOS or a stop string) or `length`;
+    `num_cached_tokens` of the prompt's tokens came from the prefix cache instead of the model."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     prompt_token_ids: list[int]
+    num_cached_tokens: int
 
 
 class Stream:
@@ -83,16 +85,20 @@ class LLM:
         max_model_len: int | None = None,
         attention: str | None = None,
         kv_cache_fraction: float = 0.5,
+        enable_prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig(kv_layout, block_size, num_blocks, kv_cache_memory, max_num_seqs,
-                              max_num_batched_tokens, max_model_len, attention, kv_cache_fraction)
+                              max_num_batched_tokens, max_model_len, attention, kv_cache_fraction,
+                              enable_prefix_caching)
         self.model, self.tokenizer = model if isinstance(model, tuple) else load(model)
         self.engine = LLMEngine(self.model, self.tokenizer, config)
         self._deltas: dict[str, deque[str]] = {}  # text waiting for each live request's consumer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        """Complete every prompt, batched; results come back in prompt order.
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[Completion]:
+        """Complete every prompt, batched; results come back in prompt order. Prompts reuse
+        cached prefix pages of earlier requests with the same `cache_salt`.
 
         Raises `RequestFailed` if a prompt's request fails (the others are aborted)."""
         if _is_one_prompt(prompts):
@@ -102,7 +108,7 @@ class LLM:
         params = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        requests = self._submit(prompts, params)
+        requests = self._submit(prompts, params, cache_salt)
         try:
             while any(r.finish_reason is None for r in requests):
                 self._step()
@@ -112,11 +118,12 @@ class LLM:
         failed = next((r for r in requests if r.error is not None), None)
         if failed is not None:
             raise RequestFailed(failed.request_id, failed.error) from failed.error
-        return [Completion(r.stream.text, list(r.output_ids), r.finish_reason, list(r.prompt_ids)) for r in requests]
+        return [Completion(r.stream.text, list(r.output_ids), r.finish_reason, list(r.prompt_ids),
+                           r.num_cached_tokens) for r in requests]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Stream:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None) -> Stream:
         """Iterate over the returned `Stream` for the text as it is produced."""
-        (request,) = self._submit([prompt], [params or SamplingParams()])
+        (request,) = self._submit([prompt], [params or SamplingParams()], cache_salt)
         return Stream(self, request)
 
     def _step(self) -> None:
@@ -126,12 +133,13 @@ class LLM:
             if deltas is not None and output.delta:
                 deltas.append(output.delta)
 
-    def _submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[Request]:
+    def _submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
+                cache_salt: str | None) -> list[Request]:
         """Queue every prompt, or none: a bad one aborts those already queued."""
         requests: list[Request] = []
         try:
             for prompt, p in zip(prompts, params):
-                requests.append(self.engine.add_request(prompt, p))
+                requests.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
                 self._deltas[requests[-1].request_id] = deque()
         except Exception:
             for request in requests:

@@ -31,7 +31,7 @@ def test_free_returns_every_page_and_reuses_least_recently_freed_first():
     pool.alloc("b", 2)
     assert pool.free("a") == 2
     assert pool.free("a") == 0
-    assert pool.alloc("c", 2) == a
+    assert sorted(pool.alloc("c", 2)) == a
     assert pool.free("b") == 2 and pool.free("c") == 2
     assert pool.free_count == 4
 
@@ -51,7 +51,7 @@ def test_shared_page_survives_until_its_last_holder_frees_it():
 def test_share_refuses_a_free_page_without_changing_anything():
     pool = PagePool(4, 16)
     pages = pool.alloc("a", 1)
-    with pytest.raises(ValueError, match="page 3 is not an allocated page"):
+    with pytest.raises(ValueError, match="page 3 is neither an allocated nor a cached page"):
         pool.share("b", [pages[0], 3])
     assert pool.ref_count(pages[0]) == 1
     assert pool.pages("b") == []

@@ -5,23 +5,25 @@ from mlxkv.engine.request import Request, Status
 from mlxkv.engine.scheduler import Scheduler
 
 
-def make(num_blocks=32, block_size=4, max_num_seqs=8, budget=16, layout="paged"):
-    cache = KVCacheManager(1, 1, 4, max_seqs=max_num_seqs, max_seq_len=64, layout=layout,
-                           block_size=block_size, num_blocks=num_blocks, dtype=mx.float32)
+def make(num_blocks=32, block_size=4, max_num_seqs=8, budget=16, layout="paged", prefix_caching=True):
+    cache = KVCacheManager(1, 1, 4, max_seqs=max_num_seqs, max_seq_len=64, layout=layout, block_size=block_size,
+                           num_blocks=num_blocks, dtype=mx.float32, prefix_caching=prefix_caching)
     return Scheduler(cache, max_num_seqs, budget)
 
 
-def request(name, prompt_len, max_tokens=8):
-    return Request(name, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+def request(name, prompt_len, max_tokens=8, first=0, salt=None):
+    """A request whose prompt is `first, first + 1, ...` (distinct `first`s share no prefix)."""
+    return Request(name, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens),
+                   cache_salt=salt)
 
 
 def run_step(scheduler):
     """Play the engine: advance what was scheduled and 'sample' token 1 where a row samples."""
     batch = scheduler.schedule()
-    for r, n, samples in zip(batch.requests, batch.counts, batch.samples):
-        r.num_computed += n
+    scheduler.commit(batch)
+    for r, samples in zip(batch.requests, batch.samples):
         if samples:
-            r.output_ids.append(1)
+            r.append_output(1)
     return [(r.request_id, n) for r, n in zip(batch.requests, batch.counts)]
 
 
@@ -53,9 +55,9 @@ def test_admission_waits_for_free_pages_in_arrival_order():
     assert [r.request_id for r in s.waiting] == ["b", "c"]
 
 
-def test_newest_running_request_is_preempted_by_recompute_and_resumes():
+def test_newest_running_request_is_preempted_by_recompute_and_resumes_from_its_cached_pages():
     s = make(num_blocks=3, block_size=4)
-    a, b = request("a", 4), request("b", 4)
+    a, b = request("a", 4), request("b", 4, first=100)
     s.add(a)
     s.add(b)
     assert run_step(s) == [("a", 4), ("b", 4)]
@@ -63,8 +65,19 @@ def test_newest_running_request_is_preempted_by_recompute_and_resumes():
     assert (b.status, b.num_computed, b.output_ids, s.num_preemptions) == (Status.WAITING, 0, [1], 1)
     assert s.waiting[0] is b
     s.finish(a, "stop")
+    assert run_step(s) == [("b", 1)]  # its full prompt page waited in the cache; only the sampled token runs
+    assert (b.num_computed, b.num_cached_tokens, s.cache.free_pages) == (5, 0, 1)
+
+
+def test_preempted_request_recomputes_everything_without_prefix_caching():
+    s = make(num_blocks=3, block_size=4, prefix_caching=False)
+    a, b = request("a", 4), request("b", 4, first=100)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert run_step(s) == [("a", 1)]
+    s.finish(a, "stop")
     assert run_step(s) == [("b", 5)]
-    assert s.cache.free_pages == 1
 
 
 def test_finish_frees_pages_wherever_the_request_is():

@@ -15,8 +15,9 @@ STATS = [
     r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$",
     r"^Generation: \d+ tokens, [\d.]+ tokens-per-sec$",
     r"^Peak memory: [\d.]+ GB$",
-    r"^KV cache: (paged|contiguous), \d+/\d+ pages of \d+ tokens in use \(pool [\d.]+ [MG]iB\), "
-    r"[\d.]+ of [\d.]+ MiB in use holding tokens$",
+    r"^KV cache: (paged|contiguous), \d+/\d+ pages of \d+ tokens in use(, \d+ more cached)? "
+    r"\(pool [\d.]+ [MG]iB\), [\d.]+ of [\d.]+ MiB in use holding tokens; "
+    r"prefix cache: (\d+ of \d+ prompt tokens reused|none \(the contiguous layout .*\)|off)$",
 ]
 
 

@@ -1,0 +1,53 @@
+"""Content addresses for full KV pages, so that sequences with a common prefix share its pages.
+
+Page i of a sequence is named by a chain: its key hashes page i-1's key and page i's token
+ids, and page 0's parent is a root made from the sequence's `cache_salt`. Equal keys mean
+equal salts and equal tokens from the start of the sequence up to the end of the page, so
+equal K/V. The hash is sha256 (as vLLM's after its collision advisory): a collision would
+show one request another's context, so Python's `hash()` will not do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+_DOMAIN = b"mlxkv/prefix-cache/v1"
+
+
+def root_key(salt: str | None) -> bytes:
+    """The parent of a sequence's first page: requests with different salts share nothing."""
+    tag = b"\x00" if salt is None else b"\x01" + salt.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(_DOMAIN + tag).digest()
+
+
+def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a full page holding `tokens`, after the page keyed `parent`."""
+    return hashlib.sha256(parent + np.asarray(tokens, dtype="<i8").tobytes()).digest()
+
+
+def check_salt(salt: object) -> str | None:
+    """`salt` if it is None or a non-empty string (an empty salt would look like a mistake)."""
+    if salt is None or (isinstance(salt, str) and salt):
+        return salt
+    raise ValueError(f"cache_salt must be None or a non-empty string, got {salt!r}")
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache when requests were first admitted, and
+    how many of them were found there instead of computed."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def record(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
