@@ -96,8 +96,9 @@ def prefix_figures(llm: LLM, request: Request) -> str:
     return "prefix cache: off"
 
 
-def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose: bool) -> str:
-    """Stream one completion to stdout, then (verbose) print mlx-lm's figures and the KV cache's."""
+def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose: bool) -> Request:
+    """Stream one completion to stdout, then (verbose) print mlx-lm's figures and the KV cache's; returns
+    the finished request."""
     llm.engine.reset_peak_usage()
     stream: Stream = llm.stream(prompt, params)
     if verbose:
@@ -115,7 +116,7 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
         typer.echo(f"Generation: {len(request.output_ids)} tokens, {request.generation_tps:.3f} tokens-per-sec")
         typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
         typer.echo(f"KV cache: {llm.engine.peak_usage}; {prefix_figures(llm, request)}")
-    return request.stream.text
+    return request
 
 
 def utf8(text: str | bytes, what: str) -> str:
@@ -215,11 +216,13 @@ def chat_turn(llm: LLM, messages: list[dict], params: SamplingParams, verbose: b
         return messages[:-1]
     turn = replace(params, max_tokens=min(params.max_tokens, room))
     try:
-        reply = run_and_report(llm, ids, turn, verbose)
+        request = run_and_report(llm, ids, turn, verbose)
     except KeyboardInterrupt:
         typer.echo("\n[reply stopped]")
         return messages[:-1]
     except (MlxkvError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         return messages[:-1]
-    return messages + [{"role": "assistant", "content": reply}]
+    # The reply exactly as generated (the streamed text drops a leading space, as mlx-lm's does),
+    # so the next turn's prompt starts with the tokens this turn stored and reuses their pages.
+    return messages + [{"role": "assistant", "content": llm.tokenizer.decode(request.output_ids)}]

@@ -77,6 +77,62 @@ def test_many_requests_under_preemption_and_cancellation(model, workload, layout
     assert engine.cache.num_active == 0
 
 
+@pytest.fixture(scope="module")
+def shared_prefixes(model):
+    """60 prompts that start with one of four shared "system prompts" (some prompts repeat
+    exactly), and the greedy tokens each produces alone with prefix caching off."""
+    rng = random.Random(2)
+    systems = [[rng.randrange(1, 320) for _ in range(n)] for n in (8, 19, 33, 40)]
+    prompts = [rng.choice(systems) + [rng.randrange(1, 320) for _ in range(rng.randint(0, 12))] for _ in range(60)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 12)) for _ in prompts]
+    alone = LLM(model, max_num_seqs=1, enable_prefix_caching=False)
+    expected = [alone.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    return prompts, params, expected
+
+
+@pytest.mark.parametrize("layout, caching", [("paged", True), ("paged", False), ("contiguous", True)])
+def test_prefix_caching_changes_no_token_under_preemption_and_eviction(model, shared_prefixes, layout, caching):
+    prompts, params, expected = shared_prefixes
+    sizing = dict(num_blocks=14, block_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 3072)
+    engine = LLMEngine(*model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64,
+                                            max_model_len=64, enable_prefix_caching=caching, **sizing))
+    requests, _ = run_all(engine, prompts, params)
+    assert [r.output_ids for r in requests] == expected
+    stats = engine.prefix_stats
+    assert stats.prompt_tokens == sum(map(len, prompts))
+    assert stats.cached_tokens == sum(r.num_cached_tokens for r in requests)
+    if layout == "paged":
+        assert engine.scheduler.num_preemptions > 0
+    if layout == "paged" and caching:
+        assert stats.hit_rate > 0.3 and engine.cache.pool.num_evictions > 0
+    else:
+        assert stats.cached_tokens == 0 and engine.cache.pool.num_evictions == 0
+    assert (engine.cache.free_pages, engine.cache.num_active) == (engine.cache.pool.capacity, 0)
+
+
+def test_the_next_turn_reuses_the_pages_of_the_answer(model):
+    """Pages of generated tokens are cached too: a follow-up prompt made of the prompt, the
+    answer and a new message computes only the new part (and the page it starts in)."""
+    prompt, params = list(range(10, 20)), SamplingParams(max_tokens=12, ignore_eos=True)
+    llm = LLM(model, block_size=8, max_num_seqs=1)
+    first = llm.generate(prompt, params)[0]
+    follow_up = prompt + first.token_ids + [7, 8, 9]
+    second = llm.generate(follow_up, params)[0]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 16)  # 10 prompt + 11 stored answer tokens
+    alone = LLM(model, block_size=8, max_num_seqs=1, enable_prefix_caching=False).generate(follow_up, params)[0]
+    assert second.token_ids == alone.token_ids and alone.num_cached_tokens == 0
+
+
+def test_requests_with_different_cache_salts_share_nothing(model):
+    llm = LLM(model, block_size=8, max_num_seqs=1)
+    prompt, params = list(range(10, 30)), SamplingParams(max_tokens=2)
+    cached = [llm.generate(prompt, params, cache_salt=salt)[0].num_cached_tokens
+              for salt in ("alice", "bob", None, "alice", None)]
+    assert cached == [0, 0, 0, 16, 16]
+    with pytest.raises(ValueError, match="cache_salt must be None or a non-empty string, got ''"):
+        llm.generate(prompt, params, cache_salt="")
+
+
 def test_bad_requests_are_refused_without_disturbing_the_rest(model):
     engine = LLMEngine(*model, EngineConfig(num_blocks=8, block_size=8, max_model_len=64))
     ok = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5), request_id="ok")

@@ -160,3 +160,38 @@ def test_chat_names_a_line_that_is_not_utf8_and_goes_on(checkpoint):
     assert proc.returncode == 0, proc.stderr
     assert b"error: that line is not UTF-8 text" in proc.stderr
     assert proc.stdout.count(b"Generation: 4 tokens") == 1
+
+
+@pytest.mark.parametrize("flags", [[], ["--block-size", "4"]])
+def test_each_chat_turn_computes_only_what_the_turn_before_did_not(checkpoint, monkeypatch, flags):
+    """Turn N reuses every full page of what turn N-1 stored (prompt and answer) that its own
+    prompt starts with; the KV line says how many prompt tokens that was."""
+    from mlxkv.entrypoints.llm import LLM
+
+    requests, original = [], LLM.stream
+    monkeypatch.setattr(LLM, "stream", lambda self, *a, **kw: requests.append(original(self, *a, **kw)) or requests[-1])
+    result = runner.invoke(app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "12", *flags],
+                           input="The quick brown fox\njumps over the lazy dog\nPaged attention keeps keys\n")
+    assert result.exit_code == 0, result.output
+    block = int(flags[1]) if flags else 16
+    turns = [s.request for s in requests]
+    reused = [int(n) for n in re.findall(r"prefix cache: (\d+) of \d+ prompt tokens reused", result.stdout)]
+    assert reused == [t.num_cached_tokens for t in turns] and reused[0] == 0
+    for before, turn in zip(turns, turns[1:]):
+        stored = before.all_token_ids[: before.num_computed]
+        common = next((i for i, (a, b) in enumerate(zip(stored, turn.prompt_ids)) if a != b), len(stored))
+        assert turn.num_cached_tokens == min(common, len(turn.prompt_ids) - 1) // block * block
+        assert turn.num_cached_tokens >= len(before.prompt_ids) // block * block - block
+
+
+@pytest.mark.parametrize("flags, figure", [
+    ([], "prefix cache: 0 of 10 prompt tokens reused"),
+    (["--no-prefix-caching"], "prefix cache: off"),
+    (["--kv-layout", "contiguous"],
+     "prefix cache: none (the contiguous layout gives each sequence its own slot and shares nothing)"),
+])
+def test_the_kv_line_says_what_the_prefix_cache_did(checkpoint, flags, figure):
+    result = runner.invoke(app, ["generate", "--model", str(checkpoint("llama-fp32")), "--prompt", PROMPT, "-m", "2",
+                                 *flags])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.rstrip().endswith(f"in use holding tokens; {figure}")
