@@ -16,8 +16,9 @@ class BlockTable:
 
     Token `p` is stored at slot `pages[p // page_size] * page_size + p % page_size`.
     The table grows from the pool as tokens are appended, up to `max_tokens`. With prefix
-    caching it starts from the cached pages of its prefix (`reuse_prefix`) and publishes
-    each page its tokens fill (`publish`); `keys[i]` is the content key of full page i.
+    caching it starts from the cached pages of its prefix (`reuse_prefix`), publishes each
+    page its tokens fill (`publish`; `keys[i]` is the content key of full page i) and, on
+    `release`, its partly filled last page.
     """
 
     def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int) -> None:
@@ -27,6 +28,8 @@ class BlockTable:
         self.num_tokens = 0
         self.pages: list[int] = []
         self.keys: list[bytes] = []
+        self.num_computed = 0  # tokens whose K/V are stored, as last published
+        self.tail: list[int] = []  # those of them in a partly filled last page
         self.salt: str | None = None
 
     @property
@@ -84,37 +87,58 @@ class BlockTable:
         return page * self.page_size + position % self.page_size
 
     def reuse_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
-        """Start the empty table from the cached pages holding `tokens`' leading full pages, up
-        to the first miss, and never the last token (whose logits must be computed).
-        Returns how many tokens are already in place."""
+        """Start the empty table from the cache: the pages holding `tokens`' leading full pages,
+        up to the first miss, then the freed, partly filled page that holds the tokens after
+        them if there is one (taken over, as this sequence will write into it). The last
+        token is never reused, since its logits must be computed: a shared page holding it
+        is not taken, a partial one is, and the token is written again. Returns the tokens
+        now in place."""
         if self.pages:
             raise ValueError(f"sequence {self.owner} already holds pages; a prefix is reused only before its first step")
-        self.salt, size = salt, self.page_size
-        parent, pages = root_key(salt), []
-        for start in range(0, (len(tokens) - 1) // size * size, size):
-            key = page_key(parent, tokens[start : start + size])
+        self.salt, size, last = salt, self.page_size, len(tokens) - 1
+        for first in range(0, last // size * size, size):
+            key = page_key(self._parent, tokens[first : first + size])
             page = self.pool.lookup(key)
             if page is None:
                 break
-            pages.append(page)
+            self.pages.append(page)
             self.keys.append(key)
-            parent = key
-        self.pool.share(self.owner, pages)
-        self.pages, self.num_tokens = pages, len(pages) * size
+        self.pool.share(self.owner, self.pages)
+        self.num_tokens = start = len(self.pages) * size
+        for count in range(min(len(tokens) - start, size - 1), 0, -1):
+            page = self.pool.lookup(page_key(self._parent, tokens[start : start + count]))
+            if page is not None:
+                if last > start:  # it may hold the last token too: that one is computed again
+                    self.pool.take_over(self.owner, page)
+                    self.pages.append(page)
+                    self.num_tokens = min(start + count, last)
+                break
+        self.num_computed, self.tail = self.num_tokens, list(tokens[start : self.num_tokens])
         return self.num_tokens
 
     def publish(self, tokens: Sequence[int], num_computed: int) -> None:
-        """Offer every page filled by the first `num_computed` of `tokens` (K/V now stored) to the cache."""
-        if not 0 <= num_computed <= min(self.num_tokens, len(tokens)):
-            raise ValueError(f"num_computed={num_computed} is outside 0..{min(self.num_tokens, len(tokens))}")
+        """Offer every page filled by the first `num_computed` of `tokens` (K/V now stored) to
+        the cache, and remember the tokens of a partly filled last page for `release`."""
+        high = min(self.num_tokens, len(tokens))
+        if not self.num_computed <= num_computed <= high:
+            raise ValueError(f"num_computed={num_computed} is outside {self.num_computed}..{high}")
         size = self.page_size
         for index in range(len(self.keys), num_computed // size):
-            parent = self.keys[-1] if self.keys else root_key(self.salt)
-            self.keys.append(page_key(parent, tokens[index * size : (index + 1) * size]))
+            self.keys.append(page_key(self._parent, tokens[index * size : (index + 1) * size]))
             self.pool.publish(self.pages[index], self.keys[-1])
+        self.num_computed, self.tail = num_computed, list(tokens[num_computed // size * size : num_computed])
+
+    @property
+    def _parent(self) -> bytes:
+        """The key the next page's key chains from."""
+        return self.keys[-1] if self.keys else root_key(self.salt)
 
     def release(self) -> int:
-        """Return the pages to the pool; returns how many the sequence held."""
-        self.pages, self.keys = [], []
-        self.num_tokens = 0
+        """Return the pages to the pool; returns how many the sequence held. A partly filled
+        last page is cached too (under the key of the tokens it holds), so that a sequence
+        continuing this one, such as the next chat turn, computes only what is new."""
+        if self.tail:
+            self.pool.publish(self.pages[len(self.keys)], page_key(self._parent, self.tail))
+        self.pages, self.keys, self.tail = [], [], []
+        self.num_tokens = self.num_computed = 0
         return self.pool.free(self.owner)

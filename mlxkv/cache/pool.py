@@ -76,6 +76,16 @@ class PagePool:
         if pages:
             self._owned.setdefault(request_id, []).extend(pages)
 
+    def take_over(self, request_id: Hashable, page: int) -> None:
+        """Give `request_id` the cached free `page` to write into: it drops its key, since its
+        content is about to change, and is no one else's."""
+        if page not in self._cached_free:
+            raise ValueError(f"page {page!r} is not a cached free page of this pool")
+        del self._cached_free[page]
+        del self._page_of[self._key_of.pop(page)]
+        self._refs[page] = 1
+        self._owned.setdefault(request_id, []).append(page)
+
     def free(self, request_id: Hashable) -> int:
         """Drop every reference `request_id` holds; returns how many pages it held.
 

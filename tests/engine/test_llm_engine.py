@@ -111,14 +111,15 @@ def test_prefix_caching_changes_no_token_under_preemption_and_eviction(model, sh
 
 
 def test_the_next_turn_reuses_the_pages_of_the_answer(model):
-    """Pages of generated tokens are cached too: a follow-up prompt made of the prompt, the
-    answer and a new message computes only the new part (and the page it starts in)."""
+    """Pages of generated tokens are cached too, the partly filled last one included: a
+    follow-up prompt made of the prompt, the answer and a new message computes only the
+    tokens the first request did not store (the answer's last token and the new message)."""
     prompt, params = list(range(10, 20)), SamplingParams(max_tokens=12, ignore_eos=True)
     llm = LLM(model, block_size=8, max_num_seqs=1)
     first = llm.generate(prompt, params)[0]
     follow_up = prompt + first.token_ids + [7, 8, 9]
     second = llm.generate(follow_up, params)[0]
-    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 16)  # 10 prompt + 11 stored answer tokens
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 21)  # 10 prompt + 11 stored answer tokens
     alone = LLM(model, block_size=8, max_num_seqs=1, enable_prefix_caching=False).generate(follow_up, params)[0]
     assert second.token_ids == alone.token_ids and alone.num_cached_tokens == 0
 
