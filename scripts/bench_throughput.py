@@ -14,23 +14,19 @@ import argparse
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 from harness import (
+    MODEL_HELP,
     Workload,
-    blas_in_use,
+    load_bench_model,
     model_kv_bytes_per_token,
     run_mlx_lm,
     run_mlxkv,
 )
-from mlx_lm import load as mlx_lm_load
 
 from mlxkv import SamplingParams
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
-from mlxkv.models.random_model import LLAMA_100M, make_checkpoint
-
-DEFAULT_MODEL = Path.home() / ".cache" / "mlxkv" / "bench-llama-100m"
 
 
 def make_workload(args, vocab_size: int) -> Workload:
@@ -78,8 +74,7 @@ def print_table(rows: dict[str, dict[str, float]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None,
-                        help=f"mlx-lm checkpoint directory [default: a random ~100M Llama built in {DEFAULT_MODEL}]")
+    parser.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 1024), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX"))
@@ -93,13 +88,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    path = args.model
-    if path is None:
-        path = DEFAULT_MODEL
-        if not (path / "config.json").exists():
-            make_checkpoint(path, "llama", "float32", shape=LLAMA_100M, max_position_embeddings=32768)
-    print(f"model: {path}\nBLAS: {blas_in_use()}\nMLX {mx.__version__}, device {mx.default_device()}")
-    model, tokenizer = mlx_lm_load(str(path))
+    model, tokenizer = load_bench_model(args.model)
     workload = make_workload(args, model.args.vocab_size)
     print(f"workload: {args.num_requests} requests, {sum(map(len, workload.prompts))} prompt tokens, "
           f"{sum(workload.output_lens)} output tokens, batch cap {args.max_num_seqs}")

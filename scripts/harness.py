@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import BatchGenerator
 
 from mlxkv import SamplingParams
@@ -21,6 +22,10 @@ from mlxkv.cache.storage import kv_bytes_per_token
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
 from mlxkv.engine.model_runner import kv_shape
+from mlxkv.models.random_model import LLAMA_100M, make_checkpoint
+
+DEFAULT_MODEL = Path.home() / ".cache" / "mlxkv" / "bench-llama-100m"
+MODEL_HELP = f"mlx-lm checkpoint directory [default: a random ~100M Llama built in {DEFAULT_MODEL}]"
 
 
 def blas_in_use() -> str:
@@ -32,6 +37,17 @@ def blas_in_use() -> str:
         if f"lib{name}" in maps:
             return f"{name} (loaded into the process)"
     return "the reference BLAS bundled with mlx[cpu] (slow; see the README for OpenBLAS)"
+
+
+def load_bench_model(path: Path | None):
+    """(model, tokenizer) of `path`, or of the random ~100M-parameter float32 Llama the
+    benchmarks share (built once in `DEFAULT_MODEL`); prints what runs it."""
+    if path is None:
+        path = DEFAULT_MODEL
+        if not (path / "config.json").exists():
+            make_checkpoint(path, "llama", "float32", shape=LLAMA_100M, max_position_embeddings=32768)
+    print(f"model: {path}\nBLAS: {blas_in_use()}\nMLX {mx.__version__}, device {mx.default_device()}")
+    return mlx_lm_load(str(path))
 
 
 def model_kv_bytes_per_token(model) -> int:

@@ -1,0 +1,153 @@
+"""What prefix caching buys: time to first token over a long chat, and throughput when many
+requests share a system prompt. One process, every run side by side.
+
+(a) A chat of `--turns` turns, each adding a `--turn-len`-token user message and a
+`--reply-len`-token reply (greedy, EOS ignored): time to first token per turn for mlxkv with
+prefix caching on and off, and for mlx-lm keeping one prompt cache across turns
+(`make_prompt_cache` passed to every `generate_step` call, which then prefills only the new
+tokens). Each chat runs `--repeats` times, the three engines in turn (in rotated order);
+the table gives each turn's median.
+(b) `--num-requests` requests that share a `--system-len`-token system prompt, each with its
+own `--question-len`-token question, all arriving at once: output throughput and mean time
+to first token with prefix caching on and off.
+
+Prints the tables and a final line
+`chat_ttft_turn8_over_turn1=... chat_turn8_ttft_vs_mlx_lm=... shared_prefix_speedup=...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from harness import MODEL_HELP, load_bench_model
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxkv import LLMEngine, SamplingParams
+from mlxkv.config import EngineConfig
+
+
+def greedy(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
+def mlxkv_chat(model, tokenizer, turns: list[list[int]], reply_len: int, caching: bool) -> dict:
+    """TTFT per turn; each turn's prompt is the whole conversation so far plus the new message."""
+    length = sum(map(len, turns)) + reply_len * len(turns)
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=length,
+                                                      enable_prefix_caching=caching))
+    conversation, ttft, cached, replies = [], [], [], []
+    for message in turns:
+        request = engine.add_request(conversation + message, SamplingParams(max_tokens=reply_len, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        ttft.append(request.first_token_time - request.arrival_time)
+        cached.append(request.num_cached_tokens)
+        replies.append(request.output_ids)
+        conversation = request.all_token_ids
+    return {"ttft": ttft, "cached": cached, "replies": replies}
+
+
+def mlx_lm_chat(model, turns: list[list[int]], reply_len: int) -> dict:
+    """The same chat through mlx-lm with one prompt cache: each call feeds only the new message
+    (generate_step has fed every token it yielded, the last one included, into the cache)."""
+    cache = make_prompt_cache(model)
+    ttft, replies = [], []
+    for message in turns:
+        start, tokens = time.perf_counter(), []
+        for token, _ in generate_step(mx.array(message), model, max_tokens=reply_len, sampler=greedy,
+                                      prompt_cache=cache):
+            if not tokens:
+                ttft.append(time.perf_counter() - start)
+            tokens.append(int(token))
+        replies.append(tokens)
+    return {"ttft": ttft, "replies": replies}
+
+
+def shared_prefix(model, tokenizer, prompts: list[list[int]], output_len: int, caching: bool,
+                  max_num_seqs: int) -> dict:
+    """Every prompt at once; output throughput and mean TTFT from the common start."""
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=max_num_seqs, enable_prefix_caching=caching,
+                                                      max_model_len=max(map(len, prompts)) + output_len))
+    start = time.perf_counter()
+    requests = [engine.add_request(p, SamplingParams(max_tokens=output_len, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    wall = time.perf_counter() - start
+    return {"tok/s": sum(len(r.output_ids) for r in requests) / wall,
+            "TTFT mean s": float(np.mean([r.first_token_time - start for r in requests])),
+            "wall s": wall, "prompt tokens reused": float(engine.prefix_stats.cached_tokens),
+            "outputs": [r.output_ids for r in requests]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--turn-len", type=int, default=200)
+    parser.add_argument("--reply-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--system-len", type=int, default=1024)
+    parser.add_argument("--question-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    model, tokenizer = load_bench_model(args.model)
+    rng = np.random.default_rng(args.seed)
+
+    def words(n: int) -> list[int]:
+        return rng.integers(1, model.args.vocab_size, n).tolist()
+
+    turns = [words(args.turn_len) for _ in range(args.turns)]
+    chats = {"on": lambda: mlxkv_chat(model, tokenizer, turns, args.reply_len, True),
+             "off": lambda: mlxkv_chat(model, tokenizer, turns, args.reply_len, False),
+             "mlx-lm": lambda: mlx_lm_chat(model, turns, args.reply_len)}
+    runs: dict[str, list[dict]] = {name: [] for name in chats}
+    for repeat in range(args.repeats):
+        order = list(chats)[repeat % 3:] + list(chats)[: repeat % 3]  # no engine always goes first
+        for name in order:
+            runs[name].append(chats[name]())
+    ttft = {name: np.median([r["ttft"] for r in results], axis=0) for name, results in runs.items()}
+    on, ref = runs["on"][0], runs["mlx-lm"][0]
+    print(f"\n(a) {args.turns}-turn chat, {args.turn_len}-token messages, {args.reply_len}-token replies: "
+          f"time to first token (s), median of {args.repeats}")
+    print(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'computed':>9} {'mlxkv cache on':>15} {'mlxkv cache off':>16} "
+          f"{'mlx-lm':>10}")
+    prompt = 0
+    for i in range(args.turns):
+        prompt += args.turn_len + (args.reply_len if i else 0)
+        print(f"{i + 1:>4} {prompt:>7} {on['cached'][i]:>7} {prompt - on['cached'][i]:>9} {ttft['on'][i]:>15.3f} "
+              f"{ttft['off'][i]:>16.3f} {ttft['mlx-lm'][i]:>10.3f}")
+    same = all(r["replies"] == on["replies"] for r in runs["on"] + runs["off"])
+    print(f"replies identical with caching on and off: {same}; equal to mlx-lm's: {on['replies'] == ref['replies']}")
+
+    system = words(args.system_len)
+    prompts = [system + words(args.question_len) for _ in range(args.num_requests)]
+    shared_prefix(model, tokenizer, prompts[:2], 2, True, args.max_num_seqs)  # warm-up
+    shared = {"prefix caching on": shared_prefix(model, tokenizer, prompts, args.output_len, True, args.max_num_seqs),
+              "prefix caching off": shared_prefix(model, tokenizer, prompts, args.output_len, False, args.max_num_seqs)}
+    print(f"\n(b) {args.num_requests} requests sharing a {args.system_len}-token system prompt, "
+          f"{args.question_len}-token questions, {args.output_len} tokens out, {args.max_num_seqs} at once")
+    columns = ["tok/s", "TTFT mean s", "wall s", "prompt tokens reused"]
+    print(f"{'':20}" + "".join(f"{c:>22}" for c in columns))
+    for name, row in shared.items():
+        print(f"{name:20}" + "".join(f"{row[c]:>22.3f}" for c in columns))
+    same = shared["prefix caching on"]["outputs"] == shared["prefix caching off"]["outputs"]
+    print(f"outputs identical with caching on and off: {same}")
+
+    last = args.turns - 1
+    speedup = shared["prefix caching on"]["tok/s"] / shared["prefix caching off"]["tok/s"]
+    print(f"chat_ttft_turn{last + 1}_over_turn1={ttft['on'][last] / ttft['on'][0]:.3f} "
+          f"chat_turn{last + 1}_ttft_vs_mlx_lm={ttft['on'][last] / ttft['mlx-lm'][last]:.3f} "
+          f"shared_prefix_speedup={speedup:.3f}")
+
+
+if __name__ == "__main__":
+    main()
