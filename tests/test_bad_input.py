@@ -38,6 +38,7 @@ API = [
     (lambda llm, m: SamplingParams(stop=5), ValueError, "stop must be a non-empty string or a list of them, got 5"),
     (lambda llm, m: SamplingParams(stop=[""]), ValueError, r"stop must be .* got \(''?,\)"),
     (lambda llm, m: SamplingParams(ignore_eos="no"), ValueError, "ignore_eos must be True or False, got 'no'"),
+    (lambda llm, m: SamplingParams(logprobs=21), ValueError, r"logprobs must be an integer in \[0, 20\] or None, got 21"),
     (lambda llm, m: llm.generate(b"abc"), TypeError, "prompts must be text, token ids, or a list of those, got bytes"),
     (lambda llm, m: llm.generate(5.0), TypeError, "prompts must be text, token ids, or a list of those, got float"),
     (lambda llm, m: llm.generate([[1.5, 2]]), TypeError, "prompt token ids must be integers, got 1.5"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import threading
+from contextlib import aclosing
 from collections.abc import AsyncIterator, Sequence
 
 import mlx.core as mx
@@ -37,6 +38,16 @@ class AsyncLLM:
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                        request_id: str | int | None = None, cache_salt: str | None = None) -> AsyncIterator[str]:
         """Yield the completion's text deltas as the engine produces them."""
+        async with aclosing(self.outputs(prompt, params, request_id, cache_salt)) as outputs:
+            async for output in outputs:  # leaving early closes `outputs` at once, which aborts
+                if output.delta:
+                    yield output.delta
+
+    async def outputs(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                      request_id: str | int | None = None,
+                      cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield every `RequestOutput` of one request (text, tokens, log-probabilities, usage),
+        the last one with `finished` set."""
         request_id = self.engine.new_request_id() if request_id is None else request_key(request_id)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -56,8 +67,7 @@ class AsyncLLM:
                 if output.error is not None:
                     raise RequestFailed(request_id, output.error) from output.error
                 finished = output.finished
-                if output.delta:
-                    yield output.delta
+                yield output
         finally:
             self._queues.pop(request_id, None)
             if not finished:

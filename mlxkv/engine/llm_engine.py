@@ -23,7 +23,7 @@ from ..config import EngineConfig
 from ..errors import RequestTooLong, UnknownSequenceError
 from .model_runner import ModelRunner, kv_shape
 from .request import Request, Status
-from .sampling import SamplingFailed, SamplingParams, sample
+from .sampling import SamplingFailed, SamplingParams, TokenLogprob, logprobs, sample
 from .scheduler import Scheduler
 from .text import TextStream
 
@@ -58,14 +58,27 @@ def token_ids(prompt: object) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """A request's token counts so far; `cached_tokens` of its prompt came from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class RequestOutput:
-    """What one step did for one request: new text, and whether it is done."""
+    """What one step did for one request: new text and tokens (with their log-probabilities
+    when asked for), whether it is done, and its token counts."""
 
     request_id: str
     delta: str
     finished: bool
     finish_reason: str | None
     error: Exception | None = None  # set when finish_reason is "error"
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    usage: Usage | None = None
 
 
 class LLMEngine:
@@ -189,7 +202,9 @@ class LLMEngine:
             logits = self.runner.forward(batch)
             tokens = sample(logits, [r.sampler for r in sampling], [len(r.output_ids) for r in sampling]) \
                 if sampling else mx.array([], mx.uint32)
-            mx.eval(tokens, self.cache.storage.keys, self.cache.storage.values)
+            wanted = [r.params.logprobs for r in sampling if r.params.logprobs is not None]
+            scored = logprobs(logits, tokens, max(wanted)) if wanted else ()
+            mx.eval(tokens, *scored, self.cache.storage.keys, self.cache.storage.values)
         except SamplingFailed as exc:
             return self._recover(batch.requests, [sampling[exc.row]], exc.cause)
         except Exception as exc:
@@ -199,7 +214,8 @@ class LLMEngine:
             raise
         with self._lock:
             self.scheduler.commit(batch)
-            return [self._accept(request, token) for request, token in zip(sampling, tokens.tolist())
+            scores = _token_logprobs(sampling, tokens.tolist(), [a.tolist() for a in scored])
+            return [self._accept(request, token, score) for request, token, score in zip(sampling, tokens.tolist(), scores)
                     if request.status is not Status.FINISHED]
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
@@ -232,23 +248,32 @@ class LLMEngine:
         request.error = error
         return self._finish(request, "error")
 
-    def _accept(self, request: Request, token: int) -> RequestOutput:
+    def _accept(self, request: Request, token: int, score: TokenLogprob | None) -> RequestOutput:
         request.first_token_time = request.first_token_time or time.perf_counter()
         if token in self.tokenizer.eos_token_ids and not request.params.ignore_eos:
             return self._finish(request, "stop")
         request.append_output(token)
+        new = ((token,), (score,) if score else ())
         if request.stream.add(token):
-            return self._finish(request, "stop")
+            return self._finish(request, "stop", *new)
         if len(request.output_ids) >= request.params.max_tokens:
-            return self._finish(request, "length")
-        return RequestOutput(request.request_id, request.stream.take_delta(), False, None)
+            return self._finish(request, "length", *new)
+        return self._output(request, *new)
 
-    def _finish(self, request: Request, reason: str) -> RequestOutput:
+    def _finish(self, request: Request, reason: str, token_ids: tuple[int, ...] = (),
+                scores: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
         request.stream.finish()
         request.finish_time = time.perf_counter()
         self.scheduler.finish(request, reason)
         del self.requests[request.request_id]
-        return RequestOutput(request.request_id, request.stream.take_delta(), True, reason, request.error)
+        return self._output(request, token_ids, scores)
+
+    @staticmethod
+    def _output(request: Request, token_ids: tuple[int, ...] = (),
+                scores: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
+        usage = Usage(len(request.prompt_ids), len(request.output_ids), request.num_cached_tokens or 0)
+        return RequestOutput(request.request_id, request.stream.take_delta(), request.status is Status.FINISHED,
+                             request.finish_reason, request.error, token_ids, scores, usage)
 
     def reset_peak_usage(self) -> None:
         """Start tracking the KV cache's peak use afresh (e.g. per chat turn)."""
@@ -260,3 +285,11 @@ class LLMEngine:
             self.peak_usage = usage
 
 
+def _token_logprobs(sampling: list[Request], tokens: list[int], scored: list[list]) -> list[TokenLogprob | None]:
+    """Each sampled row's `TokenLogprob`, for the requests that asked (None for the others)."""
+    if not scored:
+        return [None] * len(sampling)
+    chosen, ids, values = scored
+    return [None if r.params.logprobs is None else TokenLogprob(
+        token, chosen[row], tuple(sorted(zip(ids[row], values[row]), key=lambda p: -p[1])[: r.params.logprobs]))
+        for row, (r, token) in enumerate(zip(sampling, tokens))]

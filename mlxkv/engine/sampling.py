@@ -12,6 +12,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from ..errors import MlxkvError
 
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy: 1/T would push the scaled logits past float32
+MAX_LOGPROBS = 20  # most alternatives a request may ask log-probabilities for (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class SamplingParams:
 
     `stop` strings end the text before the stop string; `seed` (0 <= seed < 2**64) makes
     sampling reproducible whatever else shares the batch; `ignore_eos` generates past EOS
-    (for benchmarks).
+    (for benchmarks); `logprobs` (0 to `MAX_LOGPROBS`) reports each token's log-probability
+    under the model and that many most likely alternatives.
     """
 
     max_tokens: int = 256
@@ -31,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -47,6 +50,8 @@ class SamplingParams:
             ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
              "an integer in [0, 2**64) or None"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"an integer in [0, {MAX_LOGPROBS}] or None"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -95,6 +100,25 @@ class TokenSampler:
         if 0 < p.top_k < logits.shape[-1]:
             logprobs = apply_top_k(logprobs, p.top_k)
         return mx.random.categorical(logprobs * (1 / p.temperature), key=mx.random.key(_mix(self.seed, index)))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the most likely tokens' (best first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs(logits: mx.array, tokens: mx.array, top: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Log-probabilities of `tokens` (one per row of `logits`), and the ids and log-probabilities
+    of each row's `top` most likely tokens (unordered); lazy, for the step's one evaluation."""
+    scores = logits.astype(mx.float32)
+    scores = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(scores, tokens.astype(mx.int32)[:, None], axis=-1)[:, 0]
+    ids = mx.argpartition(-scores, top - 1, axis=-1)[:, :top] if top else mx.zeros((scores.shape[0], 0), mx.int32)
+    return chosen, ids, mx.take_along_axis(scores, ids, axis=-1)
 
 
 class SamplingFailed(MlxkvError):

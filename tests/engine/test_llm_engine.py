@@ -283,3 +283,31 @@ def test_request_ids_are_strings_and_never_collide(model):
     for request_id in ("0", automatic.request_id):
         engine.abort(request_id)
     assert engine.cache.free_pages == engine.cache.pool.capacity
+
+
+def test_outputs_carry_tokens_usage_and_the_model_s_logprobs(checkpoint, model):
+    """A request that asks for logprobs gets, per token, its log-probability under the model
+    and the most likely alternatives best first; every output carries the token counts."""
+    from mlx_lm import load as mlx_lm_load
+
+    engine = LLMEngine(*model, EngineConfig(block_size=8, max_num_seqs=2))
+    prompt = [5, 6, 7, 8]
+    asking = engine.add_request(prompt, SamplingParams(max_tokens=3, logprobs=3))
+    plain = engine.add_request([9, 10], SamplingParams(max_tokens=2))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    mine = [o for o in outputs if o.request_id == asking.request_id]
+    assert [o.token_ids for o in mine] == [(t,) for t in asking.output_ids]
+    assert all(o.logprobs == () for o in outputs if o.request_id == plain.request_id)
+    first = mine[0].logprobs[0]
+    assert first.token == asking.output_ids[0] and len(first.top) == 3
+    assert first.top[0] == (first.token, first.logprob)  # greedy: the chosen token is the most likely
+    assert [lp for _, lp in first.top] == sorted((lp for _, lp in first.top), reverse=True)
+    reference, _ = mlx_lm_load(str(checkpoint("llama-fp32")))
+    logits = reference(mx.array(prompt)[None])[0, -1]
+    expected = (logits - mx.logsumexp(logits)).tolist()
+    assert all(abs(lp - expected[t]) < 1e-4 for t, lp in first.top)
+    assert [(o.usage.prompt_tokens, o.usage.completion_tokens, o.usage.cached_tokens) for o in mine] == \
+        [(4, 1, 0), (4, 2, 0), (4, 3, 0)]
+    assert mine[-1].finished and mine[-1].finish_reason == "length"
