@@ -135,10 +135,12 @@ class BlockTable:
 
     def release(self) -> int:
         """Return the pages to the pool; returns how many the sequence held. A partly filled
-        last page is cached too (under the key of the tokens it holds), so that a sequence
-        continuing this one, such as the next chat turn, computes only what is new."""
-        if self.tail:
-            self.pool.publish(self.pages[len(self.keys)], page_key(self._parent, self.tail))
+        last page is cached too, under a key for every prefix of the tokens it holds, so that
+        a sequence continuing this one (the next chat turn) or starting like it (the same
+        prompt again) computes only what is new."""
+        parent = self._parent
+        for count in range(len(self.tail), 0, -1):  # every prefix: a sequence may share only the start
+            self.pool.publish(self.pages[len(self.keys)], page_key(parent, self.tail[:count]))
         self.pages, self.keys, self.tail = [], [], []
         self.num_tokens = self.num_computed = 0
         return self.pool.free(self.owner)

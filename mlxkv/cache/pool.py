@@ -28,7 +28,7 @@ class PagePool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._refs = [0] * num_pages
         self._owned: dict[Hashable, list[int]] = {}
-        self._key_of: dict[int, bytes] = {}
+        self._keys_of: dict[int, list[bytes]] = {}  # a full page has one key, a partial one one per prefix
         self._page_of: dict[bytes, int] = {}
         self.num_evictions = 0
         self.extra_refs = 0  # references beyond a page's first, summed over pages
@@ -82,7 +82,7 @@ class PagePool:
         if page not in self._cached_free:
             raise ValueError(f"page {page!r} is not a cached free page of this pool")
         del self._cached_free[page]
-        del self._page_of[self._key_of.pop(page)]
+        self._drop_keys(page)
         self._refs[page] = 1
         self._owned.setdefault(request_id, []).append(page)
 
@@ -96,20 +96,22 @@ class PagePool:
             self.extra_refs -= self._refs[page] > 1
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                if page in self._key_of:
+                if page in self._keys_of:
                     self._cached_free[page] = None
                 else:
                     self._free.append(page)
         return len(pages)
 
     def publish(self, page: int, key: bytes) -> bool:
-        """Cache the allocated, full `page` under its content `key`. Returns False (and changes
-        nothing) if another page already holds that content."""
-        if self._refs[page] == 0 or page in self._key_of:
-            raise ValueError(f"page {page} must be allocated and not published yet")
+        """Cache the allocated `page` under the content `key` (a page may get several: one per
+        prefix of a partly filled page). Returns False, changing nothing, if a page already
+        holds that content."""
+        if self._refs[page] == 0:
+            raise ValueError(f"page {page} must be allocated to be published")
         if key in self._page_of:
             return False
-        self._key_of[page], self._page_of[key] = key, page
+        self._keys_of.setdefault(page, []).append(key)
+        self._page_of[key] = page
         return True
 
     def lookup(self, key: bytes) -> int | None:
@@ -117,13 +119,14 @@ class PagePool:
         return self._page_of.get(key)
 
     def key(self, page: int) -> bytes | None:
-        return self._key_of.get(page)
+        """The first content key `page` was published under, or None."""
+        return self._keys_of.get(page, [None])[0]
 
     def forget_cached(self) -> None:
         """Drop every content key (the K/V behind them is gone); cached free pages become plain free pages."""
         self._free.extend(self._cached_free)
         self._cached_free.clear()
-        self._key_of.clear()
+        self._keys_of.clear()
         self._page_of.clear()
 
     def pages(self, request_id: Hashable) -> list[int]:
@@ -141,6 +144,10 @@ class PagePool:
         if self._free:
             return self._free.popleft()
         page, _ = self._cached_free.popitem(last=False)
-        del self._page_of[self._key_of.pop(page)]
+        self._drop_keys(page)
         self.num_evictions += 1
         return page
+
+    def _drop_keys(self, page: int) -> None:
+        for key in self._keys_of.pop(page):
+            del self._page_of[key]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import threading
-from contextlib import aclosing
 from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 
 import mlx.core as mx
 

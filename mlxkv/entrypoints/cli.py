@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import replace
 from importlib.metadata import version
 from typing import Optional
@@ -11,13 +12,15 @@ import mlx.core as mx
 import typer
 
 from ..cache.layout import KVLayout
-from ..config import context_length
-from ..engine.llm_engine import encode_text
+from ..config import EngineConfig, context_length
+from ..engine.async_llm import AsyncLLM
+from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
 from ..errors import MlxkvError
 from ..models.loading import load
 from .llm import LLM, Stream
+from .prompts import prompt_ids
 
 app = typer.Typer(help="Local LLM inference with MLX over a paged KV cache.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -66,24 +69,6 @@ def main(_: bool = typer.Option(False, "--version", callback=show_version, is_ea
 
 def sampling(max_tokens: int, temp: float, top_p: float, top_k: int, min_p: float, seed: int | None) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-
-
-def prompt_ids(tokenizer, messages: list[dict], ignore_template: bool) -> list[int]:
-    if tokenizer.has_chat_template and not ignore_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return encode_text(tokenizer, plain_text(messages))
-
-
-def plain_text(messages: list[dict]) -> str:
-    """A conversation as a model without a chat template saw it: each reply continues the
-    message before it, each user message starts a new line, system prompts are left out."""
-    text = ""
-    for message in messages:
-        if message["role"] == "user":
-            text += ("\n" if text else "") + message["content"]
-        elif message["role"] == "assistant":
-            text += message["content"]
-    return text
 
 
 def prefix_figures(llm: LLM, request: Request) -> str:
@@ -226,3 +211,45 @@ def chat_turn(llm: LLM, messages: list[dict], params: SamplingParams, verbose: b
     # The reply exactly as generated (the streamed text drops a leading space, as mlx-lm's does),
     # so the next turn's prompt starts with the tokens this turn stored and reuses their pages.
     return messages + [{"role": "assistant", "content": llm.tokenizer.decode(request.output_ids)}]
+
+
+@app.command()
+def serve(
+    model: Optional[str] = MODEL,
+    host: str = typer.Option("127.0.0.1", help="Address to listen on; the default answers this machine only."),
+    port: int = typer.Option(8000, help="TCP port."),
+    kv_layout: Optional[str] = LAYOUT, block_size: int = BLOCK, kv_cache_memory: Optional[str] = MEMORY,
+    num_blocks: Optional[int] = BLOCKS, max_model_len: Optional[int] = MAX_LEN,
+    max_num_seqs: int = typer.Option(16, help="Most sequences computed at once."),
+    max_num_batched_tokens: int = typer.Option(512, help="Most tokens one engine step computes."),
+    prefix_caching: bool = PREFIX,
+    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer <key>' (all but /health)."),
+    allowed_origins: list[str] = typer.Option([], help="Origins browsers may call from (CORS); repeatable."),
+    max_queue: int = typer.Option(1024, help="Most requests waiting; more are answered 503."),
+) -> None:
+    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models),
+    with /health, /metrics and a chat page at /."""
+    import uvicorn  # the server's imports wait until a server is asked for
+
+    from .server import build_app
+
+    try:
+        typer.echo(f"mlxkv: loading {model or 'the demo model'} ...", err=True)
+        started = time.perf_counter()
+        loaded = load(model)
+        config = EngineConfig(kv_layout=kv_layout, block_size=block_size, num_blocks=num_blocks,
+                              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                              enable_prefix_caching=prefix_caching)
+        engine = LLMEngine(*loaded, config)
+    except (MlxkvError, ValueError, TypeError) as exc:
+        fail(exc)
+    typer.echo(f"mlxkv: loaded in {time.perf_counter() - started:.1f} s; KV cache: {engine.cache.usage()}", err=True)
+    llm = AsyncLLM(engine)
+    app_ = build_app(llm, model or "mlxkv-demo", api_key=api_key, allowed_origins=allowed_origins,
+                     max_queue=max_queue)
+    typer.echo(f"mlxkv: serving on http://{host}:{port} (chat page at /)", err=True)
+    try:
+        uvicorn.run(app_, host=host, port=port, log_level="warning")
+    finally:
+        llm.shutdown()

@@ -135,12 +135,15 @@ def test_a_partly_filled_last_page_goes_to_the_sequence_that_continues_it():
     assert hits == 4  # the partial page is b's now; c recomputes its two tokens
 
 
-def test_a_partial_page_is_reused_only_by_a_sequence_holding_all_its_tokens():
+def test_a_partial_page_goes_to_the_first_sequence_that_starts_like_it():
     cache = make()
     a, _ = admit(cache, list(range(7)))
     cache.release(a)
-    assert admit(cache, list(range(6)) + [60, 61])[1] == 4
     assert admit(cache, list(range(7)))[1] == 6  # the same prompt again: everything but its last token
+    b, _ = admit(cache, list(range(7)))
+    cache.release(b)
+    assert admit(cache, list(range(6)) + [60, 61])[1] == 6  # it shares the page's first two tokens
+    assert admit(cache, list(range(6)) + [70])[1] == 4  # the page is taken: only the full one is left
 
 
 def test_eviction_takes_empty_pages_first_then_least_recently_used_cached_ones():

@@ -129,7 +129,7 @@ def test_requests_with_different_cache_salts_share_nothing(model):
     prompt, params = list(range(10, 30)), SamplingParams(max_tokens=2)
     cached = [llm.generate(prompt, params, cache_salt=salt)[0].num_cached_tokens
               for salt in ("alice", "bob", None, "alice", None)]
-    assert cached == [0, 0, 0, 16, 16]
+    assert cached == [0, 0, 0, 19, 19]  # all but the last prompt token, for the same salt
     with pytest.raises(ValueError, match="cache_salt must be None or a non-empty string, got ''"):
         llm.generate(prompt, params, cache_salt="")
 

@@ -1,0 +1,26 @@
+"""How a conversation becomes prompt token ids: the model's chat template, or plain text."""
+
+from __future__ import annotations
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from ..engine.llm_engine import encode_text
+
+
+def prompt_ids(tokenizer: TokenizerWrapper, messages: list[dict], ignore_template: bool = False) -> list[int]:
+    """The prompt for `messages` (`role`/`content` dicts), ending where the assistant's reply begins."""
+    if tokenizer.has_chat_template and not ignore_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return encode_text(tokenizer, plain_text(messages))
+
+
+def plain_text(messages: list[dict]) -> str:
+    """A conversation as a model without a chat template saw it: each reply continues the
+    message before it, each user message starts a new line, system prompts are left out."""
+    text = ""
+    for message in messages:
+        if message["role"] == "user":
+            text += ("\n" if text else "") + message["content"]
+        elif message["role"] == "assistant":
+            text += message["content"]
+    return text

@@ -1,0 +1,260 @@
+"""`mlxkv serve` over real HTTP on 127.0.0.1, driven by the official `openai` client."""
+
+import asyncio
+import json
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from mlxkv import LLM, SamplingParams
+from mlxkv.entrypoints.prompts import prompt_ids
+
+MODEL = "mlxkv-demo"
+HELLO = [{"role": "user", "content": "The import statement"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlxkv", "serve", "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read())
+    raise TimeoutError("the server did not come up")
+
+
+def stop(proc: subprocess.Popen) -> str:
+    proc.terminate()
+    return proc.communicate(timeout=30)[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start("--max-num-seqs", "16", "--max-model-len", "256")
+    yield url
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy text of a prompt (token ids) from `LLM` in this process, as the server should give it."""
+    llm = LLM(max_num_seqs=1, max_model_len=256)
+    return lambda ids, n=16: llm.generate(ids, SamplingParams(max_tokens=n))[0].text, llm.tokenizer
+
+
+def metric(url: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", httpx.get(f"{url}/metrics").text, re.MULTILINE).group(1))
+
+
+def test_models_lists_the_one_model(client):
+    [model] = client.models.list().data
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "mlxkv") and model.created > 0
+
+
+def test_chat_is_the_engine_s_greedy_text_streamed_or_not(client, reference):
+    generate, tokenizer = reference
+    expected = generate(prompt_ids(tokenizer, HELLO))
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == expected and reply.choices[0].finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (3, 16, 19)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({(c.id, c.created, c.model) for c in chunks}) == 1
+    text_chunks = chunks[:-1]
+    assert "".join(c.choices[0].delta.content or "" for c in text_chunks) == expected
+    assert [c.choices[0].finish_reason for c in text_chunks] == [None] * (len(text_chunks) - 1) + ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
+def test_completions_streamed_and_not_and_the_wire_format(server, client, reference):
+    generate, tokenizer = reference
+    expected = generate(tokenizer.encode("The class"), 8)
+    reply = client.completions.create(model=MODEL, prompt="The class", max_tokens=8, temperature=0)
+    assert reply.choices[0].text == expected and reply.object == "text_completion"
+    streamed = client.completions.create(model=MODEL, prompt="The class", max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    with httpx.stream("POST", f"{server}/v1/completions", json={"prompt": "The class", "max_tokens": 2,
+                                                               "stream": True}) as raw:
+        assert raw.headers["content-type"].startswith("text/event-stream")
+        body = raw.read().decode()
+    assert body.endswith("data: [DONE]\n\n") and all(e.startswith("data: ") for e in body.split("\n\n") if e)
+
+
+def test_n_choices_stop_strings_and_seeds(client):
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, n=2, temperature=1.0, seed=3)
+    assert [c.index for c in reply.choices] == [0, 1]
+    again = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, n=2, temperature=1.0, seed=3)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    full = client.completions.create(model=MODEL, prompt="The import statement", max_tokens=12, temperature=0)
+    stop = full.choices[0].text.split()[2]
+    cut = client.completions.create(model=MODEL, prompt="The import statement", max_tokens=12, temperature=0,
+                                    stop=[stop])
+    assert stop not in cut.choices[0].text and full.choices[0].text.startswith(cut.choices[0].text)
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_in_the_chat_and_the_legacy_forms(client):
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0, logprobs=True,
+                                           top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == entry.logprob  # greedy
+    assert "".join(e.token for e in content).endswith(reply.choices[0].message.content)
+    legacy = client.completions.create(model=MODEL, prompt="The class", max_tokens=3, temperature=0, logprobs=1)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(client):
+    messages = [{"role": "user", "content": "The with statement is used to wrap the execution of a block " * 3}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 or first.usage.prompt_tokens > 16
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    salted = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                            extra_body={"cache_salt": "tenant-b"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ("{not json", 400, None, "the body is not valid JSON"),
+    ({"messages": []}, 400, "messages", "messages: List should have at least 1 item"),
+    ({"messages": HELLO, "temperature": "hot"}, 400, "temperature", "temperature: Input should be a valid number"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "messages.0.role: Input should be"),
+    ({"messages": HELLO, "top_p": 2}, 400, "top_p", r"top_p must be a number in \(0, 1\], got 2"),
+    ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
+    ({"messages": HELLO, "n": 0}, 400, "n", "n: Input should be greater than or equal to 1"),
+    ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", r"top_logprobs must be"),
+    ({"messages": [{"role": "user", "content": "word " * 300}]}, 400, None, "holds at most 256 per request"),
+    ({"messages": HELLO, "model": "gpt-9"}, 404, "model", "model 'gpt-9' does not exist"),
+])
+def test_bad_requests_get_openai_error_shapes(server, body, status, param, message):
+    reply = httpx.post(f"{server}/v1/chat/completions", content=body if isinstance(body, str) else json.dumps(body),
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    assert re.search(message, error["message"]), error["message"]
+
+
+def test_errors_reach_the_openai_client_as_its_exceptions(client):
+    with pytest.raises(openai.BadRequestError, match="top_p must be a number"):
+        client.chat.completions.create(model=MODEL, messages=HELLO, top_p=3)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=HELLO)
+
+
+def test_api_key_cors_and_a_full_queue():
+    proc, url = start("--api-key", "sesame", "--max-queue", "0", "--allowed-origins", "http://front.test")
+    try:
+        assert httpx.get(f"{url}/health").status_code == 200
+        preflight = httpx.options(f"{url}/v1/chat/completions", headers={
+            "origin": "http://front.test", "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization,content-type"})
+        assert preflight.headers["access-control-allow-origin"] == "http://front.test"
+        other = httpx.options(f"{url}/v1/models", headers={"origin": "http://evil.test",
+                                                           "access-control-request-method": "GET"})
+        assert "access-control-allow-origin" not in other.headers
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong").models.list()
+        allowed = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame")
+        assert allowed.models.list().data[0].id == MODEL
+        busy = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers={"authorization": "Bearer sesame"})
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["code"] == "queue_full"
+    finally:
+        stop(proc)
+
+
+def test_a_client_that_goes_away_is_aborted_and_its_pages_freed(server):
+    """Two 200-token requests whose clients leave early (one streaming, one not) stop at once:
+    far fewer than 400 tokens are generated, and no request or page is left behind."""
+    before = metric(server, "mlxkv_generation_tokens_total")
+    with httpx.stream("POST", f"{server}/v1/completions",
+                      json={"prompt": "The import statement", "max_tokens": 200, "stream": True}) as raw:
+        next(raw.iter_lines())
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json={"prompt": "The class", "max_tokens": 200}, timeout=0.3)
+    for _ in range(200):
+        if metric(server, "mlxkv_running_requests") == 0 and metric(server, "mlxkv_kv_pages_used") == 0:
+            break
+        time.sleep(0.05)
+    assert metric(server, "mlxkv_running_requests") == 0 and metric(server, "mlxkv_kv_pages_used") == 0
+    generated = metric(server, "mlxkv_generation_tokens_total") - before
+    assert generated < 200, f"{generated} tokens generated for two clients that left early"
+
+
+def test_64_streaming_clients_with_a_quarter_walking_away(server, reference):
+    """Every stream that completes equals its prompt's non-streaming greedy text; afterwards no
+    request runs and every page is free."""
+    rng = random.Random(5)
+    words = "the import class statement with a module for while return value name object".split()
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 30))) for _ in range(64)]
+    leavers = set(rng.sample(range(64), 16))
+
+    async def one(api: openai.AsyncOpenAI, index: int) -> str | None:
+        stream = await api.completions.create(model=MODEL, prompt=prompts[index], max_tokens=24, temperature=0,
+                                              stream=True)
+        text, quit_after = "", rng.randint(0, 10)
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            if index in leavers and quit_after == 0:
+                await stream.close()
+                return None
+            quit_after -= 1
+        return text
+
+    async def everyone() -> list[str | None]:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as api:
+            return await asyncio.gather(*(one(api, i) for i in range(64)))
+
+    texts = asyncio.run(everyone())
+    generate, tokenizer = reference
+    for index, text in enumerate(texts):
+        if text is not None:
+            assert text == generate(tokenizer.encode(prompts[index]), 24), index
+    assert sum(t is None for t in texts) >= 8
+    time.sleep(0.5)
+    assert metric(server, "mlxkv_running_requests") == 0 and metric(server, "mlxkv_waiting_requests") == 0
+    assert metric(server, "mlxkv_kv_pages_used") == 0
+
+
+def test_metrics_and_the_chat_page(server):
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("mlxkv_running_requests", "mlxkv_waiting_requests", "mlxkv_kv_pages_used", "mlxkv_kv_pages_total",
+                 "mlxkv_kv_bytes_holding_tokens", "mlxkv_preemptions", "mlxkv_prefix_cache_hit_rate",
+                 "mlxkv_prompt_tokens_total", "mlxkv_generation_tokens_total",
+                 "mlxkv_time_to_first_token_seconds_bucket", "mlxkv_inter_token_latency_seconds_bucket"):
+        assert re.search(rf"^{name}", text, re.MULTILINE), name
+    page = httpx.get(f"{server}/")
+    assert page.status_code == 200 and "<title>mlxkv chat</title>" in page.text
+    assert "innerHTML" not in page.text.split("<script>")[1].replace("never innerHTML", "")
