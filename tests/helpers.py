@@ -1,6 +1,10 @@
 """Helpers the test modules share: caches filled as an engine would fill them."""
 
 import importlib
+import socket
+import subprocess
+import sys
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -89,3 +93,31 @@ class ExplodingSampler(TokenSampler):
 
     def __call__(self, logits, index):
         raise RuntimeError("sampler exploded")
+
+
+def start_server(*flags: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """`mlxkv serve` with the demo model on 127.0.0.1 (a free port unless `port`), once /health answers."""
+    import httpx
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mlxkv", "serve", "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read())
+    raise TimeoutError("the server did not come up")
+
+
+def stop_server(proc: subprocess.Popen) -> str:
+    """Stop the server; returns what it wrote to stderr."""
+    proc.terminate()
+    return proc.communicate(timeout=30)[1]

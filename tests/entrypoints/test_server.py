@@ -4,14 +4,12 @@ import asyncio
 import json
 import random
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
+from helpers import start_server, stop_server
 
 from mlxkv import LLM, SamplingParams
 from mlxkv.entrypoints.prompts import prompt_ids
@@ -20,38 +18,11 @@ MODEL = "mlxkv-demo"
 HELLO = [{"role": "user", "content": "The import statement"}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(*flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlxkv", "serve", "--port", str(port), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read())
-    raise TimeoutError("the server did not come up")
-
-
-def stop(proc: subprocess.Popen) -> str:
-    proc.terminate()
-    return proc.communicate(timeout=30)[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start("--max-num-seqs", "16", "--max-model-len", "256")
+    proc, url = start_server("--max-num-seqs", "16", "--max-model-len", "256")
     yield url
-    stop(proc)
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +144,7 @@ def test_errors_reach_the_openai_client_as_its_exceptions(client):
 
 
 def test_api_key_cors_and_a_full_queue():
-    proc, url = start("--api-key", "sesame", "--max-queue", "0", "--allowed-origins", "http://front.test")
+    proc, url = start_server("--api-key", "sesame", "--max-queue", "0", "--allowed-origins", "http://front.test")
     try:
         assert httpx.get(f"{url}/health").status_code == 200
         preflight = httpx.options(f"{url}/v1/chat/completions", headers={
@@ -192,7 +163,7 @@ def test_api_key_cors_and_a_full_queue():
         assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
         assert busy.json()["error"]["code"] == "queue_full"
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 def test_a_client_that_goes_away_is_aborted_and_its_pages_freed(server):
