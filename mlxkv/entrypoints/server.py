@@ -126,8 +126,8 @@ class Metrics:
 class Server:
     """The app's state: one engine, one model id, and how requests become engine requests."""
 
-    def __init__(self, llm: AsyncLLM, model_id: str, max_queue: int) -> None:
-        self.llm, self.model_id, self.max_queue = llm, model_id, max_queue
+    def __init__(self, llm: AsyncLLM, model_id: str, max_queue: int, keepalive_s: float) -> None:
+        self.llm, self.model_id, self.max_queue, self.keepalive_s = llm, model_id, max_queue, keepalive_s
         self.created = int(time.time())
         self.metrics = Metrics(llm)
 
@@ -156,7 +156,7 @@ class Server:
     async def run(self, prompt: list[int], params: SamplingParams, n: int,
                   salt: str | None) -> AsyncIterator[tuple[int, RequestOutput] | None]:
         """The outputs of `n` choices for one prompt as they come, tagged by choice index; None
-        every `KEEPALIVE_S` without any. Leaving early aborts every choice still running."""
+        every `keepalive_s` without any. Leaving early aborts every choice still running."""
         queue: asyncio.Queue = asyncio.Queue()
         stamp = [time.perf_counter()] * n
         first = [True] * n
@@ -175,7 +175,7 @@ class Server:
             finished = 0
             while finished < n:
                 try:
-                    index, output, error = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                    index, output, error = await asyncio.wait_for(queue.get(), self.keepalive_s)
                 except asyncio.TimeoutError:
                     yield None
                     continue
@@ -210,7 +210,7 @@ def sse(payload: dict | str) -> str:
 
 
 def build_app(llm: AsyncLLM, model_id: str, *, api_key: str | None = None, allowed_origins: list[str] = (),
-              max_queue: int = 1024) -> FastAPI:
+              max_queue: int = 1024, keepalive_s: float = KEEPALIVE_S) -> FastAPI:
     """The FastAPI app serving `llm` as `model_id`."""
     def authorize(request: HTTPRequest) -> None:
         """With an API key, every endpoint but /health wants it (a dependency: an HTTP middleware
@@ -222,7 +222,7 @@ def build_app(llm: AsyncLLM, model_id: str, *, api_key: str | None = None, allow
                                code="invalid_api_key")
 
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorize)])
-    server = Server(llm, model_id, max_queue)
+    server = Server(llm, model_id, max_queue, keepalive_s)
     tokenizer = llm.engine.tokenizer
     app.state.server = server
     if allowed_origins:

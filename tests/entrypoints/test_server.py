@@ -229,3 +229,28 @@ def test_metrics_and_the_chat_page(server):
     page = httpx.get(f"{server}/")
     assert page.status_code == 200 and "<title>mlxkv chat</title>" in page.text
     assert "innerHTML" not in page.text.split("<script>")[1].replace("never innerHTML", "")
+
+
+def test_a_long_prefill_sends_keepalive_comments_before_the_first_token():
+    """In process (the interval is a `build_app` argument): a 1,500-token prompt takes longer
+    to prefill than a 1 ms keepalive interval, so the stream opens with comment lines."""
+    from mlxkv import AsyncLLM, EngineConfig, LLMEngine, load
+    from mlxkv.entrypoints.server import build_app
+
+    llm = AsyncLLM(LLMEngine(*load(), EngineConfig(max_num_seqs=1, max_model_len=1600)))
+    app = build_app(llm, MODEL, keepalive_s=0.001)
+
+    async def fetch() -> str:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as api:
+            reply = await api.post("/v1/completions", json={"prompt": list(range(1, 1501)), "max_tokens": 2,
+                                                            "stream": True})
+            return reply.text
+
+    try:
+        body = asyncio.run(fetch())
+    finally:
+        llm.shutdown()
+    events = [e for e in body.split("\n\n") if e]
+    assert events[0] == ": keepalive" and events[-1] == "data: [DONE]"
+    assert all(e == ": keepalive" or e.startswith("data: ") for e in events)
