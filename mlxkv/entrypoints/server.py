@@ -93,9 +93,11 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
 
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class Metrics:
@@ -331,15 +333,19 @@ def build_app(llm: AsyncLLM, model_id: str, *, api_key: str | None = None, allow
                     yield sse({**head, "object": chunk_kind, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}]})
-            async for event in events:
-                if event is None:
-                    yield ": keepalive\n\n"
-                    continue
-                index, output = event
-                usages[index] = output.usage
-                if output.delta or output.finished or output.logprobs:
-                    yield sse({**head, "object": chunk_kind, "choices": [
-                        choice(kind, index, output.delta, output.finish_reason, list(output.logprobs))]})
+            try:
+                async for event in events:
+                    if event is None:
+                        yield ": keepalive\n\n"
+                        continue
+                    index, output = event
+                    usages[index] = output.usage
+                    if output.delta or output.finished or output.logprobs:
+                        yield sse({**head, "object": chunk_kind, "choices": [
+                            choice(kind, index, output.delta, output.finish_reason, list(output.logprobs))]})
+            except RequestFailed as exc:  # the status line has gone: the error travels as an event
+                yield sse(APIError(500, str(exc), kind="server_error").body())
+                return
         if include_usage:
             yield sse({**head, "object": chunk_kind, "choices": [], "usage": usage_json(usages)})
         yield sse("[DONE]")

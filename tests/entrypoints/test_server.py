@@ -254,3 +254,36 @@ def test_a_long_prefill_sends_keepalive_comments_before_the_first_token():
     events = [e for e in body.split("\n\n") if e]
     assert events[0] == ": keepalive" and events[-1] == "data: [DONE]"
     assert all(e == ": keepalive" or e.startswith("data: ") for e in events)
+
+
+def test_a_request_that_fails_gets_a_500_or_an_error_event_and_the_rest_go_on(monkeypatch):
+    """In process, with one request's sampler failing: a non-streaming client gets OpenAI's
+    error body with status 500; a streaming one, whose status line has gone, an error event."""
+    from helpers import ExplodingSampler
+
+    from mlxkv import AsyncLLM, EngineConfig, LLMEngine, load
+    from mlxkv.engine.sampling import TokenSampler
+    from mlxkv.entrypoints.server import build_app
+
+    original = TokenSampler.__call__
+    monkeypatch.setattr(TokenSampler, "__call__", lambda self, logits, index: ExplodingSampler.__call__(
+        self, logits, index) if self.params.seed == 13 else original(self, logits, index))
+    llm = AsyncLLM(LLMEngine(*load(), EngineConfig(max_num_seqs=4, max_model_len=256)))
+    app = build_app(llm, MODEL)
+    bad = {"prompt": "The class", "max_tokens": 4, "temperature": 1.0, "seed": 13}
+
+    async def run() -> tuple:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as api:
+            return await asyncio.gather(api.post("/v1/completions", json=bad),
+                                        api.post("/v1/completions", json={**bad, "stream": True}),
+                                        api.post("/v1/completions", json={"prompt": "The class", "max_tokens": 4}))
+
+    try:
+        plain, streamed, fine = asyncio.run(run())
+    finally:
+        llm.shutdown()
+    assert plain.status_code == 500 and plain.json()["error"]["type"] == "server_error"
+    assert "sampler exploded" in plain.json()["error"]["message"]
+    last = [e for e in streamed.text.split("\n\n") if e][-1]
+    assert json.loads(last.removeprefix("data: "))["error"]["message"].endswith("sampler exploded")
+    assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 4
