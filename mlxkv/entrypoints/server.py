@@ -26,6 +26,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..cache.prefix_cache import check_salt
 from ..engine.async_llm import AsyncLLM
 from ..engine.llm_engine import RequestOutput, Usage
 from ..engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
@@ -149,6 +150,7 @@ class Server:
                                 f"{self.llm.engine.max_request_tokens} per request", None, "context_length_exceeded")
         limit = room if max_tokens is None else min(room, max_tokens) if max_tokens >= 1 else max_tokens
         try:
+            check_salt(body.cache_salt)
             return SamplingParams(max_tokens=limit, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, min_p=body.min_p, stop=body.stop, seed=body.seed,
                                   logprobs=logprobs)
