@@ -30,7 +30,7 @@ class BlockTable:
         self.keys: list[bytes] = []
         self.num_computed = 0  # tokens whose K/V are stored, as last published
         self.tail: list[int] = []  # those of them in a partly filled last page
-        self.salt: str | None = None
+        self.root = root_key(None)  # the parent of page 0's key: set by the salt of `reuse_prefix`
 
     @property
     def page_size(self) -> int:
@@ -95,7 +95,7 @@ class BlockTable:
         now in place."""
         if self.pages:
             raise ValueError(f"sequence {self.owner} already holds pages; a prefix is reused only before its first step")
-        self.salt, size, last = salt, self.page_size, len(tokens) - 1
+        self.root, size, last = root_key(salt), self.page_size, len(tokens) - 1
         for first in range(0, last // size * size, size):
             key = page_key(self._parent, tokens[first : first + size])
             page = self.pool.lookup(key)
@@ -131,7 +131,7 @@ class BlockTable:
     @property
     def _parent(self) -> bytes:
         """The key the next page's key chains from."""
-        return self.keys[-1] if self.keys else root_key(self.salt)
+        return self.keys[-1] if self.keys else self.root
 
     def release(self) -> int:
         """Return the pages to the pool; returns how many the sequence held. A partly filled

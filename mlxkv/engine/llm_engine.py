@@ -214,8 +214,9 @@ class LLMEngine:
             raise
         with self._lock:
             self.scheduler.commit(batch)
-            scores = _token_logprobs(sampling, tokens.tolist(), [a.tolist() for a in scored])
-            return [self._accept(request, token, score) for request, token, score in zip(sampling, tokens.tolist(), scores)
+            sampled = tokens.tolist()
+            scores = _token_logprobs(sampling, sampled, [a.tolist() for a in scored])
+            return [self._accept(request, token, score) for request, token, score in zip(sampling, sampled, scores)
                     if request.status is not Status.FINISHED]
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:

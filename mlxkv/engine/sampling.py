@@ -70,6 +70,12 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def log_softmax(logits: mx.array) -> mx.array:
+    """Log-probabilities over the last axis, in float32."""
+    scores = logits.astype(mx.float32)
+    return scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+
+
 def _mix(seed: int, index: int) -> int:
     """A 64-bit key seed for sample `index` of a request seeded `seed` (splitmix64's mixer)."""
     z = (seed + (index + 1) * 0x9E3779B97F4A7C15) % 2**64
@@ -92,7 +98,7 @@ class TokenSampler:
         p = self.params
         if p.greedy:
             return mx.argmax(logits, axis=-1)
-        logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+        logprobs = log_softmax(logits)
         if p.top_p < 1:
             logprobs = apply_top_p(logprobs[None], p.top_p)[0]
         if p.min_p > 0:
@@ -114,8 +120,7 @@ class TokenLogprob:
 def logprobs(logits: mx.array, tokens: mx.array, top: int) -> tuple[mx.array, mx.array, mx.array]:
     """Log-probabilities of `tokens` (one per row of `logits`), and the ids and log-probabilities
     of each row's `top` most likely tokens (unordered); lazy, for the step's one evaluation."""
-    scores = logits.astype(mx.float32)
-    scores = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+    scores = log_softmax(logits)
     chosen = mx.take_along_axis(scores, tokens.astype(mx.int32)[:, None], axis=-1)[:, 0]
     ids = mx.argpartition(-scores, top - 1, axis=-1)[:, :top] if top else mx.zeros((scores.shape[0], 0), mx.int32)
     return chosen, ids, mx.take_along_axis(scores, ids, axis=-1)

@@ -228,7 +228,7 @@ def build_app(llm: AsyncLLM, model_id: str, *, api_key: str | None = None, allow
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorize)])
     server = Server(llm, model_id, max_queue, keepalive_s)
     tokenizer = llm.engine.tokenizer
-    app.state.server = server
+    chat_page = files("mlxkv.entrypoints").joinpath("chat.html").read_text(encoding="utf-8")
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -261,7 +261,7 @@ def build_app(llm: AsyncLLM, model_id: str, *, api_key: str | None = None, allow
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> str:
-        return files("mlxkv.entrypoints").joinpath("chat.html").read_text(encoding="utf-8")
+        return chat_page
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: HTTPRequest):
