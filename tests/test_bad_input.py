@@ -127,3 +127,13 @@ def test_a_normal_cli_request_after_the_bad_ones_gets_its_reference_text(checkpo
     _, tokenizer = load(checkpoint("llama-fp32"))
     tokens = mlx_lm_greedy(checkpoint("llama-fp32"), tokenizer.encode("The quick"), max_tokens=8)
     assert result.stdout == tokenizer.decode(tokens) + "\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "99999"], r"Invalid value for '--port': .*65535"),
+    (["--max-queue", "-1"], r"Invalid value for '--max-queue': .*greater than or equal to 0"),
+])
+def test_bad_serve_options_are_refused_before_anything_loads(args, message):
+    result = CliRunner().invoke(app, ["serve", *args])
+    assert result.exit_code == 2 and re.search(message, result.stderr), result.stderr
+    assert "Traceback" not in result.stderr and "loading" not in result.stderr

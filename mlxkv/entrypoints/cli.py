@@ -217,7 +217,7 @@ def chat_turn(llm: LLM, messages: list[dict], params: SamplingParams, verbose: b
 def serve(
     model: Optional[str] = MODEL,
     host: str = typer.Option("127.0.0.1", help="Address to listen on; the default answers this machine only."),
-    port: int = typer.Option(8000, help="TCP port."),
+    port: int = typer.Option(8000, min=0, max=65535, help="TCP port."),
     kv_layout: Optional[str] = LAYOUT, block_size: int = BLOCK, kv_cache_memory: Optional[str] = MEMORY,
     num_blocks: Optional[int] = BLOCKS, max_model_len: Optional[int] = MAX_LEN,
     max_num_seqs: int = typer.Option(16, help="Most sequences computed at once."),
@@ -225,7 +225,7 @@ def serve(
     prefix_caching: bool = PREFIX,
     api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer <key>' (all but /health)."),
     allowed_origins: list[str] = typer.Option([], help="Origins browsers may call from (CORS); repeatable."),
-    max_queue: int = typer.Option(1024, help="Most requests waiting; more are answered 503."),
+    max_queue: int = typer.Option(1024, min=0, help="Most requests waiting; more are answered 503."),
 ) -> None:
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models),
     with /health, /metrics and a chat page at /."""
