@@ -1,21 +1,59 @@
 // Paged attention shared by the kernels in this folder. One threadgroup serves one query
 // token and HG query heads of one KV head (all G of its GQA group unless threadgroup memory
-// forces fewer): its NSG SIMD groups split the keys, each lane holds D/32 of the head
-// dimensions, and the K/V row of a key is loaded once for the HG query heads.
+// forces fewer): its NSG SIMD groups split the keys, each lane holds EPL = ceil(D / 32)
+// consecutive head dimensions, and the K/V row of a key is loaded once for the HG query heads.
 // Scores and the online softmax are kept in float32.
 //
 // Pools are [pages, kv_heads, BS, D]; key j of a sequence lives in page
-// block_table[j / BS] at offset j % BS. Helpers take kernel inputs through template pointer
-// types: MLX passes an input of fewer than 8 elements in the `constant` address space and
-// a larger one in `device`, and Metal converts neither to the other.
+// block_table[j / BS] at offset j % BS. Float pools are read through DenseRows, quantized
+// ones (mx.quantize's affine format) through QuantizedRows, which dequantize each value
+// from the packed words where it is read. Helpers take kernel inputs through template
+// pointer types: MLX passes an input of fewer than 8 elements in the `constant` address
+// space and a larger one in `device`, and Metal converts neither to the other.
 // Rules for the simulator as for the GPU: SIMD functions and barriers sit in uniform
 // control flow, loads are guarded, one threadgroup array per declaration.
 
-// Element offset of key j's row for one KV head. 64-bit: a pool passes 2^31 elements at
-// 4 GiB of float16 per layer.
-template <int BS, int D>
+// Index of key j's row for one KV head, counting rows of D values. 64-bit: a pool passes
+// 2^31 elements at 4 GiB of float16 per layer.
+template <int BS>
 int64_t kv_row(int page, int kv_heads, int kv_head, int j) {
-  return ((int64_t(page) * kv_heads + kv_head) * BS + j % BS) * D;
+  return (int64_t(page) * kv_heads + kv_head) * BS + j % BS;
+}
+
+// Value d of row `row` of a float pool [pages, kv_heads, BS, D].
+template <int D, typename P>
+struct DenseRows {
+  P pool;
+  float at(int64_t row, int d) const {
+    return float(pool[row * D + d]);
+  }
+};
+
+// Value d of row `row` of a quantized pool: BITS-bit integers packed lowest bits first into
+// 32-bit words [.., D * BITS / 32], and per group of GS values a scale and a bias [.., D / GS]:
+// value = scale * q + bias.
+template <int D, int BITS, int GS, typename W, typename S>
+struct QuantizedRows {
+  W words;
+  S scales;
+  S biases;
+  float at(int64_t row, int d) const {
+    const int per_word = 32 / BITS;
+    uint word = words[row * (D / per_word) + d / per_word];
+    uint q = (word >> (BITS * (d % per_word))) & ((1u << BITS) - 1u);
+    int64_t group = row * (D / GS) + d / GS;
+    return float(scales[group]) * float(q) + float(biases[group]);
+  }
+};
+
+template <int D, typename P>
+DenseRows<D, P> dense_rows(P pool) {
+  return DenseRows<D, P>{pool};
+}
+
+template <int D, int BITS, int GS, typename W, typename S>
+QuantizedRows<D, BITS, GS, W, S> quantized_rows(W words, S scales, S biases) {
+  return QuantizedRows<D, BITS, GS, W, S>{words, scales, biases};
 }
 
 // Online softmax over keys [first, last) for query heads q_base/D .. + HG - 1 of one KV head.
@@ -24,8 +62,8 @@ int64_t kv_row(int page, int kv_heads, int kv_head, int j) {
 template <int D, int BS, int HG, int NSG, typename Q, typename K, typename V, typename Table>
 void attend_keys(
     Q queries,
-    K k_pool,
-    V v_pool,
+    K k_rows,
+    V v_rows,
     Table block_table,
     int q_base,
     int kv_heads,
@@ -45,7 +83,7 @@ void attend_keys(
   float l[HG];
   for (int g = 0; g < HG; g++) {
     for (int i = 0; i < EPL; i++) {
-      int d = int(lane) + 32 * i;
+      int d = int(lane) * EPL + i;
       q[g][i] = d < D ? float(queries[q_base + g * D + d]) * scale : 0.0f;
       acc[g][i] = 0.0f;
     }
@@ -53,13 +91,13 @@ void attend_keys(
     l[g] = 0.0f;
   }
   for (int j = first + int(sg); j < last; j += NSG) {
-    int64_t base = kv_row<BS, D>(block_table[j / BS], kv_heads, kv_head, j);
+    int64_t row = kv_row<BS>(block_table[j / BS], kv_heads, kv_head, j);
     float k[EPL];
     float v[EPL];
     for (int i = 0; i < EPL; i++) {
-      int d = int(lane) + 32 * i;
-      k[i] = d < D ? float(k_pool[base + d]) : 0.0f;
-      v[i] = d < D ? float(v_pool[base + d]) : 0.0f;
+      int d = int(lane) * EPL + i;
+      k[i] = d < D ? k_rows.at(row, d) : 0.0f;
+      v[i] = d < D ? v_rows.at(row, d) : 0.0f;
     }
     for (int g = 0; g < HG; g++) {
       float partial = 0.0f;
@@ -83,7 +121,7 @@ void attend_keys(
       sg_l[sg * HG + g] = l[g];
     }
     for (int i = 0; i < EPL; i++) {
-      int d = int(lane) + 32 * i;
+      int d = int(lane) * EPL + i;
       if (d < D) {
         sg_acc[(sg * HG + g) * D + d] = acc[g][i];
       }

@@ -13,7 +13,7 @@ const int width = block_tables_shape[1];
 const int first = part * PARTITION;
 const int last = metal::min(first + PARTITION, token_pos[token] + 1);
 attend_keys<D, BS, HG, NSG>(
-    queries, k_pool, v_pool, block_tables + token_rows[token] * width,
+    queries, k_rows, v_rows, block_tables + token_rows[token] * width,
     (token * q_heads + tile * HG) * D, k_pool_shape[1], tile / (G / HG), first, last, scale,
     sg_m, sg_l, sg_acc, simdgroup_index_in_threadgroup, thread_index_in_simdgroup);
 threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -25,11 +25,13 @@ def scramble_free_pages(cache, rng):
         cache.pool.free(("scramble", int(page)))
 
 
-def packed_step(layout, block_size, kv_heads, head_dim, dtype, contexts, query_lens, seed=0, max_seq_len=128):
+def packed_step(layout, block_size, kv_heads, head_dim, dtype, contexts, query_lens, seed=0, max_seq_len=128,
+                kv_bits=None, kv_group_size=64):
     """A cache filled in interleaved chunks (pages out of order), then one packed step."""
     rng = np.random.default_rng(seed)
     cache = KVCacheManager(1, kv_heads, head_dim, max_seqs=len(contexts) + 3, max_seq_len=max_seq_len,
-                           layout=layout, block_size=block_size, dtype=dtype)
+                           layout=layout, block_size=block_size, dtype=dtype, kv_bits=kv_bits,
+                           kv_group_size=kv_group_size)
     if layout == "paged":
         scramble_free_pages(cache, rng)
     ids = cache.claim(len(contexts))

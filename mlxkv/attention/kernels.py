@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.manager import KVBatch
+from ..cache.storage import Pool, QuantizedPages
 from .reference import reference_attention
 
 _PACKAGED = Path(__file__).parents[1] / "metal"  # inside the wheel
@@ -29,6 +30,8 @@ THREADGROUP_MEMORY = 32 * 1024  # bytes of threadgroup memory an Apple GPU gives
 PARTITION = 256         # keys per split-K partition
 SPLIT_BELOW = 128       # split when fewer (token, head tile) threadgroups than this ...
 SPLIT_FROM = 2 * PARTITION  # ... would each walk at least this many keys
+KV_INPUTS = {False: ["k_pool", "v_pool"],  # float pages; quantized ones pass their three arrays each
+             True: ["k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases"]}
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}  # largest |kernel - reference|
 
 Factory = Callable[..., Callable]
@@ -48,7 +51,8 @@ def launch_shape(group: int, head_dim: int) -> tuple[int, int]:
     raise ValueError(f"head_dim={head_dim} is too large for the Metal kernels' threadgroup memory")
 
 
-def _check_batch(dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int):
+def _check_batch(dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int,
+                 kv_bits: int | None, kv_group_size: int):
     """A small batch for the start-up check: a decode row over two split-K partitions, pages
     out of order, and a 3-token prefill chunk whose block table fits MLX's `constant` space."""
     contexts, query_lens = np.array([PARTITION + 3, 5], np.int32), np.array([1, 3], np.int32)
@@ -60,6 +64,9 @@ def _check_batch(dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, 
     keys = mx.random.split(mx.random.key(0), 3)
     shape = (int(pages.sum()), kv_heads, block_size, head_dim)
     k_pool, v_pool = (mx.random.normal(shape, key=k).astype(dtype) for k in keys[:2])
+    if kv_bits is not None:
+        k_pool, v_pool = (QuantizedPages(*mx.quantize(pool, group_size=kv_group_size, bits=kv_bits), kv_bits,
+                                         kv_group_size) for pool in (k_pool, v_pool))
     queries = mx.random.normal((4, q_heads, head_dim), key=keys[2]).astype(dtype)
     return queries, k_pool, v_pool, batch
 
@@ -68,23 +75,32 @@ class PagedAttentionKernels:
     """Paged attention for packed batches, reading K/V through the block tables in Metal.
 
     `metal_kernel` is `mx.fast.metal_kernel`, or anything with its signature (the
-    project's CPU simulator in tests). Each template variant compiles once per process.
+    project's CPU simulator in tests). Each attention kernel comes in a float-page and a
+    quantized-page variant (`direct[quantized]`, `partitioned[quantized]`): the same body
+    after a different K/V reader prologue. Each template variant compiles once per process.
     """
 
     def __init__(self, metal_kernel: Factory = mx.fast.metal_kernel, verbose: bool = False) -> None:
         self.verbose = verbose
         header = (METAL_DIR / "paged_attention.h").read_text()
-        inputs = ["queries", "k_pool", "v_pool", "block_tables", "token_rows", "token_pos", "scale"]
 
-        def build(name: str, input_names: list[str], output_names: list[str]):
+        def build(name: str, input_names: list[str], output_names: list[str], quantized: bool | None = None):
+            source = (METAL_DIR / f"{name}.metal").read_text()
+            if quantized is not None:
+                source = (METAL_DIR / ("kv_quantized.metal" if quantized else "kv_float.metal")).read_text() + source
+                name += "_quantized" if quantized else ""
             return metal_kernel(name=f"mlxkv_{name}", input_names=input_names, output_names=output_names,
-                                source=(METAL_DIR / f"{name}.metal").read_text(), header=header)
+                                source=source, header=header)
 
-        self.direct = build("paged_attention", inputs, ["out"])
-        self.partitioned = build("paged_attention_partitioned", inputs + ["partitions"], ["partial_acc", "partial_ml"])
+        self.direct, self.partitioned = {}, {}
+        for quantized, kv in KV_INPUTS.items():
+            inputs = ["queries", *kv, "block_tables", "token_rows", "token_pos", "scale"]
+            self.direct[quantized] = build("paged_attention", inputs, ["out"], quantized)
+            self.partitioned[quantized] = build("paged_attention_partitioned", inputs + ["partitions"],
+                                                ["partial_acc", "partial_ml"], quantized)
         self.reduce = build("paged_attention_reduce", ["partial_acc", "partial_ml"], ["out"])
 
-    def __call__(self, queries: mx.array, k_pool: mx.array, v_pool: mx.array, batch: KVBatch,
+    def __call__(self, queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KVBatch,
                  scale: float | None = None, split: bool | None = None) -> mx.array:
         """Same contract as `reference_attention`; `split` forces split-K on or off."""
         tokens, q_heads, head_dim = queries.shape
@@ -96,16 +112,20 @@ class PagedAttentionKernels:
         longest = int(batch.context_lens.max()) if tokens else 0
         if split is None:
             split = tokens * tiles < SPLIT_BELOW and longest >= SPLIT_FROM
-        args = [queries, k_pool, v_pool, mx.array(batch.block_tables), mx.array(rows), mx.array(batch.positions),
+        quantized = isinstance(k_pool, QuantizedPages)
+        kv = [*k_pool.parts, *v_pool.parts] if quantized else [k_pool, v_pool]
+        args = [queries, *kv, mx.array(batch.block_tables), mx.array(rows), mx.array(batch.positions),
                 mx.array(scale, mx.float32)]
         template = [("T", queries.dtype), ("D", head_dim), ("BS", k_pool.shape[2]), ("G", group), ("HG", heads),
                     ("NSG", simdgroups)]
+        if quantized:
+            template += [("BITS", k_pool.bits), ("GS", k_pool.group_size)]
         launch = dict(threadgroup=(32 * simdgroups, 1, 1), verbose=self.verbose)
         if not split:
-            return self.direct(inputs=args, template=template, grid=(32 * simdgroups, tiles, tokens),
+            return self.direct[quantized](inputs=args, template=template, grid=(32 * simdgroups, tiles, tokens),
                                output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
         parts = max(1, -(-longest // PARTITION))
-        acc, ml = self.partitioned(
+        acc, ml = self.partitioned[quantized](
             inputs=args + [mx.array(parts, mx.int32)], template=template + [("PARTITION", PARTITION)],
             grid=(32 * simdgroups, tiles, tokens * parts),
             output_shapes=[(tokens, tiles, parts, heads, head_dim), (tokens, tiles, parts, heads, 2)],
@@ -113,14 +133,16 @@ class PagedAttentionKernels:
         return self.reduce(inputs=[acc, ml], template=template, grid=(32 * simdgroups, tiles, tokens),
                            output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
 
-    def warm(self, dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int) -> str | None:
-        """Compile both paths for one model's shapes and check them against the reference.
+    def warm(self, dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int,
+             kv_bits: int | None = None, kv_group_size: int = 64) -> str | None:
+        """Compile both paths for one model's shapes and pages and check them against the reference.
 
         Returns None when both agree within the dtype's tolerance, else which kernel failed
         and why (it did not compile or run, or its numbers differ), so the caller can fall
         back to the reference path instead of crashing or writing wrong text.
         """
-        queries, k_pool, v_pool, batch = _check_batch(dtype, head_dim, block_size, q_heads, kv_heads)
+        queries, k_pool, v_pool, batch = _check_batch(dtype, head_dim, block_size, q_heads, kv_heads, kv_bits,
+                                                      kv_group_size)
         expected = reference_attention(queries, k_pool, v_pool, batch).astype(mx.float32)
         for split, name in ((False, "paged_attention"), (True, "paged_attention_partitioned + _reduce")):
             try:

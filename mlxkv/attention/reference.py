@@ -8,26 +8,40 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.manager import KVBatch
+from ..cache.storage import Pool, QuantizedPages
 
 QUERY_TILE = 512
 LOG2_E = math.log2(math.e)
 
 
-def gather_kv(pool: mx.array, block_tables: np.ndarray, length: int) -> mx.array:
+def gather_kv(pool: Pool, block_tables: np.ndarray, length: int) -> mx.array:
     """The first `length` tokens of each row's pages as `[rows, kv_heads, tokens, head_dim]`.
 
     Tokens past a row's own context are whatever the pages hold; callers mask them.
+    Quantized pages are gathered packed and dequantized after the gather. Measured on the
+    CPU against `mx.quantized_matmul` over the gathered packed rows: ten times as fast in
+    float16 and bfloat16, whose quantized matmul has no fast CPU path; in float32 from
+    twice as fast (one sequence, 8-bit) to half as fast (16 sequences, 4-bit).
+    """
+    if isinstance(pool, QuantizedPages):
+        return pool.dequantize(tuple(_gather(part, block_tables, length) for part in pool.parts))
+    return _gather(pool, block_tables, length)
+
+
+def _gather(pool: mx.array, block_tables: np.ndarray, length: int) -> mx.array:
+    """`gather_kv` for one array of `[pages, kv_heads, page_size, row]`.
+
     A single page is sliced before the gather (no whole-slot read for the contiguous
     layout); several pages are gathered head-major in one `take`, which yields the
     head-major result directly instead of gathering and then transposing.
     """
-    num_pages, kv_heads, page_size, head_dim = pool.shape
+    num_pages, kv_heads, page_size, row = pool.shape
     pages = -(-length // page_size)
     if pages == 1:
         return mx.take(pool[:, :, :length], mx.array(block_tables[:, 0]), axis=0)
     rows = block_tables[:, None, :pages] * kv_heads + np.arange(kv_heads, dtype=np.int32)[None, :, None]
-    gathered = mx.take(pool.reshape(num_pages * kv_heads, page_size, head_dim), mx.array(rows), axis=0)
-    return gathered.reshape(len(block_tables), kv_heads, pages * page_size, head_dim)
+    gathered = mx.take(pool.reshape(num_pages * kv_heads, page_size, row), mx.array(rows), axis=0)
+    return gathered.reshape(len(block_tables), kv_heads, pages * page_size, row)
 
 
 def _softmax(scores: mx.array) -> mx.array:
@@ -40,7 +54,7 @@ def _softmax(scores: mx.array) -> mx.array:
     return weights / mx.sum(weights, axis=-1, keepdims=True)
 
 
-def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, starts: np.ndarray, width: int,
+def _attend(queries: mx.array, k_pool: Pool, v_pool: Pool, starts: np.ndarray, width: int,
             ctx: np.ndarray, block_tables: np.ndarray, scale: float) -> tuple[mx.array, np.ndarray]:
     """Attention for rows of `width` queries each, from token `starts[i]`, the last one at
     position `ctx[i] - 1`. Returns (out, the token ids of its rows)."""
@@ -64,13 +78,13 @@ def _attend(queries: mx.array, k_pool: mx.array, v_pool: mx.array, starts: np.nd
     return out.reshape(n * width, q_heads, head_dim), token_ids
 
 
-def reference_attention(queries: mx.array, k_pool: mx.array, v_pool: mx.array, batch: KVBatch,
+def reference_attention(queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KVBatch,
                         scale: float | None = None) -> mx.array:
     """Attention for a packed batch of decode rows and prefill chunks, with GQA.
 
     `queries` is `[tokens, q_heads, head_dim]`, packed row after row as in `batch`; each
     new token attends causally to its sequence's cached tokens and the chunk's earlier
-    tokens, which must already be written to the pools. Decode rows are computed together
+    tokens, which must already be written to the pools (float or quantized). Decode rows are computed together
     in buckets of similar length (page counts within a power of two), so a short context
     does not copy the batch's longest; each prefill chunk runs on its own in tiles of at
     most `QUERY_TILE` queries, which bounds the score matrix whatever the chunk length.

@@ -14,7 +14,7 @@ from ..errors import KVCacheExhausted, MlxkvError, UnknownSequenceError, positiv
 from .block_table import BlockTable
 from .layout import KVLayout, resolve_layout
 from .pool import PagePool
-from .storage import KVStorage
+from .storage import KVStorage, Pool
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,6 +69,7 @@ class KVUsage:
     tokens: int
     bytes_per_token: int
     pages_cached: int = 0  # free pages still holding cached prefix pages
+    kv_bits: int | None = None  # quantized pages, else the cache dtype
 
     @property
     def bytes_allocated(self) -> int:
@@ -87,7 +88,8 @@ class KVUsage:
     def __str__(self) -> str:
         pool = f"{self.bytes_pool / 2**30:.2f} GiB" if self.bytes_pool >= 2**30 else f"{self.bytes_pool / 2**20:.2f} MiB"
         cached = f", {self.pages_cached} more cached" if self.pages_cached else ""
-        return (f"{self.layout.value}, {self.pages_used}/{self.pages_total} pages of {self.block_size} tokens in use"
+        bits = f", {self.kv_bits}-bit" if self.kv_bits else ""
+        return (f"{self.layout.value}{bits}, {self.pages_used}/{self.pages_total} pages of {self.block_size} tokens in use"
                 f"{cached} (pool {pool}), {self.bytes_holding_tokens / 2**20:.2f} of "
                 f"{self.bytes_allocated / 2**20:.2f} MiB in use holding tokens")
 
@@ -104,6 +106,9 @@ class KVCacheManager:
     from cached pages, `step` to add new tokens (pages are taken on demand) and `write` each
     layer's K/V through the returned slot mapping, `publish` the pages those tokens filled
     once their K/V are evaluated, `fetch` what attention needs, `release` when done.
+
+    With `kv_bits` (8 or 4) pages hold K and V quantized along `head_dim` in groups of
+    `kv_group_size` (see `QuantizedPages`); `kv` then returns quantized pools.
 
     Prefix caching (on by default) applies to the paged layout only: a contiguous slot
     belongs to one sequence, so there is nothing to share and `prefix_caching` is False.
@@ -129,6 +134,8 @@ class KVCacheManager:
         num_blocks: int | None = None,
         dtype: mx.Dtype | str = mx.float16,
         prefix_caching: bool = True,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("max_seqs", max_seqs),
@@ -147,7 +154,8 @@ class KVCacheManager:
             pages_per_seq = 1
             self.pool = PagePool(max_seqs, max_seq_len)
         self.max_pages_per_seq = pages_per_seq
-        self.storage = KVStorage(num_layers, self.pool.capacity, num_kv_heads, self.pool.page_size, head_dim, dtype)
+        self.storage = KVStorage(num_layers, self.pool.capacity, num_kv_heads, self.pool.page_size, head_dim, dtype,
+                                 kv_bits, kv_group_size)
         self._tables: dict[int, BlockTable] = {}
         self._next_id = 0
         self._lock = threading.RLock()
@@ -161,6 +169,14 @@ class KVCacheManager:
     @property
     def dtype(self) -> mx.Dtype:
         return self.storage.dtype
+
+    @property
+    def kv_bits(self) -> int | None:
+        return self.storage.bits
+
+    @property
+    def kv_group_size(self) -> int:
+        return self.storage.group_size
 
     @property
     def num_active(self) -> int:
@@ -252,8 +268,8 @@ class KVCacheManager:
             self.storage.reset()
             self.pool.forget_cached()
 
-    def kv(self, layer: int) -> tuple[mx.array, mx.array]:
-        """The K and V pools of `layer`, `[pages, kv_heads, block_size, head_dim]`."""
+    def kv(self, layer: int) -> tuple[Pool, Pool]:
+        """The K and V pools of `layer`, `[pages, kv_heads, block_size, head_dim]` (quantized with `kv_bits`)."""
         return self.storage.layer(layer)
 
     def as_tensor(self, seq_id: int, layer: int) -> tuple[mx.array, mx.array]:
@@ -277,7 +293,7 @@ class KVCacheManager:
             shared_twice = self.pool.extra_refs * self.block_size  # shared pages are full
             tokens = sum(t.num_tokens for t in self._tables.values()) - shared_twice
             return KVUsage(self.layout, self.pool.used_count, self.pool.capacity, self.block_size,
-                           tokens, self.storage.bytes_per_token, self.pool.cached_free_count)
+                           tokens, self.storage.bytes_per_token, self.pool.cached_free_count, self.kv_bits)
 
     @property
     def free_pages(self) -> int:

@@ -1,10 +1,78 @@
-"""The KV tensors: per layer, one K pool and one V pool of `[pages, kv_heads, page_size, head_dim]`."""
+"""The KV tensors: per layer, one K pool and one V pool of `[pages, kv_heads, page_size, head_dim]`,
+as floats or quantized along `head_dim` in `mx.quantize`'s format."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+KV_BITS = (8, 4)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantizedPages:
+    """One quantized pool: each token's row of `head_dim` values as `bits`-bit integers packed
+    into uint32 words (lowest bits first), with a scale and a bias per `group_size` values, so
+    value = scale * q + bias. The format `mx.quantize` ("affine") produces, token by token.
+
+    `words` is `[pages, kv_heads, page_size, head_dim * bits / 32]`; `scales` and `biases` are
+    `[pages, kv_heads, page_size, head_dim / group_size]` in the cache dtype. `shape` and
+    `dtype` describe the float pool it stands for.
+    """
+
+    words: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        pages, heads, page_size, words = self.words.shape
+        return pages, heads, page_size, words * 32 // self.bits
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.scales.dtype
+
+    @property
+    def parts(self) -> tuple[mx.array, mx.array, mx.array]:
+        return self.words, self.scales, self.biases
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def dequantize(self, parts: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array:
+        """`parts` (rows taken alike from this pool's three arrays; default the whole pool) as floats.
+
+        Equal to `mx.dequantize` bit for bit, and two to three times as fast on the CPU:
+        the packed words are read as bytes (4-bit: split into nibbles) and each group is
+        scaled and shifted by broadcasting."""
+        words, scales, biases = parts or self.parts
+        ints = words.view(mx.uint8)
+        if self.bits == 4:
+            ints = mx.stack([ints & 15, ints >> 4], axis=-1)
+        *rows, groups = scales.shape
+        values = ints.reshape(*rows, groups, self.group_size).astype(scales.dtype)
+        return (values * scales[..., None] + biases[..., None]).reshape(*rows, groups * self.group_size)
+
+
+Pool = mx.array | QuantizedPages
+
+
+def check_quantization(bits: int | None, group_size: int, head_dim: int | None = None) -> None:
+    """Refuse a `kv_bits` / `kv_group_size` pair the quantized pages and kernels do not support."""
+    if bits is not None and (isinstance(bits, bool) or bits not in KV_BITS):
+        raise ValueError(f"kv_bits must be 8, 4 or None (float pages), got {bits!r}")
+    if isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES:
+        raise ValueError(f"kv_group_size must be 32, 64 or 128, got {group_size!r}")
+    if bits is not None and head_dim is not None and head_dim % group_size:
+        raise ValueError(f"kv_group_size={group_size} must divide the model's head_dim={head_dim}; "
+                         f"choose one of {[g for g in KV_GROUP_SIZES if head_dim % g == 0] or 'none: use kv_bits=None'}")
 
 
 def resolve_dtype(dtype: mx.Dtype | str) -> mx.Dtype:
@@ -16,23 +84,36 @@ def resolve_dtype(dtype: mx.Dtype | str) -> mx.Dtype:
     raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
-    """K and V bytes one token takes across all layers."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype.size
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
+                       bits: int | None = None, group_size: int = 64) -> int:
+    """K and V bytes one token takes across all layers (with `bits`: packed values plus the
+    scale and bias of each group, in `dtype`)."""
+    if bits is None:
+        row = head_dim * dtype.size
+    else:
+        row = head_dim * bits // 8 + 2 * (head_dim // group_size) * dtype.size
+    return 2 * num_layers * num_kv_heads * row
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
     return next(name for name, value in DTYPES.items() if value == dtype)
 
 
+def _arrays(pool: Pool) -> tuple[mx.array, ...]:
+    return pool.parts if isinstance(pool, QuantizedPages) else (pool,)
+
+
 class KVStorage:
     """Flat per-layer pools written by in-place scatter.
 
-    Each pool is one MLX array that nothing else keeps alive, so `pool[pages, :, offsets] = new`
-    donates the old buffer and writes in place instead of copying the pool (see the design
-    notes on buffer donation). Pages are head-major so a kernel reads one KV head's tokens
-    of a page as one contiguous run. The contiguous layout is the same storage with one page
-    of `max_seq_len` tokens per sequence.
+    Each pool is one MLX array (three for quantized pages) that nothing else keeps alive,
+    so `pool[pages, :, offsets] = new` donates the old buffer and writes in place instead
+    of copying the pool (see the design notes on buffer donation). Pages are head-major so
+    a kernel reads one KV head's tokens of a page as one contiguous run. The contiguous
+    layout is the same storage with one page of `max_seq_len` tokens per sequence.
+
+    With `bits` (8 or 4) a token's K and V rows are quantized once, when written, in
+    groups of `group_size` along `head_dim`; attention reads the packed pages.
     """
 
     def __init__(
@@ -43,8 +124,13 @@ class KVStorage:
         page_size: int,
         head_dim: int,
         dtype: mx.Dtype | str,
+        bits: int | None = None,
+        group_size: int = 64,
     ) -> None:
+        check_quantization(bits, group_size, head_dim)
         self.dtype = resolve_dtype(dtype)
+        self.bits = bits
+        self.group_size = group_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.page_size = page_size
@@ -55,10 +141,23 @@ class KVStorage:
         """Fresh zeroed pools, for when a failed step left the old ones unusable."""
         self.keys, self.values = self._zeroed(self.num_layers)
 
-    def _zeroed(self, num_layers: int) -> tuple[list[mx.array], list[mx.array]]:
-        keys, values = ([mx.zeros(self.shape, self.dtype) for _ in range(num_layers)] for _ in range(2))
-        mx.eval(keys, values)
+    def _zeroed(self, num_layers: int) -> tuple[list[Pool], list[Pool]]:
+        keys, values = ([self._zeroed_pool() for _ in range(num_layers)] for _ in range(2))
+        mx.eval([_arrays(pool) for pool in keys + values])
         return keys, values
+
+    def _zeroed_pool(self) -> Pool:
+        if self.bits is None:
+            return mx.zeros(self.shape, self.dtype)
+        *rows, head_dim = self.shape
+        words = mx.zeros((*rows, head_dim * self.bits // 32), mx.uint32)
+        scales, biases = (mx.zeros((*rows, head_dim // self.group_size), self.dtype) for _ in range(2))
+        return QuantizedPages(words, scales, biases, self.bits, self.group_size)
+
+    @property
+    def tensors(self) -> list[mx.array]:
+        """Every MLX array of every pool, to evaluate them at the end of a step."""
+        return [part for pool in self.keys + self.values for part in _arrays(pool)]
 
     @property
     def num_layers(self) -> int:
@@ -66,13 +165,14 @@ class KVStorage:
 
     @property
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
+                                  self.bits, self.group_size)
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+        return sum(pool.nbytes for pool in self.keys + self.values)
 
-    def layer(self, layer: int) -> tuple[mx.array, mx.array]:
+    def layer(self, layer: int) -> tuple[Pool, Pool]:
         """The K and V pools of `layer` (read them; don't keep them past the step)."""
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer!r} is outside 0..{self.num_layers - 1}")
@@ -80,28 +180,37 @@ class KVStorage:
 
     def read(self, layer: int, pages: list[int], count: int) -> tuple[mx.array, mx.array]:
         """The first `count` tokens stored in `pages` of `layer`, as fresh `[count, kv_heads, head_dim]`
-        K and V arrays (lazy copies: later writes to the pools do not change them)."""
+        K and V arrays (lazy copies: later writes to the pools do not change them; quantized
+        pages are dequantized)."""
         pools = self.layer(layer)
         if count == 0:
             empty = mx.zeros((0, self.num_kv_heads, self.head_dim), self.dtype)
             return empty, empty
         index, width = mx.array(pages, mx.int32), min(count, self.page_size)
 
-        def tokens(pool: mx.array) -> mx.array:
-            rows = pool[index, :, :width].swapaxes(1, 2)
-            return rows.reshape(-1, self.num_kv_heads, self.head_dim)[:count]
+        def tokens(pool: Pool) -> mx.array:
+            if isinstance(pool, QuantizedPages):
+                rows = pool.dequantize(tuple(part[index, :, :width] for part in pool.parts))
+            else:
+                rows = pool[index, :, :width]
+            return rows.swapaxes(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)[:count]
 
         return tokens(pools[0]), tokens(pools[1])
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `slots`."""
-        key_pool, value_pool = self.layer(layer)
+        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `slots`, quantized
+        once here when the pages are."""
         for name, array in (("keys", keys), ("values", values)):
             self._check(name, array, slots.size)
         pages = slots // self.page_size
         offsets = slots % self.page_size
-        key_pool[pages, :, offsets] = keys
-        value_pool[pages, :, offsets] = values
+        for pool, new in zip(self.layer(layer), (keys, values)):
+            if isinstance(pool, QuantizedPages):
+                parts = mx.quantize(new, group_size=self.group_size, bits=self.bits)
+                for part, rows in zip(pool.parts, parts):
+                    part[pages, :, offsets] = rows
+            else:
+                pool[pages, :, offsets] = new
 
     def _check(self, name: str, array: mx.array, tokens: int) -> None:
         expected = (tokens, self.num_kv_heads, self.head_dim)

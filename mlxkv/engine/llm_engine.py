@@ -204,7 +204,7 @@ class LLMEngine:
                 if sampling else mx.array([], mx.uint32)
             wanted = [r.params.logprobs for r in sampling if r.params.logprobs is not None]
             scored = logprobs(logits, tokens, max(wanted)) if wanted else ()
-            mx.eval(tokens, *scored, self.cache.storage.keys, self.cache.storage.values)
+            mx.eval(tokens, *scored, self.cache.storage.tensors)
         except SamplingFailed as exc:
             return self._recover(batch.requests, [sampling[exc.row]], exc.cause)
         except Exception as exc:
@@ -238,7 +238,7 @@ class LLMEngine:
         with self._lock:
             self.scheduler.roll_back(batch)
             try:
-                mx.eval(self.cache.storage.keys, self.cache.storage.values)
+                mx.eval(self.cache.storage.tensors)
             except Exception:
                 self.scheduler.roll_back(list(self.scheduler.running))
                 self.cache.reset()

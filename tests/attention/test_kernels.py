@@ -48,6 +48,36 @@ def test_variant_matches_reference_on_ragged_packed_batches(kernels, dtype, head
     compare(kernels, cache, batch, kv_heads * group, dtype, split)
 
 
+# Quantized pages: every bits value, (head dim, group size) pair that divides, block size and
+# GQA ratio, each through both paths on the same pages (dtypes taking turns); head_dim 96 puts
+# a lane's three values across two packed words and two groups.
+QUANTIZED_VARIANTS = [(bits, d, gs, bs, g) for bits in (8, 4) for d, gs in ((64, 32), (64, 64), (128, 32), (128, 64),
+                                                                            (128, 128))
+                      for bs in (16, 32) for g in (1, 4)] + [(8, 96, 32, 16, 4), (4, 96, 32, 32, 1)]
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@pytest.mark.parametrize("variant", range(len(QUANTIZED_VARIANTS)),
+                         ids=["{}bit-d{}-gs{}-bs{}-g{}".format(*v) for v in QUANTIZED_VARIANTS])
+def test_quantized_variant_matches_reference_on_the_same_pages(kernels, variant):
+    bits, head_dim, group_size, bs, group = QUANTIZED_VARIANTS[variant]
+    dtype, kv_heads = DTYPES[variant % 3], 2
+    contexts, query_lens = [1, bs, 2 * bs + 1, 3 * bs + 5, bs + 9], [1, 1, 1, 1, 6]
+    cache, batch = packed_step("paged", bs, kv_heads, head_dim, dtype, contexts, query_lens, kv_bits=bits,
+                               kv_group_size=group_size)
+    assert (cache.kv(0)[0].bits, cache.kv(0)[1].group_size) == (bits, group_size)
+    for split in (False, True):
+        compare(kernels, cache, batch, kv_heads * group, dtype, split)
+
+
+def test_a_quantized_kernel_that_swaps_scales_and_biases_is_caught(kernels):
+    mutant = PagedAttentionKernels(mutant_kernels("k_pool, k_scales, k_biases", "k_pool, k_biases, k_scales"))
+    cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [40, 7], [1, 3], kv_bits=8)
+    compare(kernels, cache, batch, 4, mx.float32, False)
+    with pytest.raises(AssertionError):
+        compare(mutant, cache, batch, 4, mx.float32, False)
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_contiguous_layout_runs_through_the_same_kernels(kernels, split):
     cache, batch = packed_step("contiguous", 16, 2, 64, mx.float32, [1, 33, 70], [1, 5, 1])
@@ -57,7 +87,7 @@ def test_contiguous_layout_runs_through_the_same_kernels(kernels, split):
 
 def test_split_k_is_chosen_for_few_long_sequences(kernels, monkeypatch):
     calls = []
-    monkeypatch.setattr(kernels, "partitioned", lambda **kw: calls.append(kw) or (None, None))
+    monkeypatch.setitem(kernels.partitioned, False, lambda **kw: calls.append(kw) or (None, None))
     monkeypatch.setattr(kernels, "reduce", lambda **kw: [mx.zeros(kw["output_shapes"][0])])
     cache, batch = packed_step("paged", 16, 1, 64, mx.float32, [9], [1])
     q = mx.zeros((1, 1, 64))
@@ -80,12 +110,15 @@ def test_attention_backend_choice(monkeypatch):
         select_attention()
 
 
-def test_warm_up_checks_both_paths_against_the_reference(kernels, monkeypatch):
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+def test_warm_up_checks_both_paths_against_the_reference(kernels, monkeypatch, kv_bits):
     launched = []
-    for name in ("direct", "partitioned", "reduce"):
-        original = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda _f=original, _n=name, **kw: launched.append(_n) or _f(**kw))
-    assert kernels.warm(mx.float16, 64, 16, 4, 2) is None
+    for name, quantized in (("direct", kv_bits is not None), ("partitioned", kv_bits is not None)):
+        original = getattr(kernels, name)[quantized]
+        monkeypatch.setitem(getattr(kernels, name), quantized,
+                            lambda _f=original, _n=name, **kw: launched.append(_n) or _f(**kw))
+    monkeypatch.setattr(kernels, "reduce", lambda _f=kernels.reduce, **kw: launched.append("reduce") or _f(**kw))
+    assert kernels.warm(mx.float16, 64, 16, 4, 2, kv_bits, 32) is None
     assert launched == ["direct", "partitioned", "reduce"]
 
 
@@ -145,11 +178,11 @@ def test_the_simulator_refuses_a_launch_over_32_kib_naming_the_arrays(kernels, m
 def test_key_offsets_are_64_bit():
     """A float16 layer pool of 4 GiB has more than 2^31 elements."""
     kernel = metal_kernel("kv_row", ["pages"], ["out"], header=(METAL_DIR / "paged_attention.h").read_text(),
-                          source="uint i = thread_position_in_grid.x;\nout[i] = kv_row<16, 128>(pages[i], 8, 7, 15);")
+                          source="uint i = thread_position_in_grid.x;\nout[i] = kv_row<16>(pages[i], 8, 7, 15);")
     pages = np.array([0, 1, 2**20, 2**31 - 1], np.int32)
     out = kernel(inputs=[mx.array(pages)], output_shapes=[(4,)], output_dtypes=[mx.int64], grid=(4, 1, 1),
                  threadgroup=(4, 1, 1))[0]
-    assert np.array(out).tolist() == (((pages.astype(np.int64) * 8 + 7) * 16 + 15) * 128).tolist()
+    assert np.array(out).tolist() == ((pages.astype(np.int64) * 8 + 7) * 16 + 15).tolist()
 
 
 # Around and across split-K partition boundaries (256 keys), in one batch: decode rows, and a

@@ -21,11 +21,19 @@ def sdpa_oracle(q, keys, values, scale):
     return out[0].transpose(1, 0, 2)
 
 
-def run_case(layout, block_size, kv_heads, group, dtype, contexts, query_lens, seed=0):
+def stored(x, kv_bits):
+    """What the cache gives back for K/V `x`: itself, or its quantized values."""
+    if kv_bits is None:
+        return x
+    return mx.dequantize(*mx.quantize(x, group_size=32, bits=kv_bits), group_size=32, bits=kv_bits)
+
+
+def run_case(layout, block_size, kv_heads, group, dtype, contexts, query_lens, seed=0, kv_bits=None):
     """Fill each sequence's cache in interleaved chunks, then attend for one packed step."""
     rng = np.random.default_rng(seed)
     cache = KVCacheManager(1, kv_heads, HEAD_DIM, max_seqs=len(contexts) + 3, max_seq_len=512,
-                           layout=layout, block_size=block_size, num_blocks=4096 // block_size, dtype=dtype)
+                           layout=layout, block_size=block_size, num_blocks=4096 // block_size, dtype=dtype,
+                           kv_bits=kv_bits, kv_group_size=32)
     if layout == "paged":
         scramble_free_pages(cache, rng)
     ids = cache.claim(len(contexts))
@@ -37,8 +45,8 @@ def run_case(layout, block_size, kv_heads, group, dtype, contexts, query_lens, s
         values = mx.array(rng.standard_normal((sum(counts), kv_heads, HEAD_DIM)), dtype=dtype)
         cache.write(0, batch, keys, values)
         for s, lo, hi in zip(seq_ids, np.cumsum(counts) - counts, np.cumsum(counts)):
-            history[s][0].append(keys[int(lo):int(hi)])
-            history[s][1].append(values[int(lo):int(hi)])
+            history[s][0].append(stored(keys[int(lo):int(hi)], kv_bits))
+            history[s][1].append(stored(values[int(lo):int(hi)], kv_bits))
         return batch
 
     cached = {s: c - q for s, c, q in zip(ids, contexts, query_lens)}
@@ -73,6 +81,14 @@ def test_mixed_decode_and_prefill_rows_match_sdpa(layout, block_size, group, dty
     contexts = [1, bs, 2 * bs, 3 * bs + 5, 37, 70, 9, bs + 3]
     query_lens = [1, 1, 1, 1, 5, 1, 9, min(bs, 4) + 2]
     run_case(layout, bs, 2 if group < 8 else 1, group, dtype, contexts, query_lens)
+
+
+@pytest.mark.parametrize("kv_bits", [8, 4])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("layout, block_size", [("paged", 16), ("contiguous", None)])
+def test_quantized_pages_attend_as_their_dequantized_values(layout, block_size, dtype, kv_bits):
+    bs = block_size or 16
+    run_case(layout, bs, 2, 4, dtype, [1, 16, 37, 70, 9], [1, 1, 5, 1, 9], kv_bits=kv_bits)
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])

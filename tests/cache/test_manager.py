@@ -84,7 +84,7 @@ def test_as_tensor_is_a_copy():
     keys, values = cache.as_tensor(a, 0)
     mx.eval(keys, values)
     cache.write(0, cache.step([a], [2]), kv(2, start=-50), kv(2, start=-50))
-    mx.eval(cache.storage.keys, cache.storage.values)
+    mx.eval(cache.storage.tensors)
     assert np.array_equal(np.array(keys), np.array(kv(3)))
     assert np.array_equal(np.array(values), np.array(kv(3, start=100)))
 
@@ -200,10 +200,11 @@ def test_bad_arguments_are_named():
         cache.write(2, cache.step([a], [1]), kv(1), kv(1))
 
 
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
-def test_appending_a_thousand_tokens_does_not_copy_the_pool(dtype):
+@pytest.mark.parametrize("dtype, kv_bits", [(mx.float16, None), (mx.bfloat16, None), (mx.float32, None),
+                                            (mx.float16, 8), (mx.bfloat16, 4)])
+def test_appending_a_thousand_tokens_does_not_copy_the_pool(dtype, kv_bits):
     cache = make(num_layers=2, num_kv_heads=8, head_dim=128, max_seqs=1, max_seq_len=1024,
-                 block_size=16, num_blocks=512, dtype=dtype)
+                 block_size=16, num_blocks=512, dtype=dtype, kv_bits=kv_bits)
     pool_bytes = cache.storage.nbytes
     (a,) = cache.claim(1)
     new = kv(1, heads=8, dim=128, dtype=dtype)
@@ -215,7 +216,7 @@ def test_appending_a_thousand_tokens_does_not_copy_the_pool(dtype):
         batch = cache.step([a], [1])
         for layer in range(2):
             cache.write(layer, batch, new, new)
-        mx.eval(cache.storage.keys, cache.storage.values)
+        mx.eval(cache.storage.tensors)
         active.append(mx.get_active_memory())
     assert max(active) - min(active) < 64 * 1024
     assert mx.get_peak_memory() - baseline < pool_bytes // 100
@@ -265,7 +266,7 @@ def test_write_from_a_second_thread_is_refused_clearly():
     batch = cache.step([a], [1])
     errors = run_threads(lambda _: cache.write(0, batch, kv(1), kv(1)), 1)
     assert len(errors) == 1 and "thread other than the one that owns the KV tensors" in str(errors[0])
-    mx.eval(cache.storage.keys)
+    mx.eval(cache.storage.tensors)
 
 
 class CacheMachine(RuleBasedStateMachine):

@@ -277,7 +277,7 @@ class PrefixMachine(RuleBasedStateMachine):
         batch = self.cache.step([seq_id], [count])
         new = mx.array(content_values(tokens)[len(tokens) - count :], dtype=mx.float32).reshape(-1, 1, 1)
         self.cache.write(0, batch, new, -new)
-        mx.eval(self.cache.storage.keys, self.cache.storage.values)
+        mx.eval(self.cache.storage.tensors)
         self.cache.publish(seq_id, tokens, len(tokens))
 
     @rule(tokens=st.lists(st.integers(1, 2), min_size=1, max_size=9), salt=st.sampled_from([None, "s"]))
