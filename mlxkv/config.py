@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from .cache.layout import KVLayout, resolve_layout
 from .cache.manager import KVCacheManager
-from .cache.storage import kv_bytes_per_token
+from .cache.storage import check_quantization, kv_bytes_per_token
 from .errors import positive_int
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -56,7 +56,9 @@ class EngineConfig:
     contiguous layout the budget buys whole `max_model_len` slots, at most `max_num_seqs`.
     `attention` is `metal` or `reference` (default: `MLXKV_ATTENTION`, else Metal where
     available). `enable_prefix_caching` lets requests share the cached pages of a common
-    prefix (paged layout only).
+    prefix (paged layout only). `kv_bits` (8 or 4) quantizes the KV pages in groups of
+    `kv_group_size` along the head dimension, so the same memory holds about twice (8-bit)
+    or three and a half times (4-bit) as many tokens.
     """
 
     kv_layout: KVLayout | str | None = None
@@ -69,6 +71,8 @@ class EngineConfig:
     attention: str | None = None
     kv_cache_fraction: float = 0.5
     enable_prefix_caching: bool = True
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_layout", resolve_layout(self.kv_layout))
@@ -86,6 +90,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be a number in (0, 1], got {fraction!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        check_quantization(self.kv_bits, self.kv_group_size)
         if self.num_blocks is not None and self.kv_layout is KVLayout.CONTIGUOUS:
             raise ValueError("num_blocks applies to the paged layout; size the contiguous one with kv_cache_memory")
 
@@ -93,7 +98,9 @@ class EngineConfig:
                     model_max_len: int | None, weights_bytes: int = 0) -> KVCacheManager:
         """The KV cache for a model of this shape, checked against the memory left beside its weights."""
         max_len = context_length(self.max_model_len, model_max_len)
-        bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+        check_quantization(self.kv_bits, self.kv_group_size, head_dim)
+        bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, self.kv_bits,
+                                             self.kv_group_size)
         memory = device_memory()
         available = max(0, memory - weights_bytes)
         per_seq = max_len if self.kv_layout is KVLayout.CONTIGUOUS else -(-max_len // self.block_size) * self.block_size
@@ -107,7 +114,8 @@ class EngineConfig:
             raise ValueError(f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
                              f"({_gb(memory)} the device can use, less {_gb(weights_bytes)} of weights)")
         shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                     max_seq_len=max_len, layout=self.kv_layout, prefix_caching=self.enable_prefix_caching)
+                     max_seq_len=max_len, layout=self.kv_layout, prefix_caching=self.enable_prefix_caching,
+                     kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
         if self.kv_layout is KVLayout.CONTIGUOUS:
             slots = min(self.max_num_seqs, budget // (max_len * bytes_per_token))
             if slots == 0:

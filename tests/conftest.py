@@ -4,6 +4,8 @@ import pytest
 
 from mlxkv.models.random_model import make_checkpoint
 
+HEAD_DIM_64 = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=320)  # head_dim 64: every KV group size divides it
 SPECS = {
     "llama-fp32": dict(model_type="llama", dtype="float32"),
     "llama-fp16": dict(model_type="llama", dtype="float16"),
@@ -12,6 +14,8 @@ SPECS = {
     "qwen3-fp16": dict(model_type="qwen3", dtype="float16"),
     "qwen3-bf16": dict(model_type="qwen3", dtype="bfloat16"),
     "llama-4bit": dict(model_type="llama", dtype="float16", bits=4, tied=True),
+    "llama-fp32-d64": dict(model_type="llama", dtype="float32", shape=HEAD_DIM_64),
+    "qwen3-fp32-d64": dict(model_type="qwen3", dtype="float32", shape=HEAD_DIM_64),
 }
 
 

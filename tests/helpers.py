@@ -62,6 +62,20 @@ def mlx_lm_greedy(path, prompt, max_tokens=MAX_TOKENS):
     return tokens
 
 
+def mlx_lm_quantized_greedy(path, prompt, bits, max_tokens=MAX_TOKENS):
+    """mlx-lm's own greedy tokens with its quantized KV cache from the first step, and at each
+    step how far apart its top two log-probabilities are."""
+    model, _ = mlx_lm_load(str(path))
+    tokens, gaps = [], []
+    for token, logprobs in mlx_lm_generate.generate_step(
+            mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1),
+            kv_bits=bits, kv_group_size=64, quantized_kv_start=0):
+        second, first = mx.sort(logprobs)[-2:].tolist()
+        tokens.append(int(token))
+        gaps.append(first - second)
+    return tokens, gaps
+
+
 def mlx_lm_text(tokenizer, tokens):
     """The text mlx-lm's streaming detokenizer makes of `tokens` (what its own CLI prints)."""
     detokenizer = tokenizer.detokenizer

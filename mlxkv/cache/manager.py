@@ -57,6 +57,13 @@ class KVBatch:
     def slot_mapping_mx(self) -> mx.array:
         return mx.array(self.slot_mapping)
 
+    def skip(self, leading: np.ndarray) -> KVBatch:
+        """The same step without each row's first `leading[b]` new tokens (its last ones stay)."""
+        offsets = np.arange(self.num_tokens) - np.repeat(self.query_starts, self.query_lens)
+        kept = offsets >= np.repeat(leading, self.query_lens)
+        return KVBatch(self.seq_ids, (self.query_lens - leading).astype(np.int32), self.context_lens,
+                       self.block_tables, self.slot_mapping[kept], self.block_size)
+
 
 @dataclass(frozen=True)
 class KVUsage:

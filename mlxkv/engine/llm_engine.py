@@ -105,7 +105,8 @@ class LLMEngine:
                                              getattr(model.args, "max_position_embeddings", None), weights)
         attention = attention or select_attention(self.config.attention)
         if isinstance(attention, PagedAttentionKernels):
-            problem = attention.warm(dtype, head_dim, self.cache.block_size, model.args.num_attention_heads, kv_heads)
+            problem = attention.warm(dtype, head_dim, self.cache.block_size, model.args.num_attention_heads, kv_heads,
+                                     self.cache.kv_bits, self.cache.kv_group_size)
             if problem is not None:
                 logger.warning("mlxkv: the Metal kernels fail their start-up check for this model (%s, head_dim %d, "
                                "block %d, GQA %d): %s; attention runs on the reference path instead",

@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..attention.first_chunk import first_chunk_attention
 from ..attention.reference import reference_attention
 from ..cache.manager import KVBatch, KVCacheManager
 from .scheduler import ScheduledBatch
@@ -18,12 +19,14 @@ AttentionFn = Callable[[mx.array, mx.array, mx.array, KVBatch, float], mx.array]
 
 @dataclass(frozen=True)
 class StepContext:
-    """Handed to every layer as its `cache`: where this step's tokens go and sit."""
+    """Handed to every layer as its `cache`: where this step's tokens go and sit, and how
+    many of each row's first tokens attend their own K/V as computed (`exact`)."""
 
     cache: KVCacheManager
     batch: KVBatch
     positions: mx.array
     attention: AttentionFn
+    exact: np.ndarray
 
 
 class PagedAttention(nn.Module):
@@ -51,7 +54,8 @@ class PagedAttention(nn.Module):
         queries = attn.rope(queries[:, :, None], offset=cache.positions)[:, :, 0]
         keys = attn.rope(keys[:, :, None], offset=cache.positions)[:, :, 0]
         cache.cache.write(self.layer, cache.batch, keys, values)
-        out = cache.attention(queries, *cache.cache.kv(self.layer), cache.batch, attn.scale)
+        out = first_chunk_attention(cache.attention, queries, keys, values, *cache.cache.kv(self.layer), cache.batch,
+                                    cache.exact, attn.scale)
         return attn.o_proj(out.reshape(1, tokens, -1))
 
 
@@ -77,7 +81,8 @@ class ModelRunner:
     def forward(self, step: ScheduledBatch) -> mx.array | None:
         """Logits `[rows that sample, vocab]` for `step`, None if no row samples (lazy either way)."""
         token_ids = np.concatenate([r.pending(n) for r, n in zip(step.requests, step.counts)]).astype(np.int32)
-        context = StepContext(self.cache, step.kv, mx.array(step.kv.positions), self.attention)
+        context = StepContext(self.cache, step.kv, mx.array(step.kv.positions), self.attention,
+                              np.asarray(step.exact, np.int32))
         hidden = self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))
         rows = (np.cumsum(step.counts) - 1)[np.asarray(step.samples, dtype=bool)]
         return self._head(hidden[0, mx.array(rows.astype(np.int32))]) if rows.size else None

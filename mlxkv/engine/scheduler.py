@@ -13,12 +13,15 @@ from .request import Request, Status
 @dataclass(frozen=True)
 class ScheduledBatch:
     """One engine step: `counts[i]` tokens of `requests[i]`, K/V slots already reserved.
-    `samples[i]`: row i reaches the end of its tokens this step and so needs a next token."""
+    `samples[i]`: row i reaches the end of its tokens this step and so needs a next token.
+    `exact[i]`: how many of row i's first tokens attend their own K/V unquantized (see
+    `Scheduler.exact_span`)."""
 
     requests: list[Request]
     counts: list[int]
     kv: KVBatch
     samples: list[bool]
+    exact: list[int]
 
 
 @dataclass
@@ -55,6 +58,9 @@ class Scheduler:
     recently admitted running request is preempted by recompute: its pages are freed (the
     full ones stay cached, so its recompute is mostly hits) and it goes back to the front
     of the waiting queue with its generated tokens kept.
+
+    With quantized pages a request's first chunk holds at least its `exact_span`, so that
+    span is computed in one step whatever else runs.
     """
 
     def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -90,7 +96,18 @@ class Scheduler:
             return None
         requests, counts = list(plan.counts), list(plan.counts.values())
         samples = [r.num_computed + n == r.num_tokens for r, n in zip(requests, counts)]
-        return ScheduledBatch(requests, counts, self.cache.step([r.seq_id for r in requests], counts), samples)
+        return ScheduledBatch(requests, counts, self.cache.step([r.seq_id for r in requests], counts), samples,
+                              [self.exact_span(r) for r in requests])
+
+    def exact_span(self, request: Request) -> int:
+        """How many of `request`'s first tokens its next chunk computes from their own unquantized
+        K/V: with quantized pages and nothing computed yet, the prompt but its last token (as
+        mlx-lm's first prefill chunk), at most what one step holds beside a decode token of every
+        other sequence; otherwise none, and every token attends the pages."""
+        if self.cache.kv_bits is None or request.num_computed:
+            return 0
+        room = self.max_num_batched_tokens - (self.max_num_seqs - 1)
+        return max(0, min(len(request.prompt_ids) - 1, room))
 
     def commit(self, step: ScheduledBatch) -> None:
         """Count `step`'s tokens as computed, now that their K/V are evaluated, and cache the
@@ -129,7 +146,7 @@ class Scheduler:
         """Pick as many of `request`'s tokens as the budget allows, if their pages are free."""
         count = min(request.num_remaining, plan.budget)
         pages = self.cache.pages_needed(request.seq_id, count)
-        if pages > self.cache.free_pages - plan.reserved:
+        if pages > self.cache.free_pages - plan.reserved or count < self.exact_span(request):
             return False
         plan.pick(request, count, pages)
         return True

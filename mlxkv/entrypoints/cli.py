@@ -46,6 +46,9 @@ MAX_LEN = typer.Option(None, help="Most tokens one sequence may hold [default: t
 MAX_SEQS = typer.Option(1, help="Most sequences the KV cache is sized and scheduled for.")
 PREFIX = typer.Option(True, "--prefix-caching/--no-prefix-caching",
                       help="Reuse the KV pages of a prompt prefix computed before (paged layout).")
+KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the KV pages to 8 or 4 bits [default: the model's dtype].")
+KV_GROUP = typer.Option(64, "--kv-group-size", help="Values sharing one scale and bias in quantized pages: "
+                                                    "32, 64 or 128.")
 VERBOSE = typer.Option(True, "--verbose/--no-verbose", help="Print the figures after the text; with "
                                                              "--no-verbose only the text goes to stdout.")
 
@@ -122,7 +125,7 @@ def generate(
     ignore_chat_template: bool = NO_TEMPLATE, kv_layout: Optional[str] = LAYOUT, block_size: int = BLOCK,
     kv_cache_memory: Optional[str] = MEMORY, num_blocks: Optional[int] = BLOCKS,
     max_model_len: Optional[int] = MAX_LEN, max_num_seqs: int = MAX_SEQS, prefix_caching: bool = PREFIX,
-    verbose: bool = VERBOSE,
+    kv_bits: Optional[int] = KV_BITS, kv_group_size: int = KV_GROUP, verbose: bool = VERBOSE,
 ) -> None:
     """Generate a completion for one prompt, streamed, then print speed and memory figures.
 
@@ -139,7 +142,7 @@ def generate(
         length = min(context, len(ids) + max_tokens)
         llm = LLM(loaded, kv_layout=kv_layout, block_size=block_size, kv_cache_memory=kv_cache_memory,
                   num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=length,
-                  enable_prefix_caching=prefix_caching)
+                  enable_prefix_caching=prefix_caching, kv_bits=kv_bits, kv_group_size=kv_group_size)
         run_and_report(llm, ids, params, verbose)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
@@ -155,7 +158,8 @@ def chat(
     temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P,
     seed: Optional[int] = SEED, system_prompt: Optional[str] = SYSTEM, kv_layout: Optional[str] = LAYOUT,
     block_size: int = BLOCK, kv_cache_memory: Optional[str] = MEMORY, num_blocks: Optional[int] = BLOCKS,
-    max_model_len: Optional[int] = MAX_LEN, prefix_caching: bool = PREFIX, verbose: bool = VERBOSE,
+    max_model_len: Optional[int] = MAX_LEN, prefix_caching: bool = PREFIX, kv_bits: Optional[int] = KV_BITS,
+    kv_group_size: int = KV_GROUP, verbose: bool = VERBOSE,
 ) -> None:
     """A multi-turn chat in the terminal. The KV cache holds one conversation of --max-model-len
     tokens; with prefix caching each turn computes only what the turn before did not."""
@@ -164,7 +168,7 @@ def chat(
         loaded = load(model)
         llm = LLM(loaded, kv_layout=kv_layout, block_size=block_size, kv_cache_memory=kv_cache_memory,
                   num_blocks=num_blocks, max_num_seqs=1, max_model_len=max_model_len,
-                  enable_prefix_caching=prefix_caching)
+                  enable_prefix_caching=prefix_caching, kv_bits=kv_bits, kv_group_size=kv_group_size)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
     typer.echo(BANNER)
@@ -222,7 +226,7 @@ def serve(
     num_blocks: Optional[int] = BLOCKS, max_model_len: Optional[int] = MAX_LEN,
     max_num_seqs: int = typer.Option(16, help="Most sequences computed at once."),
     max_num_batched_tokens: int = typer.Option(512, help="Most tokens one engine step computes."),
-    prefix_caching: bool = PREFIX,
+    prefix_caching: bool = PREFIX, kv_bits: Optional[int] = KV_BITS, kv_group_size: int = KV_GROUP,
     api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer <key>' (all but /health)."),
     allowed_origins: list[str] = typer.Option([], help="Origins browsers may call from (CORS); repeatable."),
     max_queue: int = typer.Option(1024, min=0, help="Most requests waiting; more are answered 503."),
@@ -240,7 +244,7 @@ def serve(
         config = EngineConfig(kv_layout=kv_layout, block_size=block_size, num_blocks=num_blocks,
                               kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                              enable_prefix_caching=prefix_caching)
+                              enable_prefix_caching=prefix_caching, kv_bits=kv_bits, kv_group_size=kv_group_size)
         engine = LLMEngine(*loaded, config)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)

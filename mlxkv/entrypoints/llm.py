@@ -86,10 +86,12 @@ class LLM:
         attention: str | None = None,
         kv_cache_fraction: float = 0.5,
         enable_prefix_caching: bool = True,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> None:
         config = EngineConfig(kv_layout, block_size, num_blocks, kv_cache_memory, max_num_seqs,
                               max_num_batched_tokens, max_model_len, attention, kv_cache_fraction,
-                              enable_prefix_caching)
+                              enable_prefix_caching, kv_bits, kv_group_size)
         self.model, self.tokenizer = model if isinstance(model, tuple) else load(model)
         self.engine = LLMEngine(self.model, self.tokenizer, config)
         self._deltas: dict[str, deque[str]] = {}  # text waiting for each live request's consumer

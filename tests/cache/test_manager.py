@@ -398,3 +398,15 @@ TestPagedCache = CacheMachine.TestCase
 TestPagedCache.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestContiguousCache = ContiguousCacheMachine.TestCase
 TestContiguousCache.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_skip_drops_each_rows_leading_new_tokens():
+    cache = make(num_blocks=10)
+    a, b, c = cache.claim(3)
+    cache.step([a], [2])
+    batch = cache.step([a, b, c], [3, 4, 1])
+    rest = batch.skip(np.array([1, 4, 0]))
+    assert rest.query_lens.tolist() == [2, 0, 1]
+    assert rest.context_lens.tolist() == batch.context_lens.tolist() == [5, 4, 1]
+    assert rest.positions.tolist() == [3, 4, 0]
+    assert rest.slot_mapping.tolist() == [batch.slot_mapping[i] for i in (1, 2, 7)]

@@ -110,6 +110,32 @@ def test_prefix_caching_changes_no_token_under_preemption_and_eviction(model, sh
     assert (engine.cache.free_pages, engine.cache.num_active) == (engine.cache.pool.capacity, 0)
 
 
+@pytest.mark.parametrize("layout, caching", [("paged", False), ("contiguous", False), ("paged", True)])
+def test_quantized_pages_under_preemption(checkpoint, layout, caching):
+    """4-bit pages: a preempted request recomputes its prompt's exact span whole, so without
+    prefix caching no token changes; with it, hits make prompt tokens attend quantized K/V
+    instead (as mlx-lm's prompt-cache reuse does), and pages and pool still balance."""
+    model = load(checkpoint("qwen3-fp32-d64"))
+    rng = random.Random(4)
+    systems = [[rng.randrange(1, 320) for _ in range(n)] for n in (9, 30)]
+    prompts = [rng.choice(systems) + [rng.randrange(1, 320) for _ in range(rng.randint(1, 10))] for _ in range(40)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 12)) for _ in prompts]
+    alone = LLM(model, max_num_seqs=1, kv_bits=4, enable_prefix_caching=False)
+    expected = [alone.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    sizing = dict(num_blocks=14, block_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 320)
+    engine = LLMEngine(*model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64,
+                                            max_model_len=64, kv_bits=4, enable_prefix_caching=caching, **sizing))
+    requests, _ = run_all(engine, prompts, params)
+    assert [len(r.output_ids) for r in requests] == [sp.max_tokens for sp in params]
+    if caching:
+        assert engine.prefix_stats.hit_rate > 0.3
+    else:
+        assert [r.output_ids for r in requests] == expected
+    if layout == "paged":
+        assert engine.scheduler.num_preemptions > 0
+    assert (engine.cache.free_pages, engine.cache.num_active) == (engine.cache.pool.capacity, 0)
+
+
 def test_the_next_turn_reuses_the_pages_of_the_answer(model):
     """Pages of generated tokens are cached too, the partly filled last one included: a
     follow-up prompt made of the prompt, the answer and a new message computes only the

@@ -4,7 +4,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import SPECS
-from helpers import MAX_TOKENS, ExplodingSampler, mlx_lm_generate, mlx_lm_greedy, mlx_lm_text
+from helpers import (
+    MAX_TOKENS,
+    ExplodingSampler,
+    mlx_lm_generate,
+    mlx_lm_greedy,
+    mlx_lm_quantized_greedy,
+    mlx_lm_text,
+)
 from mlx_lm import load as mlx_lm_load
 
 from mlxkv import LLM, ModelLoadError, RequestFailed, RequestTooLong, SamplingParams
@@ -23,6 +30,41 @@ def test_greedy_tokens_equal_mlx_lm_alone_and_batched(checkpoint, name, layout):
     alone = [llm.generate(p, SamplingParams(max_tokens=MAX_TOKENS))[0] for p in PROMPTS]
     assert [c.token_ids for c in batched] == expected
     assert [c.token_ids for c in alone] == expected
+    assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
+
+
+NEAR_TIE = {8: 0.05, 4: 0.3}  # log-probability gap under which a divergence from mlx-lm is allowed
+LONG_PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, 320, 100)]
+
+
+def assert_equal_up_to_a_near_tie(ours, theirs, gaps, bits):
+    """Equal tokens, or equal up to a step where mlx-lm's own top two were within `NEAR_TIE`."""
+    step = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if step is None:
+        assert ours == theirs
+    else:
+        assert gaps[step] <= NEAR_TIE[bits], f"step {step}: {ours[step]} != mlx-lm's {theirs[step]}, " \
+                                              f"whose top two are {gaps[step]:.3f} apart"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("name", ["llama-fp32-d64", "qwen3-fp32-d64"])
+def test_quantized_pages_give_mlx_lm_quantized_kv_tokens_alone_and_batched(checkpoint, name, layout, bits):
+    """mlx-lm's `kv_bits` generation, prompt by prompt. Where mlxkv's prompt tokens attend
+    quantized K/V and mlx-lm's do not, tokens may differ at a near-tie: after a prefix-cache
+    hit (the paged prompts run alone reuse full pages of the batched run), and in the tail
+    of the 100-token prompt, longer than the span one step computes (64 - 3 tokens)."""
+    path = checkpoint(name)
+    prompts = PROMPTS + [LONG_PROMPT]
+    expected = [mlx_lm_quantized_greedy(path, p, bits) for p in prompts]
+    llm = LLM(str(path), kv_layout=layout, max_num_seqs=4, max_num_batched_tokens=64, kv_bits=bits)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    batched = llm.generate(prompts, params)
+    alone = [llm.generate(p, params)[0] for p in prompts]
+    for completion, (tokens, gaps) in zip(batched + alone, expected + expected):
+        assert_equal_up_to_a_near_tie(completion.token_ids, tokens, gaps, bits)
+    assert [c.num_cached_tokens for c in alone] == ([0, 16, 32, 96] if layout == "paged" else [0] * 4)
     assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
 
 

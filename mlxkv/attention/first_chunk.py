@@ -1,0 +1,41 @@
+"""Attention in which a sequence's first prefill chunk reads its own K/V as computed.
+
+With quantized pages this is mlx-lm's order (`generate_step` with `kv_bits`): the prompt's
+first chunk, all of it but the last token, attends its own unquantized K/V; the cache is
+then quantized, and every later token (the prompt's last, later chunks, generated tokens)
+attends the quantized cache. The exact span is scheduled whole in one step (see
+`Scheduler.exact_span`), so which tokens read exact K/V depends on the prompt alone, not on
+what else shares the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache.manager import KVBatch
+from ..cache.storage import Pool
+
+
+def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array, values: mx.array, k_pool: Pool,
+                          v_pool: Pool, batch: KVBatch, exact: np.ndarray, scale: float) -> mx.array:
+    """`attention` over the pages for the packed batch's tokens, except the first `exact[b]`
+    tokens of each row b (a chunk that starts its sequence), which attend causally to each
+    other's `keys` and `values` as computed, through MLX's SDPA as mlx-lm's prefill does."""
+    if not exact.any():
+        return attention(queries, k_pool, v_pool, batch, scale)
+    starts = batch.query_starts
+    parts, order = [], []
+    for row in np.flatnonzero(exact):
+        span = np.arange(starts[row], starts[row] + exact[row])
+        q, k, v = (x[int(span[0]):int(span[-1]) + 1].swapaxes(0, 1)[None] for x in (queries, keys, values))
+        parts.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")[0].swapaxes(0, 1))
+        order.append(span)
+    rest = np.setdiff1d(np.arange(batch.num_tokens), np.concatenate(order))
+    if rest.size:
+        parts.append(attention(queries[mx.array(rest.astype(np.int32))], k_pool, v_pool, batch.skip(exact), scale))
+        order.append(rest)
+    inverse = np.argsort(np.concatenate(order)).astype(np.int32)
+    return mx.concatenate(parts)[mx.array(inverse)]
