@@ -25,6 +25,19 @@ def test_paged_cache_is_sized_by_memory():
     assert cache.max_seq_len == 512
 
 
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_quantized_pages_hold_more_tokens_in_the_same_memory(layout):
+    """float16, head_dim 64, groups of 64: 128 bytes a row; 64 + 4 at 8 bits, 32 + 4 at 4 bits."""
+    sizes = {}
+    for bits, row in ((None, 128), (8, 68), (4, 36)):
+        config = EngineConfig(kv_layout=layout, kv_cache_memory="8MiB", max_num_seqs=64, kv_bits=bits)
+        cache = config.build_cache(2, 2, 64, mx.float16, 512)
+        assert (cache.kv_bits, cache.storage.bytes_per_token) == (bits, 2 * 2 * 2 * row)
+        sizes[bits] = cache.pool.capacity * cache.block_size
+    assert sizes[None] == 8 * 2**20 // 1024 // 512 * 512 if layout == "contiguous" else 8 * 2**20 // 1024
+    assert (sizes[8] / sizes[None], sizes[4] / sizes[None]) == pytest.approx((128 / 68, 128 / 36), rel=0.07)
+
+
 def test_contiguous_cache_buys_whole_slots_up_to_the_sequence_cap():
     config = EngineConfig(kv_layout="contiguous", kv_cache_memory=10 * 2**20, max_num_seqs=4)
     cache = config.build_cache(2, 2, 64, mx.float16, 2048)
@@ -70,6 +83,8 @@ def test_the_default_budget_is_a_fraction_of_the_memory_left_and_no_more_than_th
     (dict(block_size=None), "block_size must be a positive integer, got None"),
     (dict(attention=5), "attention must be 'metal', 'reference' or None, got 5"),
     (dict(kv_cache_fraction=0), r"kv_cache_fraction must be a number in \(0, 1\], got 0"),
+    (dict(kv_bits=16), r"kv_bits must be 8, 4 or None \(float pages\), got 16"),
+    (dict(kv_bits=4, kv_group_size=256), "kv_group_size must be 32, 64 or 128, got 256"),
 ])
 def test_bad_engine_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -71,8 +71,12 @@ def check_quantization(bits: int | None, group_size: int, head_dim: int | None =
     if isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES:
         raise ValueError(f"kv_group_size must be 32, 64 or 128, got {group_size!r}")
     if bits is not None and head_dim is not None and head_dim % group_size:
+        fits = [str(g) for g in KV_GROUP_SIZES if head_dim % g == 0]
+        if not fits:
+            raise ValueError(f"the model's head_dim={head_dim} is not a multiple of {KV_GROUP_SIZES[0]}, the smallest "
+                             "kv_group_size, so its KV cannot be quantized; use kv_bits=None")
         raise ValueError(f"kv_group_size={group_size} must divide the model's head_dim={head_dim}; "
-                         f"choose one of {[g for g in KV_GROUP_SIZES if head_dim % g == 0] or 'none: use kv_bits=None'}")
+                         f"use {' or '.join(fits)}")
 
 
 def resolve_dtype(dtype: mx.Dtype | str) -> mx.Dtype:

@@ -76,9 +76,14 @@ def test_usage_names_the_bits():
     (dict(kv_bits=3), "kv_bits must be 8, 4 or None \\(float pages\\), got 3"),
     (dict(kv_bits=True), "kv_bits must be 8, 4 or None \\(float pages\\), got True"),
     (dict(kv_bits=8, kv_group_size=16), "kv_group_size must be 32, 64 or 128, got 16"),
-    (dict(kv_bits=8, kv_group_size=128), "kv_group_size=128 must divide the model's head_dim=64; choose one of "
-                                         "\\[32, 64\\]"),
+    (dict(kv_bits=8, kv_group_size=128), "kv_group_size=128 must divide the model's head_dim=64; use 32 or 64"),
 ])
 def test_bad_quantization_settings_are_named(kw, message):
     with pytest.raises(ValueError, match=message):
         KVCacheManager(1, 2, 64, max_seqs=1, max_seq_len=16, **kw)
+
+
+def test_a_head_dim_no_group_size_divides_cannot_be_quantized():
+    with pytest.raises(ValueError, match="the model's head_dim=80 is not a multiple of 32, the smallest kv_group_size, "
+                                         "so its KV cannot be quantized; use kv_bits=None"):
+        KVCacheManager(1, 2, 80, max_seqs=1, max_seq_len=16, kv_bits=4, kv_group_size=32)

@@ -3,7 +3,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import mlx_lm_greedy, mlx_lm_text
+from helpers import mlx_lm_greedy, mlx_lm_quantized_greedy, mlx_lm_text
 from mlx_lm import load as mlx_lm_load
 from typer.testing import CliRunner
 
@@ -15,7 +15,7 @@ STATS = [
     r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$",
     r"^Generation: \d+ tokens, [\d.]+ tokens-per-sec$",
     r"^Peak memory: [\d.]+ GB$",
-    r"^KV cache: (paged|contiguous), \d+/\d+ pages of \d+ tokens in use(, \d+ more cached)? "
+    r"^KV cache: (paged|contiguous)(, [48]-bit)?, \d+/\d+ pages of \d+ tokens in use(, \d+ more cached)? "
     r"\(pool [\d.]+ [MG]iB\), [\d.]+ of [\d.]+ MiB in use holding tokens; "
     r"prefix cache: (\d+ of \d+ prompt tokens reused|none \(the contiguous layout .*\)|off)$",
 ]
@@ -40,6 +40,19 @@ def test_generate_prints_mlx_lm_greedy_text_and_the_figures(checkpoint, name, la
     assert lines[3].startswith(f"KV cache: {layout}, ")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_generate_with_quantized_pages_prints_mlx_lm_quantized_kv_text(checkpoint, bits):
+    path = checkpoint("llama-fp32-d64")
+    _, tokenizer = mlx_lm_load(str(path))
+    tokens, _ = mlx_lm_quantized_greedy(path, tokenizer.encode(PROMPT), bits, max_tokens=16)
+    result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "16",
+                                 "--kv-bits", str(bits), "--kv-group-size", "64"])
+    assert result.exit_code == 0, result.output
+    assert generated_text(result.stdout) == mlx_lm_text(tokenizer, tokens)
+    assert re.match(STATS[3], result.stdout.strip().splitlines()[-1])
+    assert f"KV cache: paged, {bits}-bit, " in result.stdout
+
+
 def test_kv_line_counts_the_pages_one_request_used(checkpoint):
     result = runner.invoke(app, ["generate", "--model", str(checkpoint("llama-fp32")), "--prompt", PROMPT,
                                  "-m", "10", "--block-size", "4", "--num-blocks", "64"])
@@ -57,6 +70,8 @@ def test_kv_line_counts_the_pages_one_request_used(checkpoint):
         (["--kv-layout", "dense"], "error: kv_layout='dense' is not a KV layout"),
         (["--kv-cache-memory", "lots"], "error: kv_cache_memory must be a size such as 2GB"),
         (["--num-blocks", "2", "--block-size", "4", "-m", "100"], "error: prompt of .* tokens plus max_tokens=100"),
+        (["--kv-bits", "2"], r"error: kv_bits must be 8, 4 or None \(float pages\), got 2"),
+        (["--kv-bits", "8"], "error: the model's head_dim=16 is not a multiple of 32"),
     ],
 )
 def test_bad_input_gives_one_clear_line_and_a_failing_exit(checkpoint, args, message):
