@@ -81,13 +81,18 @@ class ModelRunner:
     def forward(self, step: ScheduledBatch) -> mx.array | None:
         """Logits `[rows that sample, vocab]` for `step`, None if no row samples (lazy either way)."""
         token_ids = np.concatenate([r.pending(n) for r, n in zip(step.requests, step.counts)]).astype(np.int32)
-        context = StepContext(self.cache, step.kv, mx.array(step.kv.positions), self.attention,
-                              np.asarray(step.exact, np.int32))
-        hidden = self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))
+        hidden = self.hidden(token_ids, step.kv, np.asarray(step.exact, np.int32))
         rows = (np.cumsum(step.counts) - 1)[np.asarray(step.samples, dtype=bool)]
-        return self._head(hidden[0, mx.array(rows.astype(np.int32))]) if rows.size else None
+        return self.head(hidden[mx.array(rows.astype(np.int32))]) if rows.size else None
 
-    def _head(self, hidden: mx.array) -> mx.array:
+    def hidden(self, token_ids: np.ndarray, kv: KVBatch, exact: np.ndarray) -> mx.array:
+        """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
+        the first `exact[b]` tokens of row b attending their own K/V as computed (lazy)."""
+        context = StepContext(self.cache, kv, mx.array(kv.positions), self.attention, exact)
+        return self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))[0]
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """Logits for final hidden states."""
         if getattr(self.model, "lm_head", None) is not None:
             return self.model.lm_head(hidden)
         return self.model.model.embed_tokens.as_linear(hidden)
