@@ -2,8 +2,11 @@
 
 Both engines run the same model directory, the same prompts and output lengths (greedy,
 EOS ignored so lengths are exact) and the same cap on concurrent sequences. mlx-lm runs
-first; mlxkv then gets a paged KV pool of `--kv-fraction` times the KV bytes mlx-lm peaked at.
-Prints a table and a final line `throughput_ratio=<mlxkv/mlx-lm> kv_memory_ratio=<mlxkv/mlx-lm>`.
+first; mlxkv then gets a paged KV pool of `--kv-fraction` times the KV bytes mlx-lm peaked at,
+with float pages and then with each of `--kv-bits` (8-bit and 4-bit pages: more tokens in the
+same bytes, so fewer preemptions and more sequences at once).
+Prints a table and a final line `throughput_ratio=<mlxkv/mlx-lm> kv_memory_ratio=<mlxkv/mlx-lm>`
+followed by `throughput_ratio_<bits>bit=...` per quantized run.
 With `--long-prompt N` it also measures the inter-token latency of 8 running decodes while
 one N-token prompt is prefilled, with and without chunked prefill.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +88,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-fraction", type=float, default=0.5,
                         help="mlxkv's KV pool as a fraction of mlx-lm's peak KV bytes")
+    parser.add_argument("--kv-bits", type=int, nargs="*", choices=[8, 4], default=[8, 4],
+                        help="also run with quantized pages of these bits in the same KV memory")
     parser.add_argument("--long-prompt", type=int, default=None, metavar="N")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -101,21 +107,27 @@ def main() -> None:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           kv_cache_memory=max(1, int(args.kv_fraction * reference.peak_allocated)),
                           max_model_len=args.prompt_len[1] + args.output_len[1])
-    run_mlxkv(model, tokenizer, warm, config, "warm-up")
-    ours, engine = run_mlxkv(model, tokenizer, workload, config, "mlxkv paged")
-    assert all(len(ours.token_times[i]) == n for i, n in enumerate(workload.output_lens))
+    runs, engines = [reference], {}
+    for bits in [None] + args.kv_bits:
+        name = "mlxkv paged" + (f" {bits}-bit" if bits else "")
+        run_mlxkv(model, tokenizer, warm, replace(config, kv_bits=bits), "warm-up")
+        run, engines[name] = run_mlxkv(model, tokenizer, workload, replace(config, kv_bits=bits), name)
+        assert all(len(run.token_times[i]) == n for i, n in enumerate(workload.output_lens))
+        runs.append(run)
 
-    rows = {r.name: r.latency(workload) | {"peak KV MiB": r.pool_bytes / 2**20,
-                                           "peak MLX mem GiB": r.peak_memory / 2**30}
-            for r in (reference, ours)}
+    rows = {r.name: r.latency(workload) | {"KV bytes/token": r.bytes_per_token, "peak KV MiB": r.pool_bytes / 2**20,
+                                           "peak MLX mem GiB": r.peak_memory / 2**30} for r in runs}
     print_table(rows)
-    print(f"mlxkv: {engine.scheduler.num_preemptions} preemptions, pool of {engine.cache.pool.capacity} pages")
+    for name, engine in engines.items():
+        print(f"{name}: {engine.scheduler.num_preemptions} preemptions, pool of {engine.cache.pool.capacity} pages")
     if args.long_prompt:
         print(f"\n8 decodes while a {args.long_prompt}-token prompt is prefilled (mlxkv):")
         print_table({"chunked (512 tokens/step)": long_prompt_latency(model, tokenizer, args.long_prompt, 512),
                      "not chunked": long_prompt_latency(model, tokenizer, args.long_prompt, None)})
-    ratio = rows["mlxkv paged"]["tok/s"] / rows["mlx-lm BatchGenerator"]["tok/s"]
-    print(f"throughput_ratio={ratio:.3f} kv_memory_ratio={ours.pool_bytes / reference.pool_bytes:.3f}")
+    base = rows["mlx-lm BatchGenerator"]["tok/s"]
+    quantized = [f"throughput_ratio_{b}bit={rows[f'mlxkv paged {b}-bit']['tok/s'] / base:.3f}" for b in args.kv_bits]
+    print(" ".join([f"throughput_ratio={rows['mlxkv paged']['tok/s'] / base:.3f}",
+                    f"kv_memory_ratio={runs[1].pool_bytes / reference.pool_bytes:.3f}", *quantized]))
 
 
 if __name__ == "__main__":

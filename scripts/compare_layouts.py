@@ -1,7 +1,8 @@
 """What paging buys: KV memory, waste and concurrency of mlxkv paged, mlxkv contiguous and mlx-lm.
 
-One chat-like workload runs through mlxkv's paged layout (at several block sizes), mlxkv's
-contiguous layout (one max-length slot per sequence) and mlx-lm's BatchGenerator, all
+One chat-like workload runs through mlxkv's paged layout (at several block sizes, and with
+8-bit and 4-bit pages), mlxkv's contiguous layout (one max-length slot per sequence) and
+mlx-lm's BatchGenerator, all
 measured the same way after every step: KV bytes allocated to sequences and KV bytes holding
 tokens. It writes `layout-comparison.md`, `samples.json` and PNG charts (with the `plot`
 extra) into `--out`, and prints a final summary line.
@@ -31,10 +32,13 @@ from harness import (
 )
 from mlx_lm import load as mlx_lm_load
 
+from mlxkv.cache.storage import dtype_name
 from mlxkv.config import EngineConfig, parse_memory
+from mlxkv.engine.model_runner import kv_shape
 from mlxkv.models.loading import DEMO_MODEL
 
 BLOCK_SIZES = (8, 16, 32, 64)
+KV_BITS = (8, 4)
 
 
 def make_workload(args, vocab_size: int, max_len: int) -> Workload:
@@ -65,6 +69,7 @@ def page_floor(run: Run, block_size: int) -> float:
 def summarise(run: Run, workload: Workload, budget: int) -> dict[str, float]:
     per_sequence = run.weighted("allocated") / max(run.weighted("sequences"), 1e-9)
     return {
+        "KV bytes/token": run.bytes_per_token,
         "KV allocated MiB (peak)": run.peak_allocated / 2**20,
         "KV allocated MiB (mean)": run.weighted("allocated") / 2**20,
         "KV holding tokens MiB (mean)": run.weighted("holding") / 2**20,
@@ -141,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     for block in BLOCK_SIZES:
         config = EngineConfig(kv_layout="paged", block_size=block, **common)
         runs[f"mlxkv paged (block {block})"] = run_mlxkv(model, tokenizer, workload, config, f"paged {block}")[0]
+    for bits in KV_BITS:
+        config = EngineConfig(kv_layout="paged", block_size=16, kv_bits=bits, **common)
+        runs[f"mlxkv paged {bits}-bit (block 16)"] = run_mlxkv(model, tokenizer, workload, config, f"{bits}-bit")[0]
     config = EngineConfig(kv_layout="contiguous", **common)
     runs["mlxkv contiguous"] = run_mlxkv(model, tokenizer, workload, config, "contiguous")[0]
     runs["mlx-lm BatchGenerator"] = run_mlx_lm(model, workload, args.max_num_seqs, bytes_per_token)
@@ -161,10 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     print("charts: " + (", ".join(charts) if charts else "none (pip install 'mlxkv[plot]' for PNG charts)"))
     paged, contiguous, mlx_lm = (rows[n] for n in ("mlxkv paged (block 16)", "mlxkv contiguous", "mlx-lm BatchGenerator"))
     print(f"paged_floor={floor:.2f}%")
+    dtype = dtype_name(kv_shape(model)[3])
+    quantized = [f"kv{b}bit_sequences_vs_{dtype}="
+                 f"{rows[f'mlxkv paged {b}-bit (block 16)']['sequences in budget'] / paged['sequences in budget']:.2f}x"
+                 for b in KV_BITS]
     print(f"paged_waste={paged['waste %']:.2f}% contiguous_waste={contiguous['waste %']:.2f}% "
           f"mlx_lm_waste={mlx_lm['waste %']:.2f}% "
           f"concurrency_gain_vs_mlx_lm={paged['sequences in budget'] / mlx_lm['sequences in budget']:.2f}x "
-          f"concurrency_gain_vs_contiguous={paged['sequences in budget'] / contiguous['sequences in budget']:.2f}x")
+          f"concurrency_gain_vs_contiguous={paged['sequences in budget'] / contiguous['sequences in budget']:.2f}x "
+          + " ".join(quantized))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import compare_layouts  # noqa: E402
 @pytest.fixture(scope="module")
 def result(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
-    compare_layouts.main(["--model", str(checkpoint("qwen2-fp32")), "--num-requests", "10", "--prompt-len", "20",
+    compare_layouts.main(["--model", str(checkpoint("llama-fp32-d64")), "--num-requests", "10", "--prompt-len", "20",
                           "--output-len", "12", "--max-num-seqs", "4", "--out", str(out)])
     return out, json.loads((out / "samples.json").read_text())
 
@@ -20,7 +20,8 @@ def result(checkpoint, tmp_path_factory):
 def test_bytes_holding_tokens_equal_tokens_in_flight_times_bytes_per_token(result):
     _, runs = result
     assert set(runs) == {"mlxkv paged (block 8)", "mlxkv paged (block 16)", "mlxkv paged (block 32)",
-                         "mlxkv paged (block 64)", "mlxkv contiguous", "mlx-lm BatchGenerator"}
+                         "mlxkv paged (block 64)", "mlxkv paged 8-bit (block 16)", "mlxkv paged 4-bit (block 16)",
+                         "mlxkv contiguous", "mlx-lm BatchGenerator"}
     for name, run in runs.items():
         exact = [s for s in run["samples"] if s["exact"]]
         assert len(exact) > 10, name
@@ -38,7 +39,15 @@ def test_paged_allocates_exactly_the_pages_its_sequences_need(result):
             assert s["allocated"] == pages * block * run["bytes_per_token"]
 
 
+def test_quantized_pages_hold_the_same_tokens_in_fewer_bytes(result):
+    """float32 K/V, head_dim 64, groups of 64: 256 bytes a row, 64 + 8 at 8 bits, 32 + 8 at 4 bits."""
+    _, runs = result
+    per_token = {bits: runs[f"mlxkv paged{bits} (block 16)"]["bytes_per_token"] for bits in ("", " 8-bit", " 4-bit")}
+    assert per_token == {"": 2 * 2 * 2 * 256, " 8-bit": 2 * 2 * 2 * 72, " 4-bit": 2 * 2 * 2 * 40}
+
+
 def test_report_is_written(result):
     out, _ = result
     table = (out / "layout-comparison.md").read_text()
     assert table.count("\n| mlxkv paged (block ") == 4 and "| mlx-lm BatchGenerator |" in table
+    assert "| mlxkv paged 8-bit (block 16) | 576.00 |" in table and "| mlxkv paged 4-bit (block 16) | 320.00 |" in table
