@@ -26,13 +26,12 @@ def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array
     other's `keys` and `values` as computed, through MLX's SDPA as mlx-lm's prefill does."""
     if not exact.any():
         return attention(queries, k_pool, v_pool, batch, scale)
-    starts = batch.query_starts
     parts, order = [], []
     for row in np.flatnonzero(exact):
-        span = np.arange(starts[row], starts[row] + exact[row])
-        q, k, v = (x[int(span[0]):int(span[-1]) + 1].swapaxes(0, 1)[None] for x in (queries, keys, values))
+        lo, n = int(batch.query_starts[row]), int(exact[row])
+        q, k, v = (x[lo:lo + n].swapaxes(0, 1)[None] for x in (queries, keys, values))
         parts.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")[0].swapaxes(0, 1))
-        order.append(span)
+        order.append(np.arange(lo, lo + n))
     rest = np.setdiff1d(np.arange(batch.num_tokens), np.concatenate(order))
     if rest.size:
         parts.append(attention(queries[mx.array(rest.astype(np.int32))], k_pool, v_pool, batch.skip(exact), scale))
