@@ -56,10 +56,11 @@ QuantizedRows<D, BITS, GS, W, S> quantized_rows(W words, S scales, S biases) {
   return QuantizedRows<D, BITS, GS, W, S>{words, scales, biases};
 }
 
-// Online softmax over keys [first, last) for query heads q_base/D .. + HG - 1 of one KV head.
+// Online softmax over keys [first, last) for query heads q_base/D .. + HG - 1 of one KV head,
+// scores capped to softcap * tanh(score / softcap) when SOFTCAP (Gemma 2).
 // Leaves each SIMD group's running max, sum and unnormalised output in sg_m, sg_l
 // ([NSG * HG]) and sg_acc ([NSG * HG * D]).
-template <int D, int BS, int HG, int NSG, typename Q, typename K, typename V, typename Table>
+template <int D, int BS, int HG, int NSG, bool SOFTCAP, typename Q, typename K, typename V, typename Table>
 void attend_keys(
     Q queries,
     K k_rows,
@@ -71,6 +72,7 @@ void attend_keys(
     int first,
     int last,
     float scale,
+    float softcap,
     threadgroup float* sg_m,
     threadgroup float* sg_l,
     threadgroup float* sg_acc,
@@ -105,6 +107,9 @@ void attend_keys(
         partial += q[g][i] * k[i];
       }
       float s = simd_sum(partial);
+      if (SOFTCAP) {
+        s = softcap * metal::tanh(s / softcap);
+      }
       float m_new = metal::max(m[g], s);
       float correction = metal::exp(m[g] - m_new);
       float p = metal::exp(s - m_new);
@@ -150,4 +155,23 @@ void merge_states(ML m, ML l, Acc acc, int count, int ml_stride, int acc_stride,
   max_out = top;
   sum_out = sum;
   acc_out = out;
+}
+
+// The first key a query at `pos` sees: 0, or the start of its sliding window when WINDOWED.
+template <bool WINDOWED>
+int first_key(int pos, int window) {
+  return WINDOWED ? metal::max(0, pos - window + 1) : 0;
+}
+
+// Fold an attention sink (a logit that joins the softmax and adds no value, GPT-OSS) into a
+// merged state when SINKS; a state with no keys (max -inf) keeps only the sink's weight.
+template <bool SINKS>
+void add_sink(float sink, thread float& top, thread float& sum, thread float& acc) {
+  if (SINKS) {
+    float m = metal::max(top, sink);
+    float w = top == -INFINITY ? 0.0f : metal::exp(top - m);
+    sum = sum * w + metal::exp(sink - m);
+    acc = acc * w;
+    top = m;
+  }
 }

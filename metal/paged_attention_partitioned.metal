@@ -10,11 +10,11 @@ const int token = int(threadgroup_position_in_grid.z) / partitions;
 const int part = int(threadgroup_position_in_grid.z) % partitions;
 const int q_heads = queries_shape[1];
 const int width = block_tables_shape[1];
-const int first = part * PARTITION;
-const int last = metal::min(first + PARTITION, token_pos[token] + 1);
-attend_keys<D, BS, HG, NSG>(
+const int first = metal::max(part * PARTITION, first_key<WINDOWED>(token_pos[token], window));
+const int last = metal::min(part * PARTITION + PARTITION, token_pos[token] + 1);
+attend_keys<D, BS, HG, NSG, SOFTCAP>(
     queries, k_rows, v_rows, block_tables + token_rows[token] * width,
-    (token * q_heads + tile * HG) * D, k_pool_shape[1], tile / (G / HG), first, last, scale,
+    (token * q_heads + tile * HG) * D, k_pool_shape[1], tile / (G / HG), first, last, scale, softcap,
     sg_m, sg_l, sg_acc, simdgroup_index_in_threadgroup, thread_index_in_simdgroup);
 threadgroup_barrier(mem_flags::mem_threadgroup);
 const int slot = (token * (q_heads / HG) + tile) * partitions + part;

@@ -12,5 +12,6 @@ for (int e = int(thread_index_in_threadgroup); e < HG * D; e += NSG * 32) {
   float top, sum, acc;
   merge_states(partial_ml + (slot * HG + g) * 2, partial_ml + (slot * HG + g) * 2 + 1,
                partial_acc + (slot * HG + g) * D + d, partitions, HG * 2, HG * D, top, sum, acc);
+  add_sink<SINKS>(float(sinks[(tile * HG + g) % sinks_shape[0]]), top, sum, acc);
   out[((token * tiles + tile) * HG + g) * D + d] = static_cast<T>(acc / sum);
 }

@@ -80,6 +80,7 @@ using std::exp;
 using std::fabs;
 using std::log;
 using std::sqrt;
+using std::tanh;
 template <class T>
 T max(T a, T b) { return a > b ? a : b; }
 template <class T>

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..cache.manager import KVBatch
 from ..cache.storage import Pool, QuantizedPages
-from .reference import reference_attention
+from .reference import PLAIN, Variant, reference_attention
 
 _PACKAGED = Path(__file__).parents[1] / "metal"  # inside the wheel
 METAL_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).parents[2] / "metal"
@@ -94,15 +94,17 @@ class PagedAttentionKernels:
 
         self.direct, self.partitioned = {}, {}
         for quantized, kv in KV_INPUTS.items():
-            inputs = ["queries", *kv, "block_tables", "token_rows", "token_pos", "scale"]
+            inputs = ["queries", *kv, "block_tables", "token_rows", "token_pos", "scale", "window", "softcap", "sinks"]
             self.direct[quantized] = build("paged_attention", inputs, ["out"], quantized)
             self.partitioned[quantized] = build("paged_attention_partitioned", inputs + ["partitions"],
                                                 ["partial_acc", "partial_ml"], quantized)
-        self.reduce = build("paged_attention_reduce", ["partial_acc", "partial_ml"], ["out"])
+        self.reduce = build("paged_attention_reduce", ["partial_acc", "partial_ml", "sinks"], ["out"])
 
     def __call__(self, queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KVBatch,
-                 scale: float | None = None, split: bool | None = None) -> mx.array:
-        """Same contract as `reference_attention`; `split` forces split-K on or off."""
+                 scale: float | None = None, variant: Variant = PLAIN, split: bool | None = None) -> mx.array:
+        """Same contract as `reference_attention`; `split` forces split-K on or off. Each of
+        `variant`'s window, soft-cap and sinks is a template switch, so plain attention pays
+        for none of them."""
         tokens, q_heads, head_dim = queries.shape
         group = q_heads // k_pool.shape[1]
         simdgroups, heads = launch_shape(group, head_dim)
@@ -114,10 +116,13 @@ class PagedAttentionKernels:
             split = tokens * tiles < SPLIT_BELOW and longest >= SPLIT_FROM
         quantized = isinstance(k_pool, QuantizedPages)
         kv = [*k_pool.parts, *v_pool.parts] if quantized else [k_pool, v_pool]
+        sinks = mx.zeros((1,), mx.float32) if variant.sinks is None else variant.sinks.astype(mx.float32)
         args = [queries, *kv, mx.array(batch.block_tables), mx.array(rows), mx.array(batch.positions),
-                mx.array(scale, mx.float32)]
+                mx.array(scale, mx.float32), mx.array(variant.window or 0, mx.int32),
+                mx.array(variant.softcap or 0.0, mx.float32), sinks]
         template = [("T", queries.dtype), ("D", head_dim), ("BS", k_pool.shape[2]), ("G", group), ("HG", heads),
-                    ("NSG", simdgroups)]
+                    ("NSG", simdgroups), ("WINDOWED", variant.window is not None),
+                    ("SOFTCAP", variant.softcap is not None), ("SINKS", variant.sinks is not None)]
         if quantized:
             template += [("BITS", k_pool.bits), ("GS", k_pool.group_size)]
         launch = dict(threadgroup=(32 * simdgroups, 1, 1), verbose=self.verbose)
@@ -130,7 +135,7 @@ class PagedAttentionKernels:
             grid=(32 * simdgroups, tiles, tokens * parts),
             output_shapes=[(tokens, tiles, parts, heads, head_dim), (tokens, tiles, parts, heads, 2)],
             output_dtypes=[mx.float32, mx.float32], **launch)
-        return self.reduce(inputs=[acc, ml], template=template, grid=(32 * simdgroups, tiles, tokens),
+        return self.reduce(inputs=[acc, ml, sinks], template=template, grid=(32 * simdgroups, tiles, tokens),
                            output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
 
     def warm(self, dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int,

@@ -9,6 +9,7 @@ from helpers import mutant_kernels, packed_step, uncompilable_kernels
 
 from mlxkv import reference_attention
 from mlxkv.attention.kernels import METAL_DIR, TOLERANCE, PagedAttentionKernels, launch_shape, select_attention
+from mlxkv.attention.reference import PLAIN, Variant
 from mlxkv.attention.simulator import SimulatorError, metal_kernel
 
 # Each dtype meets every head dim once, and every block size, GQA ratio and split-K
@@ -26,12 +27,12 @@ def kernels():
     return PagedAttentionKernels(metal_kernel)
 
 
-def compare(kernels, cache, batch, q_heads, dtype, split):
+def compare(kernels, cache, batch, q_heads, dtype, split, variant=PLAIN):
     head_dim = cache.kv(0)[0].shape[-1]
     q = mx.array(np.random.default_rng(1).standard_normal((batch.num_tokens, q_heads, head_dim)), dtype)
     scale = 1 / math.sqrt(head_dim)
-    out = kernels(q, *cache.kv(0), batch, scale, split=split)
-    expected = reference_attention(q, *cache.kv(0), batch, scale)
+    out = kernels(q, *cache.kv(0), batch, scale, variant, split=split)
+    expected = reference_attention(q, *cache.kv(0), batch, scale, variant)
     diff = mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max().item()
     assert diff <= TOLERANCE[dtype], diff
 
@@ -68,6 +69,21 @@ def test_quantized_variant_matches_reference_on_the_same_pages(kernels, variant)
     assert (cache.kv(0)[0].bits, cache.kv(0)[1].group_size) == (bits, group_size)
     for split in (False, True):
         compare(kernels, cache, batch, kv_heads * group, dtype, split)
+
+
+ATTENTION_VARIANTS = {
+    "window": Variant(window=20), "softcap": Variant(softcap=1.5), "sinks": Variant(sinks=mx.arange(8) * 0.7 - 2.0),
+    "window-softcap-sinks": Variant(window=300, softcap=30.0, sinks=mx.arange(8) * 0.5 - 1.0),
+}
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
+@pytest.mark.parametrize("name", list(ATTENTION_VARIANTS))
+def test_window_softcap_and_sink_variants_match_the_reference(kernels, name, split):
+    """Contexts around the window and across split-K partitions; GQA 4 over 2 KV heads."""
+    cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [5, 21, 40, 300, 610, 35], [1, 1, 1, 1, 1, 12],
+                               max_seq_len=640)
+    compare(kernels, cache, batch, 8, mx.float32, split, ATTENTION_VARIANTS[name])
 
 
 def test_a_quantized_kernel_that_swaps_scales_and_biases_is_caught(kernels):
@@ -130,7 +146,7 @@ def test_warm_up_reports_a_kernel_that_does_not_compile():
 
 @pytest.mark.parametrize("old, new, kernel", [
     ("static_cast<T>(acc / sum)", "static_cast<T>(acc / sum + 0.01f)", "paged_attention"),
-    ("first + PARTITION", "first + PARTITION - 1", "paged_attention_partitioned + _reduce"),
+    ("part * PARTITION + PARTITION", "part * PARTITION + PARTITION - 1", "paged_attention_partitioned + _reduce"),
 ])
 def test_warm_up_reports_a_kernel_with_wrong_numbers(old, new, kernel):
     problem = PagedAttentionKernels(mutant_kernels(old, new)).warm(mx.float32, 64, 16, 4, 2)
@@ -197,8 +213,8 @@ def test_contexts_over_many_split_k_partitions(kernels, split):
 
 
 def test_a_kernel_that_drops_each_partitions_last_key_is_caught():
-    assert "first + PARTITION" in (METAL_DIR / "paged_attention_partitioned.metal").read_text()
-    mutant = PagedAttentionKernels(mutant_kernels("first + PARTITION", "first + PARTITION - 1"))
+    assert "part * PARTITION + PARTITION" in (METAL_DIR / "paged_attention_partitioned.metal").read_text()
+    mutant = PagedAttentionKernels(mutant_kernels("part * PARTITION + PARTITION", "part * PARTITION + PARTITION - 1"))
     cache, batch = packed_step("paged", 16, 1, 64, mx.float32, CONTEXTS, QUERY_LENS, max_seq_len=2912)
     with pytest.raises(AssertionError):
         compare(mutant, cache, batch, 2, mx.float32, True)

@@ -6,6 +6,7 @@ import pytest
 from helpers import scramble_free_pages
 
 from mlxkv import KVCacheManager, reference_attention
+from mlxkv.attention.reference import Variant
 
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 HEAD_DIM = 32
@@ -116,3 +117,52 @@ def test_rows_without_new_tokens_are_skipped():
 def test_chunk_longer_than_a_query_tile_matches_sdpa(monkeypatch):
     monkeypatch.setattr("mlxkv.attention.reference.QUERY_TILE", 8)
     run_case("paged", 16, 2, 4, mx.float32, contexts=[40, 21, 3], query_lens=[30, 21, 1])
+
+
+def numpy_oracle(q, keys, values, scale, variant):
+    """One sequence's attention written out: q holds the last len(q) positions of `keys`."""
+    q, keys, values = (np.array(x, np.float64) for x in (q, keys, values))
+    n, q_heads, _ = q.shape
+    length, kv_heads, _ = keys.shape
+    out = np.zeros_like(q)
+    for i in range(n):
+        pos = length - n + i
+        lo = 0 if variant.window is None else max(0, pos - variant.window + 1)
+        for h in range(q_heads):
+            kh = h // (q_heads // kv_heads)
+            s = keys[lo:pos + 1, kh] @ q[i, h] * scale
+            if variant.softcap is not None:
+                s = np.tanh(s / variant.softcap) * variant.softcap
+            logits = s if variant.sinks is None else np.append(s, float(variant.sinks[h]))
+            w = np.exp(logits - logits.max())
+            w = w[: pos + 1 - lo] / w.sum()
+            out[i, h] = w @ values[lo:pos + 1, kh]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("variant", [
+    Variant(window=5), Variant(window=16), Variant(softcap=2.0), Variant(window=7, softcap=1.5),
+    Variant(sinks=mx.array([0.5, -1.0, 2.0, 0.0])), Variant(window=9, sinks=mx.array([3.0, 1.0, -2.0, 0.5])),
+], ids=["window5", "window16", "softcap", "window-softcap", "sinks", "window-sinks"])
+def test_attention_variants_match_the_written_out_oracle(layout, variant):
+    rng = np.random.default_rng(7)
+    cache = KVCacheManager(1, 2, HEAD_DIM, max_seqs=4, max_seq_len=128, layout=layout, block_size=8,
+                           dtype=mx.float32)
+    ids = cache.claim(3)
+    contexts, query_lens = [40, 23, 9], [1, 6, 9]
+    history = {}
+    for s, c, n in zip(ids, contexts, query_lens):
+        batch = cache.step([s], [c - n])
+        history[s] = [mx.array(rng.standard_normal((c - n, 2, HEAD_DIM)), mx.float32) for _ in range(2)]
+        cache.write(0, batch, *history[s])
+    batch = cache.step(ids, query_lens)
+    new = [mx.array(rng.standard_normal((sum(query_lens), 2, HEAD_DIM)), mx.float32) for _ in range(2)]
+    cache.write(0, batch, *new)
+    q = mx.array(rng.standard_normal((sum(query_lens), 4, HEAD_DIM)), mx.float32)
+    out = reference_attention(q, *cache.kv(0), batch, 0.3, variant)
+    for row, s in enumerate(ids):
+        lo, hi = int(batch.query_starts[row]), int(batch.query_starts[row] + query_lens[row])
+        keys, values = (mx.concatenate([h, x[lo:hi]]) for h, x in zip(history[s], new))
+        expected = numpy_oracle(q[lo:hi], keys, values, 0.3, variant)
+        assert np.abs(np.array(out[lo:hi]) - expected).max() < 1e-5
