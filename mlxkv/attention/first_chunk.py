@@ -17,24 +17,44 @@ import numpy as np
 
 from ..cache.manager import KVBatch
 from ..cache.storage import Pool
+from .reference import PLAIN, Variant
 
 
 def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array, values: mx.array, k_pool: Pool,
-                          v_pool: Pool, batch: KVBatch, exact: np.ndarray, scale: float) -> mx.array:
+                          v_pool: Pool, batch: KVBatch, exact: np.ndarray, scale: float,
+                          variant: Variant = PLAIN) -> mx.array:
     """`attention` over the pages for the packed batch's tokens, except the first `exact[b]`
     tokens of each row b (a chunk that starts its sequence), which attend causally to each
     other's `keys` and `values` as computed, through MLX's SDPA as mlx-lm's prefill does."""
     if not exact.any():
-        return attention(queries, k_pool, v_pool, batch, scale)
+        return attention(queries, k_pool, v_pool, batch, scale, variant)
     parts, order = [], []
     for row in np.flatnonzero(exact):
         lo, n = int(batch.query_starts[row]), int(exact[row])
         q, k, v = (x[lo:lo + n].swapaxes(0, 1)[None] for x in (queries, keys, values))
-        parts.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")[0].swapaxes(0, 1))
+        parts.append(_own_attention(q, k, v, scale, variant)[0].swapaxes(0, 1))
         order.append(np.arange(lo, lo + n))
     rest = np.setdiff1d(np.arange(batch.num_tokens), np.concatenate(order))
     if rest.size:
-        parts.append(attention(queries[mx.array(rest.astype(np.int32))], k_pool, v_pool, batch.skip(exact), scale))
+        parts.append(attention(queries[mx.array(rest.astype(np.int32))], k_pool, v_pool, batch.skip(exact), scale,
+                               variant))
         order.append(rest)
     inverse = np.argsort(np.concatenate(order)).astype(np.int32)
     return mx.concatenate(parts)[mx.array(inverse)]
+
+
+def _own_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, variant: Variant) -> mx.array:
+    """Causal attention of one chunk over its own K/V (`[1, heads, tokens, head_dim]`), as the
+    mlx-lm model computes it: MLX's SDPA with the window's mask and the sinks, or written out
+    with the soft-cap before the mask (Gemma 2)."""
+    pos = mx.arange(q.shape[2])
+    mask = pos[:, None] >= pos[None]
+    if variant.window is not None:
+        mask = mask & (pos[:, None] < pos[None] + variant.window)
+    if variant.softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask if variant.window else "causal",
+                                                    sinks=variant.sinks)
+    group = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, group, axis=1), mx.repeat(v, group, axis=1)
+    scores = mx.tanh(((q * scale) @ k.swapaxes(-1, -2)) / variant.softcap) * variant.softcap
+    return mx.softmax(mx.where(mask, scores, -mx.inf), axis=-1, precise=True).astype(v.dtype) @ v

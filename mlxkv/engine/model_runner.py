@@ -12,6 +12,7 @@ import numpy as np
 from ..attention.first_chunk import first_chunk_attention
 from ..attention.reference import reference_attention
 from ..cache.manager import KVBatch, KVCacheManager
+from ..models.adapters import Adapter, adapter_for
 from .scheduler import ScheduledBatch
 
 AttentionFn = Callable[[mx.array, mx.array, mx.array, KVBatch, float], mx.array]
@@ -20,51 +21,55 @@ AttentionFn = Callable[[mx.array, mx.array, mx.array, KVBatch, float], mx.array]
 @dataclass(frozen=True)
 class StepContext:
     """Handed to every layer as its `cache`: where this step's tokens go and sit, and how
-    many of each row's first tokens attend their own K/V as computed (`exact`)."""
+    many of each row's first tokens attend their own K/V as computed (`exact`).
+
+    Model code that asks a cache for a mask gets None (the paged attention masks by
+    position itself), and one that reads `offset` gets 0 (adapters use each token's own
+    position instead)."""
 
     cache: KVCacheManager
     batch: KVBatch
     positions: mx.array
     attention: AttentionFn
     exact: np.ndarray
+    offset: int = 0
+
+    def make_mask(self, *args, **kwargs) -> None:
+        return None
 
 
 class PagedAttention(nn.Module):
-    """An mlx-lm attention layer's own projections, norms and RoPE, with K/V kept in the cache.
+    """An mlx-lm attention layer run over the paged cache through its family's adapter.
 
     Tokens of the packed batch sit on the batch axis, so RoPE takes one offset per token.
     Called with any other cache (mlx-lm's own), it is the original layer, so a model
     handed to mlxkv still runs under mlx-lm.
     """
 
-    def __init__(self, inner: nn.Module, layer: int) -> None:
+    def __init__(self, inner: nn.Module, layer: int, adapter: Adapter) -> None:
         super().__init__()
         self.inner = inner
         self.layer = layer
+        self.adapter = adapter
 
-    def __call__(self, x: mx.array, mask: object = None, cache: object = None) -> mx.array:
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        cache = kwargs.get("cache", args[-1] if args else None)
         if not isinstance(cache, StepContext):
-            return self.inner(x, mask, cache)
-        attn, tokens = self.inner, x.shape[1]
-        queries = attn.q_proj(x).reshape(tokens, attn.n_heads, -1)
-        keys = attn.k_proj(x).reshape(tokens, attn.n_kv_heads, -1)
-        values = attn.v_proj(x).reshape(tokens, attn.n_kv_heads, -1)
-        if hasattr(attn, "q_norm"):
-            queries, keys = attn.q_norm(queries), attn.k_norm(keys)
-        queries = attn.rope(queries[:, :, None], offset=cache.positions)[:, :, 0]
-        keys = attn.rope(keys[:, :, None], offset=cache.positions)[:, :, 0]
+            return self.inner(x, *args, **kwargs)
+        queries, keys, values = self.adapter(x, cache.positions)
         cache.cache.write(self.layer, cache.batch, keys, values)
         out = first_chunk_attention(cache.attention, queries, keys, values, *cache.cache.kv(self.layer), cache.batch,
-                                    cache.exact, attn.scale)
-        return attn.o_proj(out.reshape(1, tokens, -1))
+                                    cache.exact, self.adapter.scale, self.adapter.variant)
+        return self.inner.o_proj(out.reshape(1, x.shape[1], -1))
 
 
 def kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:
     """(layers, KV heads, head dim, activation dtype) of a loaded mlx-lm model."""
-    args = model.args
-    kv_heads = args.num_key_value_heads or args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    return len(model.model.layers), kv_heads, head_dim, model.model.norm.weight.dtype
+    args, attn = model.args, model.model.layers[0].self_attn
+    attn = getattr(attn, "inner", attn)
+    adapter = adapter_for(model, 0, attn)
+    head_dim = getattr(attn, "head_dim", None) or getattr(args, "head_dim", None) or args.hidden_size // adapter.heads
+    return len(model.model.layers), adapter.kv_heads, head_dim, model.model.norm.weight.dtype
 
 
 class ModelRunner:
@@ -76,7 +81,7 @@ class ModelRunner:
         self.attention = attention
         for index, layer in enumerate(model.model.layers):
             if not isinstance(layer.self_attn, PagedAttention):
-                layer.self_attn = PagedAttention(layer.self_attn, index)
+                layer.self_attn = PagedAttention(layer.self_attn, index, adapter_for(model, index, layer.self_attn))
 
     def forward(self, step: ScheduledBatch) -> mx.array | None:
         """Logits `[rows that sample, vocab]` for `step`, None if no row samples (lazy either way)."""

@@ -12,8 +12,9 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
 from ..errors import ModelLoadError
+from .adapters import FAMILIES
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = FAMILIES
 DEMO_MODEL = Path(__file__).parents[1] / "demo_model"
 
 
@@ -52,12 +53,10 @@ def check_config(path: Path) -> dict:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
-            f"unsupported model_type {model_type!r} in {str(config_file)!r}; "
-            f"mlxkv supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported model_type {model_type!r} in {str(config_file)!r}; mlxkv supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (hybrid linear-attention families such as qwen3_5 and "
+            "multi-head latent attention ones such as deepseek_v3 are later work)"
         )
-    if "sliding_attention" in (config.get("layer_types") or ()):
-        raise ModelLoadError(f"{str(config_file)!r} has sliding-window attention layers (layer_types), "
-                             "which mlxkv does not run yet")
     return config
 
 

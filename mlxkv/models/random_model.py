@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.utils import quantize_model, save_config, save_model
+from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Paged attention keeps keys and values in pages; "
@@ -39,13 +38,13 @@ def make_checkpoint(path: Path, model_type: str = "llama", dtype: str = "float32
                     shape: dict | None = None) -> Path:
     """Write a random `model_type` model (default: `TINY`, GQA 4:2) with peaky logits to `path`."""
     config = dict(model_type=model_type, rms_norm_eps=1e-5, rope_theta=10000.0,
-                  max_position_embeddings=max_position_embeddings, tie_word_embeddings=tied,
-                  torch_dtype=dtype, **(shape or TINY))
+                  max_position_embeddings=max_position_embeddings, tie_word_embeddings=tied, torch_dtype=dtype)
+    config.update(shape or TINY)
     if model_type == "qwen3":
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
+    model = model_class(args_class.from_dict(config))
     weights = {}
     for name, value in tree_flatten(model.parameters()):
         scale = 6.0 if "lm_head" in name else 1.0

@@ -32,15 +32,6 @@ def test_rope_settings_only_in_rope_parameters_are_honoured(checkpoint, tmp_path
     assert LLM(str(modern)).generate(prompt, SamplingParams(max_tokens=12))[0].token_ids == expected
 
 
-def test_sliding_window_layers_are_refused(checkpoint, tmp_path):
-    path = tmp_path / "swa"
-    shutil.copytree(checkpoint("llama-fp32"), path)
-    edit_config(path, lambda c: c.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8))
-    with pytest.raises(ModelLoadError, match="has sliding-window attention layers \\(layer_types\\), which mlxkv "
-                                             "does not run yet"):
-        load(path)
-
-
 @pytest.mark.parametrize("content, message", [
     (b"[1, 2]", "must hold a JSON object, got a list"),
     (b'{"model_type": "llama\xff"}', r"is not UTF-8 text \(invalid start byte at byte 21\)"),

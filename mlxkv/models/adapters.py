@@ -1,0 +1,100 @@
+"""How mlxkv runs each mlx-lm attention family over the paged cache: one small adapter per family.
+
+An adapter turns one layer's input into per-token queries, keys and values through the
+layer's own modules (projections, norms, RoPE), and says how the layer attends: its scale,
+sliding window, soft-cap and sinks. The model's own code computes everything else.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..attention.reference import Variant
+
+
+def _first(module: object, *names: str) -> object:
+    return next(getattr(module, name) for name in names if hasattr(module, name))
+
+
+class Adapter:
+    """Separate q/k/v projections, optional q/k norms (per head or over the full width, as
+    the norm's size says), the layer's own RoPE at each token's position (an identity
+    for layers without it, as SmolLM3's), its scale, soft-cap (Gemma 2) and sinks (GPT-OSS)."""
+
+    def __init__(self, attn: nn.Module, window: int | None) -> None:
+        self.attn = attn
+        self.heads = _first(attn, "n_heads", "num_heads", "num_attention_heads")
+        self.kv_heads = _first(attn, "n_kv_heads", "num_key_value_heads")
+        self.scale = float(_first(attn, "scale", "sm_scale"))
+        self.variant = Variant(window=window, softcap=getattr(attn, "attn_logit_softcapping", None),
+                               sinks=getattr(attn, "sinks", None))
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        attn = self.attn
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+    def __call__(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries `[tokens, heads, head_dim]`, keys and values `[tokens, kv_heads, head_dim]` of
+        the packed tokens `x` (`[1, tokens, hidden]`), at `positions`."""
+        attn, tokens = self.attn, x.shape[1]
+        queries, keys, values = self.project(x)
+        full_width = hasattr(attn, "q_norm") and attn.q_norm.weight.shape[0] == queries.shape[-1]
+        if full_width:
+            queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+        queries, keys, values = (a.reshape(tokens, n, -1) for a, n in
+                                 ((queries, self.heads), (keys, self.kv_heads), (values, self.kv_heads)))
+        if hasattr(attn, "q_norm") and not full_width:
+            queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+        queries = attn.rope(queries[:, :, None], offset=positions)[:, :, 0]
+        keys = attn.rope(keys[:, :, None], offset=positions)[:, :, 0]
+        return queries, keys, values
+
+
+class FusedAdapter(Adapter):
+    """Phi-3: one `qkv_proj` whose output is the queries, then the keys, then the values."""
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        width = self.attn.head_dim
+        return tuple(mx.split(self.attn.qkv_proj(x), [self.heads * width, (self.heads + self.kv_heads) * width],
+                              axis=-1))
+
+
+class Ministral3Adapter(Adapter):
+    """Ministral 3: queries scaled by 1 + beta * log(1 + floor(position / original context)),
+    computed here per token (the model computes it from one offset for the whole batch)."""
+
+    def __init__(self, attn: nn.Module, window: int | None, rope: dict) -> None:
+        super().__init__(attn, window)
+        self.beta = rope["llama_4_scaling_beta"]
+        self.original = rope["original_max_position_embeddings"]
+
+    def __call__(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        queries, keys, values = super().__call__(x, positions)
+        factor = 1 + self.beta * mx.log(1 + mx.floor(positions / self.original))
+        return queries * factor[:, None, None].astype(queries.dtype), keys, values
+
+
+def _window(args: object, attn: nn.Module, index: int) -> int | None:
+    """The layer's sliding window as mlx-lm applies it: `layer_types` (Llama-style configs,
+    GPT-OSS) or Gemma 3's pattern; mlx-lm ignores other window fields, and so does mlxkv."""
+    layer_types = getattr(args, "layer_types", None)
+    if layer_types:
+        return args.sliding_window if layer_types[index] == "sliding_attention" else None
+    if getattr(attn, "is_sliding", False):
+        return args.sliding_window
+    return None
+
+
+FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "phi3",
+            "gemma2", "gemma3_text", "granite", "smollm3", "olmo2", "glm4", "gpt_oss")
+
+
+def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter:
+    """The adapter of layer `index`'s attention module `attn` in `model` (an mlx-lm model)."""
+    args, window = model.args, _window(model.args, attn, index)
+    if hasattr(attn, "qkv_proj"):
+        return FusedAdapter(attn, window)
+    if args.model_type == "ministral3":
+        return Ministral3Adapter(attn, window, args.rope_parameters)
+    return Adapter(attn, window)

@@ -1,0 +1,92 @@
+"""Every supported family: greedy tokens equal mlx-lm's own, in both layouts, alone and batched."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import mlx_lm_greedy
+
+from mlxkv import LLM, LLMEngine, SamplingParams
+from mlxkv.attention.kernels import PagedAttentionKernels
+from mlxkv.attention.simulator import metal_kernel
+from mlxkv.config import EngineConfig
+from mlxkv.models.loading import SUPPORTED_MODEL_TYPES, load
+from mlxkv.models.random_model import make_checkpoint
+
+BASE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=320)
+WINDOW = 8
+FAMILIES = {
+    "llama": {},
+    "llama-windowed": dict(model_type="llama", layer_types=["sliding_attention", "full_attention"],
+                           sliding_window=WINDOW),
+    "mistral": dict(rope_theta=1e6),
+    "ministral3": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.1,
+                                        "original_max_position_embeddings": 16}),
+    "qwen2": dict(num_attention_heads=2, num_key_value_heads=1),
+    "qwen2_moe": dict(num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    "qwen3": dict(rope_theta=1e6),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                      moe_intermediate_size=64, norm_topk_prob=True, rope_theta=1e6),
+    "mixtral": dict(num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2),
+    "phi3": dict(num_attention_heads=2, num_key_value_heads=1),
+    "gemma2": dict(query_pre_attn_scalar=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3_text": dict(num_hidden_layers=4, query_pre_attn_scalar=64, sliding_window=WINDOW,
+                        sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4),
+    "granite": dict(num_attention_heads=2, num_key_value_heads=1, logits_scaling=4.0, attention_multiplier=0.015625,
+                    embedding_multiplier=12.0, residual_multiplier=0.22, attention_bias=False, mlp_bias=False,
+                    rope_theta=1e4),
+    "smollm3": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]),
+    "olmo2": dict(num_key_value_heads=4),
+    "glm4": dict(attention_bias=True, partial_rotary_factor=0.5, rope_theta=1e4),
+    "gpt_oss": dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                    rope_theta=150000, layer_types=["sliding_attention", "full_attention"]),
+}
+PROMPTS = [[int(t) for t in np.random.default_rng(n).integers(1, 320, n)] for n in (3, 7, 8, 9, 17, 30)]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    built = {}
+
+    def get(name):
+        if name not in built:
+            spec = {**BASE, **FAMILIES[name]}
+            model_type = spec.pop("model_type", name)
+            built[name] = make_checkpoint(tmp_path_factory.mktemp(name), model_type, "float32", shape=spec,
+                                          max_position_embeddings=1024)
+        return built[name]
+
+    return get
+
+
+def test_every_supported_model_type_is_covered():
+    assert set(SUPPORTED_MODEL_TYPES) <= {FAMILIES[n].get("model_type", n) for n in FAMILIES}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_tokens_equal_mlx_lm_in_both_layouts_alone_and_batched(family, name):
+    path = family(name)
+    expected = [mlx_lm_greedy(path, p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    for layout in ("paged", "contiguous"):
+        llm = LLM(str(path), kv_layout=layout, block_size=4, max_num_seqs=6, max_num_batched_tokens=24)
+        batched = llm.generate(PROMPTS, params)
+        alone = [llm.generate(p, params)[0] for p in PROMPTS]
+        for completions in (batched, alone):
+            assert [c.token_ids[:len(e)] for c, e in zip(completions, expected)] == expected, layout
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3_text", "gpt_oss"])
+def test_attention_variants_through_the_simulated_kernels(family, name):
+    """Plain, soft-capped (Gemma 2), windowed (Gemma 3) and windowed with sinks (GPT-OSS)."""
+    path = family(name)
+    model, tokenizer = load(str(path))
+    engine = LLMEngine(model, tokenizer, EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16),
+                       attention=PagedAttentionKernels(metal_kernel))
+    prompts = [PROMPTS[3], PROMPTS[4][:12]]
+    requests = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_ids for r in requests] == [mlx_lm_greedy(path, p, max_tokens=4) for p in prompts]
+    mx.clear_cache()
