@@ -94,18 +94,35 @@ class EngineConfig:
         if self.num_blocks is not None and self.kv_layout is KVLayout.CONTIGUOUS:
             raise ValueError("num_blocks applies to the paged layout; size the contiguous one with kv_cache_memory")
 
+    def window_pages(self, window: int) -> int:
+        """Pages a group of sliding-window layers needs so that it never runs out: each sequence's
+        window plus a page on either side, and one step's worth of new tokens."""
+        return self.max_num_seqs * (-(-window // self.block_size) + 2) + -(-self.max_num_batched_tokens //
+                                                                          self.block_size)
+
     def build_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
-                    model_max_len: int | None, weights_bytes: int = 0) -> KVCacheManager:
-        """The KV cache for a model of this shape, checked against the memory left beside its weights."""
+                    model_max_len: int | None, weights_bytes: int = 0,
+                    layer_windows: list[int | None] | None = None) -> KVCacheManager:
+        """The KV cache for a model of this shape, checked against the memory left beside its weights.
+
+        In the paged layout the pages of sliding-window layers (`layer_windows`) are a fixed,
+        small pool (`window_pages` per window) taken from the budget first; the rest buys
+        pages for the full-attention layers, whose bytes per token count only those layers."""
         max_len = context_length(self.max_model_len, model_max_len)
         check_quantization(self.kv_bits, self.kv_group_size, head_dim)
-        bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, self.kv_bits,
-                                             self.kv_group_size)
+        windows = list(layer_windows) if layer_windows is not None else [None] * num_layers
+        if self.kv_layout is KVLayout.CONTIGUOUS:
+            windows = [None] * num_layers
+        per_layer = kv_bytes_per_token(1, num_kv_heads, head_dim, dtype, self.kv_bits, self.kv_group_size)
+        bytes_per_token = per_layer * sum(w is None for w in windows)
+        window_bytes = sum(self.window_pages(w) * self.block_size * per_layer * windows.count(w)
+                           for w in set(windows) - {None})
         memory = device_memory()
-        available = max(0, memory - weights_bytes)
+        available = max(0, memory - weights_bytes - window_bytes)
         per_seq = max_len if self.kv_layout is KVLayout.CONTIGUOUS else -(-max_len // self.block_size) * self.block_size
         full = self.max_num_seqs * per_seq * bytes_per_token
-        budget = self.kv_cache_memory or min(full, int(self.kv_cache_fraction * available))
+        budget = self.kv_cache_memory - window_bytes if self.kv_cache_memory else \
+            min(full, int(self.kv_cache_fraction * available))
         if self.num_blocks is not None:
             asked, what = self.num_blocks * self.block_size * bytes_per_token, f"num_blocks={self.num_blocks}"
         else:
@@ -115,7 +132,7 @@ class EngineConfig:
                              f"({_gb(memory)} the device can use, less {_gb(weights_bytes)} of weights)")
         shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                      max_seq_len=max_len, layout=self.kv_layout, prefix_caching=self.enable_prefix_caching,
-                     kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
+                     kv_bits=self.kv_bits, kv_group_size=self.kv_group_size, layer_windows=windows)
         if self.kv_layout is KVLayout.CONTIGUOUS:
             slots = min(self.max_num_seqs, budget // (max_len * bytes_per_token))
             if slots == 0:
@@ -126,6 +143,10 @@ class EngineConfig:
                 )
             return KVCacheManager(max_seqs=slots, **shape)
         blocks = self.num_blocks or budget // (self.block_size * bytes_per_token)
-        if blocks == 0:
-            raise ValueError(f"kv_cache_memory={budget} bytes is less than one page of {self.block_size} tokens")
-        return KVCacheManager(max_seqs=self.max_num_seqs, block_size=self.block_size, num_blocks=blocks, **shape)
+        if blocks <= 0:
+            beside = f" beside the {window_bytes} bytes of the sliding-window layers' pages" if window_bytes else ""
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes is less than one page of "
+                             f"{self.block_size} tokens{beside}")
+        window_pages = {w: self.window_pages(w) for w in set(windows) - {None}}
+        return KVCacheManager(max_seqs=self.max_num_seqs, block_size=self.block_size, num_blocks=blocks,
+                              window_pages=max(window_pages.values(), default=None), **shape)

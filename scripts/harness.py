@@ -169,7 +169,7 @@ def _mlx_lm_sample(gen: BatchGenerator, live: dict[int, int], workload: Workload
 def run_mlxkv(model, tokenizer, workload: Workload, config: EngineConfig, name: str) -> tuple[Run, LLMEngine]:
     """mlxkv's engine in either layout."""
     engine = LLMEngine(model, tokenizer, config)
-    run = Run(name, engine.cache.storage.bytes_per_token, pool_bytes=engine.cache.storage.nbytes)
+    run = Run(name, engine.cache.storage.bytes_per_token, pool_bytes=engine.cache.nbytes)
     pending = list(range(workload.size))
     mx.reset_peak_memory()
     run.start = time.perf_counter()

@@ -88,7 +88,7 @@ def score(model, windows: list[np.ndarray], group_size: int, block_size: int, ch
                 got.kl += (mx.exp(reference) * (reference - lp)).sum().item()
                 got.agree += (mx.argmax(lp, axis=-1) == mx.argmax(reference, axis=-1)).sum().item()
                 got.count += len(ids)
-            mx.eval([runner.cache.storage.tensors for runner in runners.values()])
+            mx.eval([runner.cache.tensors for runner in runners.values()])
         for bits, runner in runners.items():
             runner.cache.release(seqs[bits])
     return scores

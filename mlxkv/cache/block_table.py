@@ -29,6 +29,7 @@ class BlockTable:
         self.pages: list[int] = []
         self.keys: list[bytes] = []
         self.num_computed = 0  # tokens whose K/V are stored, as last published
+        self.dropped = 0  # leading pages given back by `slide`
         self.tail: list[int] = []  # those of them in a partly filled last page
         self.root = root_key(None)  # the parent of page 0's key: set by the salt of `reuse_prefix`
 
@@ -63,6 +64,17 @@ class BlockTable:
         start = self.num_tokens
         self.num_tokens += count
         return self.slots(start, self.num_tokens)
+
+    def slide(self, first_token: int) -> int:
+        """Give back the pages holding only tokens before `first_token`, which no query will
+        read again (a sliding-window layer's); their entries stay, pointing at page 0, so
+        later pages keep their index. Returns how many pages went back."""
+        keep = min(max(0, first_token) // self.page_size, len(self.pages))
+        gone = self.pages[self.dropped:keep]
+        self.pool.release_pages(self.owner, gone)
+        self.pages[self.dropped:keep] = [0] * len(gone)
+        self.dropped = max(self.dropped, keep)
+        return len(gone)
 
     def slots(self, start: int, stop: int) -> np.ndarray:
         positions = np.arange(start, stop, dtype=np.int64)
@@ -142,5 +154,5 @@ class BlockTable:
         for count in range(len(self.tail), 0, -1):  # every prefix: a sequence may share only the start
             self.pool.publish(self.pages[len(self.keys)], page_key(parent, self.tail[:count]))
         self.pages, self.keys, self.tail = [], [], []
-        self.num_tokens = self.num_computed = 0
+        self.num_tokens = self.num_computed = self.dropped = 0
         return self.pool.free(self.owner)

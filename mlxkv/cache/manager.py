@@ -31,6 +31,7 @@ class KVBatch:
     block_tables: np.ndarray
     slot_mapping: np.ndarray
     block_size: int
+    by_window: dict[int, KVBatch] | None = None  # the same step in each sliding-window group's pages
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +58,10 @@ class KVBatch:
     def slot_mapping_mx(self) -> mx.array:
         return mx.array(self.slot_mapping)
 
+    def for_window(self, window: int | None) -> KVBatch:
+        """The batch of the layers with this sliding window (their own pages), else this one."""
+        return (self.by_window or {}).get(window, self)
+
     def skip(self, leading: np.ndarray) -> KVBatch:
         """The same step without each row's first `leading[b]` new tokens (its last ones stay)."""
         offsets = np.arange(self.num_tokens) - np.repeat(self.query_starts, self.query_lens)
@@ -77,28 +82,46 @@ class KVUsage:
     bytes_per_token: int
     pages_cached: int = 0  # free pages still holding cached prefix pages
     kv_bits: int | None = None  # quantized pages, else the cache dtype
+    windowed: tuple[tuple[int, KVUsage], ...] = ()  # (window, usage) of each sliding-window group's own pages
 
     @property
     def bytes_allocated(self) -> int:
         """Bytes of the pages handed to sequences."""
-        return self.pages_used * self.block_size * self.bytes_per_token
+        return self.pages_used * self.block_size * self.bytes_per_token + sum(u.bytes_allocated for _, u in self.windowed)
 
     @property
     def bytes_holding_tokens(self) -> int:
-        return self.tokens * self.bytes_per_token
+        return self.tokens * self.bytes_per_token + sum(u.bytes_holding_tokens for _, u in self.windowed)
 
     @property
     def bytes_pool(self) -> int:
         """Bytes of the whole pool, in use or not."""
-        return self.pages_total * self.block_size * self.bytes_per_token
+        return self.pages_total * self.block_size * self.bytes_per_token + sum(u.bytes_pool for _, u in self.windowed)
 
     def __str__(self) -> str:
         pool = f"{self.bytes_pool / 2**30:.2f} GiB" if self.bytes_pool >= 2**30 else f"{self.bytes_pool / 2**20:.2f} MiB"
         cached = f", {self.pages_cached} more cached" if self.pages_cached else ""
         bits = f", {self.kv_bits}-bit" if self.kv_bits else ""
+        windows = "".join(f", window-{w} layers {u.pages_used}/{u.pages_total}" for w, u in self.windowed)
         return (f"{self.layout.value}{bits}, {self.pages_used}/{self.pages_total} pages of {self.block_size} tokens in use"
-                f"{cached} (pool {pool}), {self.bytes_holding_tokens / 2**20:.2f} of "
+                f"{cached}{windows} (pool {pool}), {self.bytes_holding_tokens / 2**20:.2f} of "
                 f"{self.bytes_allocated / 2**20:.2f} MiB in use holding tokens")
+
+
+@dataclass
+class WindowGroup:
+    """The layers that share one sliding window, with pages of their own: a sequence holds
+    only the pages its window reaches, and gives back the rest as it grows."""
+
+    window: int
+    layers: list[int]
+    pool: PagePool
+    storage: KVStorage
+    tables: dict[int, BlockTable]
+
+    def pages_per_sequence(self, block_size: int) -> int:
+        """The most pages one sequence holds after a decode step: the window, plus one page."""
+        return -(-self.window // block_size) + 1
 
 
 def _stable_width(pages: int, limit: int) -> int:
@@ -119,6 +142,13 @@ class KVCacheManager:
 
     Prefix caching (on by default) applies to the paged layout only: a contiguous slot
     belongs to one sequence, so there is nothing to share and `prefix_caching` is False.
+
+    `layer_windows` gives each layer's sliding window (None: it sees every earlier token).
+    In the paged layout the layers of each window get pages of their own (a `WindowGroup`
+    of `window_pages` pages, by default enough that they never run out): a sequence holds
+    there only the pages its window reaches, and the scheduler counts the full-attention
+    layers' pages alone. Prefix caching is then off, since a windowed layer no longer holds
+    a prefix's early tokens.
 
     Thread safety: one re-entrant lock serialises every public method, so `claim`, `step`,
     `fetch` and `release` may be called from any thread. The tensors are different: MLX
@@ -143,6 +173,8 @@ class KVCacheManager:
         prefix_caching: bool = True,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        layer_windows: Sequence[int | None] | None = None,
+        window_pages: int | None = None,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("max_seqs", max_seqs),
@@ -151,7 +183,11 @@ class KVCacheManager:
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         self.layout = resolve_layout(layout)
-        self.prefix_caching = prefix_caching and self.layout is KVLayout.PAGED
+        windows = list(layer_windows) if layer_windows is not None else [None] * num_layers
+        if len(windows) != num_layers:
+            raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
+        grouped = self.layout is KVLayout.PAGED and any(windows)
+        self.prefix_caching = prefix_caching and self.layout is KVLayout.PAGED and not grouped
         self.max_seqs = max_seqs
         self.max_seq_len = max_seq_len
         if self.layout is KVLayout.PAGED:
@@ -161,8 +197,17 @@ class KVCacheManager:
             pages_per_seq = 1
             self.pool = PagePool(max_seqs, max_seq_len)
         self.max_pages_per_seq = pages_per_seq
-        self.storage = KVStorage(num_layers, self.pool.capacity, num_kv_heads, self.pool.page_size, head_dim, dtype,
+        shared = [i for i, w in enumerate(windows) if not (grouped and w)]
+        self._where = {layer: (None, index) for index, layer in enumerate(shared)}
+        self.storage = KVStorage(len(shared), self.pool.capacity, num_kv_heads, self.pool.page_size, head_dim, dtype,
                                  kv_bits, kv_group_size)
+        self.windowed: dict[int, WindowGroup] = {}
+        for window in sorted({w for w in windows if w}) if grouped else ():
+            layers = [i for i, w in enumerate(windows) if w == window]
+            pages = window_pages or max_seqs * (-(-window // block_size) + 2) + pages_per_seq
+            self.windowed[window] = WindowGroup(window, layers, PagePool(pages, block_size), KVStorage(
+                len(layers), pages, num_kv_heads, block_size, head_dim, dtype, kv_bits, kv_group_size), {})
+            self._where.update({layer: (window, index) for index, layer in enumerate(layers)})
         self._tables: dict[int, BlockTable] = {}
         self._next_id = 0
         self._lock = threading.RLock()
@@ -205,6 +250,8 @@ class KVCacheManager:
                 self._tables[seq_id] = BlockTable(self.pool, seq_id, self.max_seq_len)
                 if self.layout is KVLayout.CONTIGUOUS:
                     self._tables[seq_id].reserve_pages(1)
+                for group in self.windowed.values():
+                    group.tables[seq_id] = BlockTable(group.pool, seq_id, self.max_seq_len)
             return ids
 
     def reuse_prefix(self, seq_id: int, tokens: Sequence[int], salt: str | None = None) -> int:
@@ -238,8 +285,21 @@ class KVCacheManager:
             needed = sum(table.pages_needed(n) for table, n in zip(tables, counts))
             if needed > self.pool.free_count:
                 raise KVCacheExhausted(needed, self.pool.free_count)
-            slots = [table.append(n) for table, n in zip(tables, counts)]
-            return self._batch(seq_ids, tables, counts, np.concatenate(slots or [np.zeros(0, np.int32)]))
+            by_window = {}
+            for window, group in self.windowed.items():
+                rows = [group.tables[seq_id] for seq_id in seq_ids]
+                for table in rows:  # what this step's first query no longer sees
+                    table.slide(table.num_tokens - window + 1)
+                window_needed = sum(table.pages_needed(n) for table, n in zip(rows, counts))
+                if window_needed > group.pool.free_count:
+                    raise KVCacheExhausted(window_needed, group.pool.free_count, f"pages of window-{window} layers")
+                by_window[window] = self._append(seq_ids, rows, counts)
+            return self._append(seq_ids, tables, counts, by_window or None)
+
+    def _append(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int],
+                by_window: dict[int, KVBatch] | None = None) -> KVBatch:
+        slots = [table.append(n) for table, n in zip(tables, counts)]
+        return self._batch(seq_ids, tables, counts, np.concatenate(slots or [np.zeros(0, np.int32)]), by_window)
 
     def write(self, layer: int, batch: KVBatch, keys: mx.array, values: mx.array) -> None:
         """Store `layer`'s K/V for the new tokens of `batch` (`[tokens, kv_heads, head_dim]`)."""
@@ -250,7 +310,8 @@ class KVCacheManager:
                     "KVCacheManager.write called from a thread other than the one that owns the "
                     "KV tensors; MLX evaluates a lazy graph only on the thread that built it"
                 )
-            self.storage.write(layer, batch.slot_mapping_mx, keys, values)
+            window, index = self._layer(layer)
+            self._storage(window).write(index, batch.for_window(window).slot_mapping_mx, keys, values)
             self._tensor_thread = thread
 
     def fetch(self, seq_ids: Sequence[int]) -> KVBatch:
@@ -258,13 +319,18 @@ class KVCacheManager:
         seq_ids = tuple(seq_ids)
         with self._lock:
             tables = [self._table(seq_id) for seq_id in seq_ids]
-            return self._batch(seq_ids, tables, [0] * len(tables), np.zeros(0, np.int32))
+            empty, zeros = np.zeros(0, np.int32), [0] * len(tables)
+            by_window = {window: self._batch(seq_ids, [group.tables[s] for s in seq_ids], zeros, empty)
+                         for window, group in self.windowed.items()}
+            return self._batch(seq_ids, tables, zeros, empty, by_window or None)
 
     def release(self, seq_id: int) -> int:
         """Close a sequence and return its pages; returns how many it held."""
         with self._lock:
             table = self._table(seq_id)
             del self._tables[seq_id]
+            for group in self.windowed.values():
+                group.tables.pop(seq_id).release()
             return table.release()
 
     def reset(self) -> None:
@@ -272,12 +338,32 @@ class KVCacheManager:
         with self._lock:
             if self._tables:
                 raise MlxkvError(f"reset needs every sequence released; {len(self._tables)} are open")
-            self.storage.reset()
+            for storage in [self.storage] + [group.storage for group in self.windowed.values()]:
+                storage.reset()
             self.pool.forget_cached()
 
     def kv(self, layer: int) -> tuple[Pool, Pool]:
         """The K and V pools of `layer`, `[pages, kv_heads, block_size, head_dim]` (quantized with `kv_bits`)."""
-        return self.storage.layer(layer)
+        window, index = self._layer(layer)
+        return self._storage(window).layer(index)
+
+    @property
+    def tensors(self) -> list[mx.array]:
+        """Every array of every pool, to evaluate at the end of a step."""
+        return self.storage.tensors + [t for group in self.windowed.values() for t in group.storage.tensors]
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.nbytes + sum(group.storage.nbytes for group in self.windowed.values())
+
+    def _layer(self, layer: int) -> tuple[int | None, int]:
+        """(the layer's window group, or None for the shared pages; its index there)."""
+        if layer not in self._where:
+            raise IndexError(f"layer {layer!r} is outside 0..{len(self._where) - 1}")
+        return self._where[layer]
+
+    def _storage(self, window: int | None) -> KVStorage:
+        return self.storage if window is None else self.windowed[window].storage
 
     def as_tensor(self, seq_id: int, layer: int) -> tuple[mx.array, mx.array]:
         """One sequence's K and V in `layer` as contiguous `[tokens, kv_heads, head_dim]` copies.
@@ -286,8 +372,11 @@ class KVCacheManager:
         pages in place instead. Call it on the thread that writes the K/V.
         """
         with self._lock:
+            window, index = self._layer(layer)
+            if window is not None:
+                raise MlxkvError(f"layer {layer} keeps only the pages of its last {window} tokens")
             table = self._table(seq_id)
-            return self.storage.read(layer, table.pages[: table.blocks_in_use], table.num_tokens)
+            return self.storage.read(index, table.pages[: table.blocks_in_use], table.num_tokens)
 
     @property
     def blocks_in_use(self) -> int:
@@ -299,8 +388,13 @@ class KVCacheManager:
         with self._lock:
             shared_twice = self.pool.extra_refs * self.block_size  # shared pages are full
             tokens = sum(t.num_tokens for t in self._tables.values()) - shared_twice
+            windowed = tuple((window, KVUsage(self.layout, group.pool.used_count, group.pool.capacity, self.block_size,
+                                              sum(t.num_tokens - t.dropped * self.block_size
+                                                  for t in group.tables.values()),
+                                              group.storage.bytes_per_token))
+                             for window, group in self.windowed.items())
             return KVUsage(self.layout, self.pool.used_count, self.pool.capacity, self.block_size,
-                           tokens, self.storage.bytes_per_token, self.pool.cached_free_count, self.kv_bits)
+                           tokens, self.storage.bytes_per_token, self.pool.cached_free_count, self.kv_bits, windowed)
 
     @property
     def free_pages(self) -> int:
@@ -322,7 +416,7 @@ class KVCacheManager:
         return table
 
     def _batch(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int],
-               slot_mapping: np.ndarray) -> KVBatch:
+               slot_mapping: np.ndarray, by_window: dict[int, KVBatch] | None = None) -> KVBatch:
         width = _stable_width(max((len(t.pages) for t in tables), default=1), self.max_pages_per_seq)
         block_tables = np.zeros((len(tables), width), np.int32)
         for row, table in enumerate(tables):
@@ -334,4 +428,5 @@ class KVCacheManager:
             block_tables=block_tables,
             slot_mapping=slot_mapping.astype(np.int32),
             block_size=self.block_size,
+            by_window=by_window,
         )

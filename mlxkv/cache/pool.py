@@ -102,6 +102,19 @@ class PagePool:
                     self._free.append(page)
         return len(pages)
 
+    def release_pages(self, request_id: Hashable, pages: list[int]) -> None:
+        """Drop `request_id`'s references to `pages` alone (those that slid out of a window)."""
+        owned = self._owned.get(request_id, [])
+        for page in pages:
+            owned.remove(page)
+            self.extra_refs -= self._refs[page] > 1
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._keys_of:
+                    self._cached_free[page] = None
+                else:
+                    self._free.append(page)
+
     def publish(self, page: int, key: bytes) -> bool:
         """Cache the allocated `page` under the content `key` (a page may get several: one per
         prefix of a partly filled page). Returns False, changing nothing, if a page already

@@ -21,7 +21,7 @@ from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..cache.storage import dtype_name
 from ..config import EngineConfig
 from ..errors import RequestTooLong, UnknownSequenceError
-from .model_runner import ModelRunner, kv_shape
+from .model_runner import ModelRunner, kv_shape, layer_windows
 from .request import Request, Status
 from .sampling import SamplingFailed, SamplingParams, TokenLogprob, logprobs, sample
 from .scheduler import Scheduler
@@ -102,7 +102,8 @@ class LLMEngine:
         layers, kv_heads, head_dim, dtype = kv_shape(model)
         weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
         self.cache = self.config.build_cache(layers, kv_heads, head_dim, dtype,
-                                             getattr(model.args, "max_position_embeddings", None), weights)
+                                             getattr(model.args, "max_position_embeddings", None), weights,
+                                             layer_windows(model))
         attention = attention or select_attention(self.config.attention)
         if isinstance(attention, PagedAttentionKernels):
             problem = attention.warm(dtype, head_dim, self.cache.block_size, model.args.num_attention_heads, kv_heads,
@@ -205,7 +206,7 @@ class LLMEngine:
                 if sampling else mx.array([], mx.uint32)
             wanted = [r.params.logprobs for r in sampling if r.params.logprobs is not None]
             scored = logprobs(logits, tokens, max(wanted)) if wanted else ()
-            mx.eval(tokens, *scored, self.cache.storage.tensors)
+            mx.eval(tokens, *scored, self.cache.tensors)
         except SamplingFailed as exc:
             return self._recover(batch.requests, [sampling[exc.row]], exc.cause)
         except Exception as exc:
@@ -239,7 +240,7 @@ class LLMEngine:
         with self._lock:
             self.scheduler.roll_back(batch)
             try:
-                mx.eval(self.cache.storage.tensors)
+                mx.eval(self.cache.tensors)
             except Exception:
                 self.scheduler.roll_back(list(self.scheduler.running))
                 self.cache.reset()

@@ -57,10 +57,17 @@ class PagedAttention(nn.Module):
         if not isinstance(cache, StepContext):
             return self.inner(x, *args, **kwargs)
         queries, keys, values = self.adapter(x, cache.positions)
-        cache.cache.write(self.layer, cache.batch, keys, values)
-        out = first_chunk_attention(cache.attention, queries, keys, values, *cache.cache.kv(self.layer), cache.batch,
+        batch = cache.batch.for_window(self.adapter.variant.window)
+        cache.cache.write(self.layer, batch, keys, values)
+        out = first_chunk_attention(cache.attention, queries, keys, values, *cache.cache.kv(self.layer), batch,
                                     cache.exact, self.adapter.scale, self.adapter.variant)
         return self.inner.o_proj(out.reshape(1, x.shape[1], -1))
+
+
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as its family's adapter reads it."""
+    return [adapter_for(model, i, getattr(layer.self_attn, "inner", layer.self_attn)).variant.window
+            for i, layer in enumerate(model.model.layers)]
 
 
 def kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:

@@ -90,3 +90,32 @@ def test_attention_variants_through_the_simulated_kernels(family, name):
         engine.step()
     assert [r.output_ids for r in requests] == [mlx_lm_greedy(path, p, max_tokens=4) for p in prompts]
     mx.clear_cache()
+
+
+GEMMA3 = dict(BASE, num_hidden_layers=6, query_pre_attn_scalar=64, sliding_window=32, sliding_window_pattern=6,
+              rope_theta=1e6, rope_local_base_freq=1e4)  # 5 local layers, then a global one
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_local_layers_hold_only_their_window_over_1000_tokens(tmp_path, layout):
+    """Two 1,000-token Gemma-3-shaped sequences: after every step each one holds at most
+    32 / 16 + 1 pages in the five window-32 layers, the global layer holds them all, and the
+    tokens are mlx-lm's own (its local layers keep a rotating 32-token cache)."""
+    path = make_checkpoint(tmp_path / "gemma3", "gemma3_text", "float32", shape=GEMMA3, max_position_embeddings=2048)
+    model, tokenizer = load(str(path))
+    engine = LLMEngine(model, tokenizer, EngineConfig(kv_layout=layout, block_size=16, max_num_seqs=2,
+                                                      max_num_batched_tokens=64, max_model_len=1024))
+    prompts = [PROMPTS[5], PROMPTS[4]]
+    requests = [engine.add_request(p, SamplingParams(max_tokens=1000 - len(p), ignore_eos=True)) for p in prompts]
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        if layout == "paged":
+            group = engine.cache.windowed[32]
+            most = max([most] + [len(group.pool.pages(r.seq_id)) for r in requests if r.seq_id is not None])
+    assert [len(r.prompt_ids) + len(r.output_ids) for r in requests] == [1000, 1000]
+    if layout == "paged":
+        assert most == 3 and not engine.cache.prefix_caching
+        assert engine.cache.windowed[32].layers == [0, 1, 2, 3, 4] and engine.cache.storage.num_layers == 1
+    expected = [mlx_lm_greedy(path, p, max_tokens=300) for p in prompts]  # up to EOS, which mlxkv ignores here
+    assert [r.output_ids[:len(e)] for r, e in zip(requests, expected)] == expected and min(map(len, expected)) > 90
