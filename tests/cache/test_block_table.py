@@ -79,3 +79,16 @@ def test_release_returns_the_pages():
     assert pool.free_count == 8
     assert (table.pages, table.num_tokens, table.position_base) == ([], 0, 0)
     assert isinstance(table.slots(0, 0), np.ndarray)
+
+
+def test_slide_gives_back_the_pages_before_a_token_and_keeps_the_indices():
+    pool = PagePool(8, 4)
+    table = BlockTable(pool, "s", 64)
+    table.append(14)                                 # pages for tokens 0-3, 4-7, 8-11, 12-13
+    live = table.pages[2:]
+    assert table.slide(-3) == 0 and table.slide(7) == 1  # token 7 is still needed: page 1 stays
+    assert table.slide(9) == 1 and table.slide(9) == 0
+    assert table.pages == [0, 0] + live and table.dropped == 2
+    assert pool.free_count == 6 and pool.pages("s") == live
+    assert table.slots(12, 14).tolist() == [live[1] * 4, live[1] * 4 + 1]
+    assert table.release() == 2 and pool.free_count == 8

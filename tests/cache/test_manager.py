@@ -13,6 +13,7 @@ from mlxkv import (
     KVCacheManager,
     KVLayout,
     SequenceTooLong,
+    MlxkvError,
     UnknownSequenceError,
 )
 from mlxkv.attention.reference import gather_kv
@@ -410,3 +411,28 @@ def test_skip_drops_each_rows_leading_new_tokens():
     assert rest.context_lens.tolist() == batch.context_lens.tolist() == [5, 4, 1]
     assert rest.positions.tolist() == [3, 4, 0]
     assert rest.slot_mapping.tolist() == [batch.slot_mapping[i] for i in (1, 2, 7)]
+
+
+def test_sliding_window_layers_hold_pages_of_their_own():
+    """Layer 0 sees the last 6 tokens, layer 1 all of them: layer 0's pages slide, the step's
+    batch for each layer points at its own pages, and usage counts both."""
+    cache = make(num_blocks=16, max_seqs=2, layer_windows=[6, None], window_pages=8)
+    (a,) = cache.claim(1)
+    for count in (5, 3, 1, 4):
+        batch = cache.step([a], [count])
+        for layer in (0, 1):
+            cache.write(layer, batch, kv(count, start=10.0 * layer), kv(count))
+    assert cache.num_tokens(a) == 13 and cache.pool.pages(a) == cache.fetch([a]).block_tables[0, :4].tolist()
+    local = batch.for_window(6)
+    assert local is not batch and local.query_lens.tolist() == [4]
+    group = cache.windowed[6]
+    assert group.layers == [0] and group.tables[a].dropped == 1  # tokens 0-3 left the window of token 9
+    assert group.pool.pages(a) == local.block_tables[0, 1:4].tolist()
+    assert cache.kv(0)[0].shape[0] == 8 and cache.kv(1)[0].shape[0] == 16 and not cache.prefix_caching
+    usage = cache.usage()
+    assert (usage.pages_used, usage.windowed[0][0], usage.windowed[0][1].pages_used) == (4, 6, 3)
+    assert "window-6 layers 3/8" in str(usage)
+    with pytest.raises(MlxkvError, match="layer 0 keeps only the pages of its last 6 tokens"):
+        cache.as_tensor(a, 0)
+    cache.release(a)
+    assert group.pool.free_count == 8 and cache.free_pages == 16
