@@ -93,13 +93,7 @@ class PagePool:
         fewer requests share, is evicted before its start."""
         pages = self._owned.pop(request_id, [])
         for page in reversed(pages):
-            self.extra_refs -= self._refs[page] > 1
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                if page in self._keys_of:
-                    self._cached_free[page] = None
-                else:
-                    self._free.append(page)
+            self._unref(page)
         return len(pages)
 
     def release_pages(self, request_id: Hashable, pages: list[int]) -> None:
@@ -107,13 +101,17 @@ class PagePool:
         owned = self._owned.get(request_id, [])
         for page in pages:
             owned.remove(page)
-            self.extra_refs -= self._refs[page] > 1
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                if page in self._keys_of:
-                    self._cached_free[page] = None
-                else:
-                    self._free.append(page)
+            self._unref(page)
+
+    def _unref(self, page: int) -> None:
+        """Drop one reference; a page nobody holds goes to the free pages, cached if it has a key."""
+        self.extra_refs -= self._refs[page] > 1
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            if page in self._keys_of:
+                self._cached_free[page] = None
+            else:
+                self._free.append(page)
 
     def publish(self, page: int, key: bytes) -> bool:
         """Cache the allocated `page` under the content `key` (a page may get several: one per
