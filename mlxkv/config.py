@@ -145,8 +145,8 @@ class EngineConfig:
         blocks = self.num_blocks or budget // (self.block_size * bytes_per_token)
         if blocks <= 0:
             beside = f" beside the {window_bytes} bytes of the sliding-window layers' pages" if window_bytes else ""
-            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes is less than one page of "
-                             f"{self.block_size} tokens{beside}")
-        window_pages = {w: self.window_pages(w) for w in set(windows) - {None}}
+            source = "kv_cache_memory" if self.kv_cache_memory else f"kv_cache_fraction={self.kv_cache_fraction}"
+            raise ValueError(f"the KV budget ({source}) leaves {max(budget, 0)} bytes for the full-attention layers, "
+                             f"less than one page of {self.block_size} tokens{beside}")
         return KVCacheManager(max_seqs=self.max_num_seqs, block_size=self.block_size, num_blocks=blocks,
-                              window_pages=max(window_pages.values(), default=None), **shape)
+                              window_pages={w: self.window_pages(w) for w in set(windows) - {None}}, **shape)

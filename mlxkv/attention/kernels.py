@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -139,24 +139,28 @@ class PagedAttentionKernels:
                            output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
 
     def warm(self, dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int,
-             kv_bits: int | None = None, kv_group_size: int = 64) -> str | None:
-        """Compile both paths for one model's shapes and pages and check them against the reference.
+             kv_bits: int | None = None, kv_group_size: int = 64, variants: Sequence[Variant] = (PLAIN,)) -> str | None:
+        """Compile both paths for one model's shapes, pages and attention variants (one check per
+        template: window, soft-cap and sinks each on or off) and check them against the reference.
 
-        Returns None when both agree within the dtype's tolerance, else which kernel failed
+        Returns None when all agree within the dtype's tolerance, else which kernel failed
         and why (it did not compile or run, or its numbers differ), so the caller can fall
         back to the reference path instead of crashing or writing wrong text.
         """
         queries, k_pool, v_pool, batch = _check_batch(dtype, head_dim, block_size, q_heads, kv_heads, kv_bits,
                                                       kv_group_size)
-        expected = reference_attention(queries, k_pool, v_pool, batch).astype(mx.float32)
-        for split, name in ((False, "paged_attention"), (True, "paged_attention_partitioned + _reduce")):
-            try:
-                out = self(queries, k_pool, v_pool, batch, split=split)
-                diff = mx.abs(out.astype(mx.float32) - expected).max().item()
-            except Exception as exc:  # a compile error from Metal's compiler, or any launch failure
-                return f"{name} failed to compile or run: {str(exc).strip().splitlines()[0]}"
-            if not diff <= TOLERANCE[dtype]:
-                return f"{name} differs from the reference attention by up to {diff:.3g} (tolerance {TOLERANCE[dtype]})"
+        templates = {(v.window is None, v.softcap is None, v.sinks is None): v for v in variants}
+        for variant in templates.values():
+            expected = reference_attention(queries, k_pool, v_pool, batch, None, variant).astype(mx.float32)
+            for split, name in ((False, "paged_attention"), (True, "paged_attention_partitioned + _reduce")):
+                try:
+                    out = self(queries, k_pool, v_pool, batch, None, variant, split=split)
+                    diff = mx.abs(out.astype(mx.float32) - expected).max().item()
+                except Exception as exc:  # a compile error from Metal's compiler, or any launch failure
+                    return f"{name} failed to compile or run: {str(exc).strip().splitlines()[0]}"
+                if not diff <= TOLERANCE[dtype]:
+                    return (f"{name} differs from the reference attention by up to {diff:.3g} "
+                            f"(tolerance {TOLERANCE[dtype]})")
         return None
 
 

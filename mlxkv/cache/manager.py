@@ -145,7 +145,7 @@ class KVCacheManager:
 
     `layer_windows` gives each layer's sliding window (None: it sees every earlier token).
     In the paged layout the layers of each window get pages of their own (a `WindowGroup`
-    of `window_pages` pages, by default enough that they never run out): a sequence holds
+    of `window_pages[window]` pages, by default enough that they never run out): a sequence holds
     there only the pages its window reaches, and the scheduler counts the full-attention
     layers' pages alone. Prefix caching is then off, since a windowed layer no longer holds
     a prefix's early tokens.
@@ -174,7 +174,7 @@ class KVCacheManager:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         layer_windows: Sequence[int | None] | None = None,
-        window_pages: int | None = None,
+        window_pages: dict[int, int] | None = None,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("max_seqs", max_seqs),
@@ -204,7 +204,7 @@ class KVCacheManager:
         self.windowed: dict[int, WindowGroup] = {}
         for window in sorted({w for w in windows if w}) if grouped else ():
             layers = [i for i, w in enumerate(windows) if w == window]
-            pages = window_pages or max_seqs * (-(-window // block_size) + 2) + pages_per_seq
+            pages = (window_pages or {}).get(window) or max_seqs * (-(-window // block_size) + 2) + pages_per_seq
             self.windowed[window] = WindowGroup(window, layers, PagePool(pages, block_size), KVStorage(
                 len(layers), pages, num_kv_heads, block_size, head_dim, dtype, kv_bits, kv_group_size), {})
             self._where.update({layer: (window, index) for index, layer in enumerate(layers)})
@@ -285,15 +285,14 @@ class KVCacheManager:
             needed = sum(table.pages_needed(n) for table, n in zip(tables, counts))
             if needed > self.pool.free_count:
                 raise KVCacheExhausted(needed, self.pool.free_count)
-            by_window = {}
+            rows = {window: [group.tables[seq_id] for seq_id in seq_ids] for window, group in self.windowed.items()}
             for window, group in self.windowed.items():
-                rows = [group.tables[seq_id] for seq_id in seq_ids]
-                for table in rows:  # what this step's first query no longer sees
+                for table in rows[window]:  # what this step's first query no longer sees
                     table.slide(table.num_tokens - window + 1)
-                window_needed = sum(table.pages_needed(n) for table, n in zip(rows, counts))
+                window_needed = sum(table.pages_needed(n) for table, n in zip(rows[window], counts))
                 if window_needed > group.pool.free_count:
                     raise KVCacheExhausted(window_needed, group.pool.free_count, f"pages of window-{window} layers")
-                by_window[window] = self._append(seq_ids, rows, counts)
+            by_window = {window: self._append(seq_ids, rows[window], counts) for window in self.windowed}
             return self._append(seq_ids, tables, counts, by_window or None)
 
     def _append(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int],

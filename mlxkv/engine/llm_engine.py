@@ -21,7 +21,7 @@ from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..cache.storage import dtype_name
 from ..config import EngineConfig
 from ..errors import RequestTooLong, UnknownSequenceError
-from .model_runner import ModelRunner, kv_shape, layer_windows
+from .model_runner import ModelRunner, kv_shape, layer_variants
 from .request import Request, Status
 from .sampling import SamplingFailed, SamplingParams, TokenLogprob, logprobs, sample
 from .scheduler import Scheduler
@@ -101,13 +101,14 @@ class LLMEngine:
         self.tokenizer = tokenizer
         layers, kv_heads, head_dim, dtype = kv_shape(model)
         weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        variants = layer_variants(model)
         self.cache = self.config.build_cache(layers, kv_heads, head_dim, dtype,
                                              getattr(model.args, "max_position_embeddings", None), weights,
-                                             layer_windows(model))
+                                             [v.window for v in variants])
         attention = attention or select_attention(self.config.attention)
         if isinstance(attention, PagedAttentionKernels):
             problem = attention.warm(dtype, head_dim, self.cache.block_size, model.args.num_attention_heads, kv_heads,
-                                     self.cache.kv_bits, self.cache.kv_group_size)
+                                     self.cache.kv_bits, self.cache.kv_group_size, variants)
             if problem is not None:
                 logger.warning("mlxkv: the Metal kernels fail their start-up check for this model (%s, head_dim %d, "
                                "block %d, GQA %d): %s; attention runs on the reference path instead",

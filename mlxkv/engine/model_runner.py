@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..attention.first_chunk import first_chunk_attention
-from ..attention.reference import reference_attention
+from ..attention.reference import Variant, reference_attention
 from ..cache.manager import KVBatch, KVCacheManager
 from ..models.adapters import Adapter, adapter_for
 from .scheduler import ScheduledBatch
@@ -64,9 +64,9 @@ class PagedAttention(nn.Module):
         return self.inner.o_proj(out.reshape(1, x.shape[1], -1))
 
 
-def layer_windows(model: nn.Module) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), as its family's adapter reads it."""
-    return [adapter_for(model, i, getattr(layer.self_attn, "inner", layer.self_attn)).variant.window
+def layer_variants(model: nn.Module) -> list[Variant]:
+    """How each layer attends (window, soft-cap, sinks), as its family's adapter reads it."""
+    return [adapter_for(model, i, getattr(layer.self_attn, "inner", layer.self_attn)).variant
             for i, layer in enumerate(model.model.layers)]
 
 

@@ -75,10 +75,12 @@ class Ministral3Adapter(Adapter):
         return queries * factor[:, None, None].astype(queries.dtype), keys, values
 
 
-def _window(args: object, attn: nn.Module, index: int) -> int | None:
-    """The layer's sliding window as mlx-lm applies it: `layer_types` (Llama-style configs,
-    GPT-OSS) or Gemma 3's pattern; mlx-lm ignores other window fields, and so does mlxkv."""
-    layer_types = getattr(args, "layer_types", None)
+def _window(model: nn.Module, attn: nn.Module, index: int) -> int | None:
+    """The layer's sliding window as mlx-lm applies it: `layer_types` (Llama-style configs, and
+    GPT-OSS, whose model fills in its default alternation) or Gemma 3's pattern; mlx-lm
+    ignores other window fields, and so does mlxkv."""
+    args = model.args
+    layer_types = getattr(model.model, "layer_types", None) or getattr(args, "layer_types", None)
     if layer_types:
         return args.sliding_window if layer_types[index] == "sliding_attention" else None
     if getattr(attn, "is_sliding", False):
@@ -92,7 +94,7 @@ FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen2_moe", "qwen3", "qw
 
 def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter:
     """The adapter of layer `index`'s attention module `attn` in `model` (an mlx-lm model)."""
-    args, window = model.args, _window(model.args, attn, index)
+    args, window = model.args, _window(model, attn, index)
     if hasattr(attn, "qkv_proj"):
         return FusedAdapter(attn, window)
     if args.model_type == "ministral3":

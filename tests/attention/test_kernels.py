@@ -218,3 +218,11 @@ def test_a_kernel_that_drops_each_partitions_last_key_is_caught():
     cache, batch = packed_step("paged", 16, 1, 64, mx.float32, CONTEXTS, QUERY_LENS, max_seq_len=2912)
     with pytest.raises(AssertionError):
         compare(mutant, cache, batch, 2, mx.float32, True)
+
+
+def test_warm_up_checks_each_attention_variant_the_model_uses():
+    sinks = Variant(sinks=mx.arange(4) * 1.0)
+    mutant = PagedAttentionKernels(mutant_kernels("add_sink<SINKS>", "add_sink<false>"))
+    assert mutant.warm(mx.float32, 64, 16, 4, 2) is None  # plain attention never adds a sink
+    problem = mutant.warm(mx.float32, 64, 16, 4, 2, variants=[PLAIN, Variant(window=64), sinks])
+    assert problem.startswith("paged_attention differs from the reference attention by up to ")

@@ -12,8 +12,8 @@ from mlxkv import (
     KVCacheExhausted,
     KVCacheManager,
     KVLayout,
-    SequenceTooLong,
     MlxkvError,
+    SequenceTooLong,
     UnknownSequenceError,
 )
 from mlxkv.attention.reference import gather_kv
@@ -416,7 +416,7 @@ def test_skip_drops_each_rows_leading_new_tokens():
 def test_sliding_window_layers_hold_pages_of_their_own():
     """Layer 0 sees the last 6 tokens, layer 1 all of them: layer 0's pages slide, the step's
     batch for each layer points at its own pages, and usage counts both."""
-    cache = make(num_blocks=16, max_seqs=2, layer_windows=[6, None], window_pages=8)
+    cache = make(num_blocks=16, max_seqs=2, layer_windows=[6, None], window_pages={6: 8})
     (a,) = cache.claim(1)
     for count in (5, 3, 1, 4):
         batch = cache.step([a], [count])
@@ -436,3 +436,15 @@ def test_sliding_window_layers_hold_pages_of_their_own():
         cache.as_tensor(a, 0)
     cache.release(a)
     assert group.pool.free_count == 8 and cache.free_pages == 16
+
+
+def test_a_step_that_one_window_group_cannot_hold_changes_no_group():
+    cache = make(num_layers=3, num_blocks=16, max_seqs=1, layer_windows=[4, 8, None], max_seq_len=64,
+                 window_pages={4: 8, 8: 3})
+    (a,) = cache.claim(1)
+    cache.step([a], [8])
+    with pytest.raises(KVCacheExhausted):
+        cache.step([a], [12])
+    tables = [cache.windowed[4].tables[a], cache.windowed[8].tables[a], cache._table(a)]
+    assert [t.num_tokens for t in tables] == [8, 8, 8]
+    assert cache.step([a], [1]).for_window(8).context_lens.tolist() == [9]

@@ -41,6 +41,9 @@ FAMILIES = {
     "glm4": dict(attention_bias=True, partial_rotary_factor=0.5, rope_theta=1e4),
     "gpt_oss": dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
                     rope_theta=150000, layer_types=["sliding_attention", "full_attention"]),
+    "gpt_oss-default-layers": dict(model_type="gpt_oss", num_hidden_layers=4, intermediate_size=128,
+                                   num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                   rope_theta=150000),  # the model alternates sliding and full itself
 }
 PROMPTS = [[int(t) for t in np.random.default_rng(n).integers(1, 320, n)] for n in (3, 7, 8, 9, 17, 30)]
 
