@@ -234,7 +234,9 @@ class LLMEngine:
 
         The batch's requests go back to the waiting queue as if preempted: their pages are
         freed, so K/V the step may have half-written is never read, and they recompute to
-        the same tokens (sampling keys depend only on a request's seed and progress). If the
+        the same tokens (sampling keys depend only on a request's seed and progress; with
+        quantized pages, a recompute that finds only part of its pages cached attends
+        quantized K/V where it first attended exact ones, see `Scheduler.exact_span`). If the
         KV tensors themselves cannot be evaluated any more, every running request is rolled
         back and the tensors start afresh, and so does the prefix cache whose pages they held.
         """
