@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cache.layout import KVLayout, resolve_layout
-from .cache.manager import KVCacheManager
+from .cache.manager import KVCacheManager, window_pool_pages
 from .cache.storage import check_quantization, kv_bytes_per_token
 from .errors import positive_int
 
@@ -95,10 +95,9 @@ class EngineConfig:
             raise ValueError("num_blocks applies to the paged layout; size the contiguous one with kv_cache_memory")
 
     def window_pages(self, window: int) -> int:
-        """Pages a group of sliding-window layers needs so that it never runs out: each sequence's
-        window plus a page on either side, and one step's worth of new tokens."""
-        return self.max_num_seqs * (-(-window // self.block_size) + 2) + -(-self.max_num_batched_tokens //
-                                                                          self.block_size)
+        """Pages a group of sliding-window layers needs so that it never runs out in one of this
+        engine's steps."""
+        return window_pool_pages(window, self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
 
     def build_cache(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
                     model_max_len: int | None, weights_bytes: int = 0,

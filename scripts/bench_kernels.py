@@ -51,8 +51,7 @@ def case(attention, batch: int, context: int, args) -> tuple[float, float]:
     scale = d ** -0.5
     if args.kv_bits:
         quantized = dict(group_size=args.kv_group_size, bits=args.kv_bits)
-        k_pool, v_pool = (QuantizedPages(*mx.quantize(pool, **quantized), args.kv_bits, args.kv_group_size)
-                          for pool in (k_pool, v_pool))
+        k_pool, v_pool = (QuantizedPages.quantize(pool, args.kv_bits, args.kv_group_size) for pool in (k_pool, v_pool))
         k, v = mx.quantize(k, **quantized), mx.quantize(v, **quantized)
 
         def baseline():

@@ -65,8 +65,7 @@ def _check_batch(dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, 
     shape = (int(pages.sum()), kv_heads, block_size, head_dim)
     k_pool, v_pool = (mx.random.normal(shape, key=k).astype(dtype) for k in keys[:2])
     if kv_bits is not None:
-        k_pool, v_pool = (QuantizedPages(*mx.quantize(pool, group_size=kv_group_size, bits=kv_bits), kv_bits,
-                                         kv_group_size) for pool in (k_pool, v_pool))
+        k_pool, v_pool = (QuantizedPages.quantize(pool, kv_bits, kv_group_size) for pool in (k_pool, v_pool))
     queries = mx.random.normal((4, q_heads, head_dim), key=keys[2]).astype(dtype)
     return queries, k_pool, v_pool, batch
 

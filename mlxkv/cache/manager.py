@@ -119,9 +119,11 @@ class WindowGroup:
     storage: KVStorage
     tables: dict[int, BlockTable]
 
-    def pages_per_sequence(self, block_size: int) -> int:
-        """The most pages one sequence holds after a decode step: the window, plus one page."""
-        return -(-self.window // block_size) + 1
+
+def window_pool_pages(window: int, block_size: int, max_seqs: int, step_tokens: int) -> int:
+    """Pages a window group needs so that it never runs out: each sequence's window plus a page
+    on either side, and the new tokens of one step of at most `step_tokens`."""
+    return max_seqs * (-(-window // block_size) + 2) + -(-step_tokens // block_size)
 
 
 def _stable_width(pages: int, limit: int) -> int:
@@ -204,7 +206,7 @@ class KVCacheManager:
         self.windowed: dict[int, WindowGroup] = {}
         for window in sorted({w for w in windows if w}) if grouped else ():
             layers = [i for i, w in enumerate(windows) if w == window]
-            pages = (window_pages or {}).get(window) or max_seqs * (-(-window // block_size) + 2) + pages_per_seq
+            pages = (window_pages or {}).get(window) or window_pool_pages(window, block_size, max_seqs, max_seq_len)
             self.windowed[window] = WindowGroup(window, layers, PagePool(pages, block_size), KVStorage(
                 len(layers), pages, num_kv_heads, block_size, head_dim, dtype, kv_bits, kv_group_size), {})
             self._where.update({layer: (window, index) for index, layer in enumerate(layers)})

@@ -29,6 +29,11 @@ class QuantizedPages:
     bits: int
     group_size: int
 
+    @classmethod
+    def quantize(cls, pool: mx.array, bits: int, group_size: int) -> QuantizedPages:
+        """A float pool `[pages, kv_heads, page_size, head_dim]` quantized whole."""
+        return cls(*mx.quantize(pool, group_size=group_size, bits=bits), bits, group_size)
+
     @property
     def shape(self) -> tuple[int, int, int, int]:
         pages, heads, page_size, words = self.words.shape
