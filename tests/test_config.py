@@ -85,6 +85,8 @@ def test_the_default_budget_is_a_fraction_of_the_memory_left_and_no_more_than_th
     (dict(kv_cache_fraction=0), r"kv_cache_fraction must be a number in \(0, 1\], got 0"),
     (dict(kv_bits=16), r"kv_bits must be 8, 4 or None \(float pages\), got 16"),
     (dict(kv_bits=4, kv_group_size=256), "kv_group_size must be 32, 64 or 128, got 256"),
+    (dict(kv_bits=8.0), r"kv_bits must be 8, 4 or None \(float pages\), got 8.0"),
+    (dict(kv_bits=8, kv_group_size=64.0), "kv_group_size must be 32, 64 or 128, got 64.0"),
 ])
 def test_bad_engine_settings_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):

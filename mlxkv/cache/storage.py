@@ -4,6 +4,7 @@ as floats or quantized along `head_dim` in `mx.quantize`'s format."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 import mlx.core as mx
 
@@ -69,11 +70,15 @@ class QuantizedPages:
 Pool = mx.array | QuantizedPages
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def check_quantization(bits: int | None, group_size: int, head_dim: int | None = None) -> None:
     """Refuse a `kv_bits` / `kv_group_size` pair the quantized pages and kernels do not support."""
-    if bits is not None and (isinstance(bits, bool) or bits not in KV_BITS):
+    if bits is not None and (not _is_int(bits) or bits not in KV_BITS):
         raise ValueError(f"kv_bits must be 8, 4 or None (float pages), got {bits!r}")
-    if isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES:
+    if not _is_int(group_size) or group_size not in KV_GROUP_SIZES:
         raise ValueError(f"kv_group_size must be 32, 64 or 128, got {group_size!r}")
     if bits is not None and head_dim is not None and head_dim % group_size:
         fits = [str(g) for g in KV_GROUP_SIZES if head_dim % g == 0]
