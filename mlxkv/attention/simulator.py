@@ -282,8 +282,9 @@ def _explain(stderr: str, sources: dict[str, str], constant_inputs: list[str]) -
 
 def _precompiled_runtime(compiler: str, flags: list[str]) -> Path:
     """`runtime.h` built once as a precompiled header for `flags`: parsing it and the standard
-    headers it includes is most of the time a kernel takes to compile."""
-    key = hashlib.sha256("\n".join([RUNTIME.read_text(), compiler, *flags]).encode()).hexdigest()[:24]
+    headers it includes is most of the time a kernel takes to compile. Keyed on the runtime's path
+    too: a header precompiled from another checkout's copy would define everything twice."""
+    key = hashlib.sha256("\n".join([str(RUNTIME), RUNTIME.read_text(), compiler, *flags]).encode()).hexdigest()[:24]
     pch = CACHE / f"runtime-{key}.pch"
     if not pch.exists():
         wrapper = pch.with_suffix(".h")  # included, so that the runtime stays a system header

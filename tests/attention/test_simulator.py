@@ -171,3 +171,17 @@ def test_code_newer_than_metals_cpp14_or_not_pedantic_is_rejected(body, message)
     with pytest.raises(SimulatorError, match="does not compile as Metal") as error:
         run_helper("", body, 8)
     assert message in str(error.value)
+
+
+def test_checkouts_sharing_one_cache_each_use_their_own_runtime(tmp_path, monkeypatch):
+    """CI's clone and a developer's checkout share ~/.cache: a runtime header precompiled from one
+    must not be included beside the other's."""
+    from mlxkv.attention import simulator
+    monkeypatch.setattr(simulator, "CACHE", tmp_path / "cache")
+    for checkout in ("one", "two"):
+        runtime = tmp_path / checkout / "runtime.h"
+        runtime.parent.mkdir()
+        runtime.write_text(simulator.RUNTIME.read_text())
+        monkeypatch.setattr(simulator, "RUNTIME", runtime)
+        assert run("out[thread_position_in_grid.x] = a[thread_position_in_grid.x] + 1;").tolist() == \
+            list(range(1, 65))
