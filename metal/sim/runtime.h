@@ -75,19 +75,99 @@ struct bfloat16_t {
 #endif
 #define thread
 
+// ---- cost counters ------------------------------------------------------------------
+// Built with -DSIM_COUNT and clang's -fsanitize-coverage=trace-loads,trace-stores, every load
+// and store the kernel makes reaches the hooks below; those on device buffers are counted.
+// Without SIM_COUNT the counting calls compile to nothing.
+namespace sim {
+struct Counters {
+  unsigned long long read_bytes, written_bytes;  // distinct device bytes per threadgroup, summed
+  unsigned long long loads, load_bytes, vector_loads, vector_load_bytes, stores, store_bytes;
+  unsigned long long reductions, shuffles, transcendentals, barriers, threadgroups;
+  unsigned long long threadgroup_memory, threads;  // per threadgroup (the largest)
+};
+inline Counters g_counters{};
+inline bool g_counting = false;  // only while kernel threads run
+inline void note_access(const void* address, unsigned long bytes, bool store, bool vector);
+inline void note_transcendental() {
+#ifdef SIM_COUNT
+  if (g_counting) g_counters.transcendentals++;
+#endif
+}
+}  // namespace sim
+
+// Metal's vec<T, N> (N = 2, 3, 4) and its named aliases. Copying one out of device memory is
+// one vector load, as on the GPU; elements are read with [].
+template <class T, int N>
+struct alignas(sizeof(T) * (N == 3 ? 4 : N)) vec {
+  static_assert(N >= 2 && N <= 4, "Metal vectors have 2, 3 or 4 elements");
+  T e[N];
+  vec() = default;
+  vec(T s) {
+    for (int i = 0; i < N; i++) e[i] = s;
+  }
+  template <class... A, class = std::enable_if_t<sizeof...(A) == N && (N > 1)>>
+  vec(A... a) : e{T(a)...} {}
+  template <class U>
+  explicit vec(const vec<U, N>& o) {
+    for (int i = 0; i < N; i++) e[i] = T(o.e[i]);
+  }
+  vec(const vec& o) { copy(&o); }
+#ifdef SIM_ADDRESS_SPACES
+  vec(const device vec& o) { copy((const vec*)&o); }
+  vec(const constant vec& o) { copy((const vec*)&o); }
+  vec(const threadgroup vec& o) { copy((const vec*)&o); }
+#endif
+  vec& operator=(const vec& o) = default;
+  T& operator[](int i) { return e[i]; }
+  const T& operator[](int i) const { return e[i]; }
+
+ private:
+  __attribute__((noinline, no_sanitize("coverage"))) void copy(const vec* o) {  // counted once: one vector load
+    sim::note_access(o, sizeof(vec), false, true);
+    std::memcpy(e, o->e, sizeof(e));
+  }
+};
+#define SIM_VECTORS(T) using T##2 = vec<T, 2>; using T##3 = vec<T, 3>; using T##4 = vec<T, 4>;
+SIM_VECTORS(float)
+SIM_VECTORS(half)
+SIM_VECTORS(int)
+using uint2 = vec<uint, 2>;  // uint3 is the struct of thread ids above
+using uint4 = vec<uint, 4>;
+SIM_VECTORS(short)
+SIM_VECTORS(ushort)
+SIM_VECTORS(uchar)
+#undef SIM_VECTORS
+
+// as_type<T>(x): the bits of x read as a T of the same size.
+template <class T, class U>
+T as_type(U x) {
+  static_assert(sizeof(T) == sizeof(U), "as_type needs types of one size");
+  T out;
+  std::memcpy(&out, &x, sizeof(T));
+  return out;
+}
+
 namespace metal {
-using std::exp;
+// Transcendental functions are counted (one per thread per call) when SIM_COUNT is set.
+#define SIM_TRANSCENDENTAL(name) \
+  inline float name(float x) { sim::note_transcendental(); return std::name(x); } \
+  inline half name(half x) { sim::note_transcendental(); return half(std::name(float(x))); }
+SIM_TRANSCENDENTAL(exp)
+SIM_TRANSCENDENTAL(exp2)
+SIM_TRANSCENDENTAL(log)
+SIM_TRANSCENDENTAL(log2)
+SIM_TRANSCENDENTAL(tanh)
+#undef SIM_TRANSCENDENTAL
 using std::fabs;
-using std::log;
 using std::sqrt;
-using std::tanh;
 template <class T>
 T max(T a, T b) { return a > b ? a : b; }
 template <class T>
 T min(T a, T b) { return a < b ? a : b; }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
-namespace fast { using std::exp; using std::log; using metal::max; using metal::min; }
-namespace precise { using std::exp; using std::log; }
+namespace fast { using metal::exp; using metal::exp2; using metal::log; using metal::log2; using metal::max; using metal::min; }
+namespace precise { using metal::exp; using metal::exp2; using metal::log; using metal::log2; }
 template <class T>
 using numeric_limits = std::numeric_limits<T>;
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
@@ -121,6 +201,7 @@ struct Fiber {
   alignas(16) unsigned char in[16];
   alignas(16) unsigned char out[16];
   int arg = 0;
+  int kind = 0;    // of the collective it waits at: 0 reduction, 1 shuffle, 2 SIMD-group barrier
   uint index = 0;  // linear index in the threadgroup
   uint3 tid{};     // thread_position_in_threadgroup
 };
@@ -171,12 +252,13 @@ inline void yield(Wait wait, Site site) {
 inline void barrier(const char* file, int line) { yield(Wait::Barrier, Site{file, line}); }
 
 template <class T>
-T collective(T value, int arg, Collective op, const char* file, int line) {
+T collective(T value, int arg, Collective op, int kind, const char* file, int line) {
   Fiber* f = state().current;
   static_assert(sizeof(T) <= 16, "SIMD values up to 16 bytes");
   std::memcpy(f->in, &value, sizeof(T));
   f->arg = arg;
   f->op = op;
+  f->kind = kind;
   yield(Wait::Simd, Site{file, line});
   T out;
   std::memcpy(&out, state().current->out, sizeof(T));
@@ -320,6 +402,87 @@ inline void install_handlers() {
   sigaction(SIGBUS, &sa, nullptr);
 }
 
+// ---- counting device accesses (SIM_COUNT) ---------------------------------------------------
+// A byte counts once per threadgroup however often it is read: the model of a core's cache
+// that serves repeated reads of one threadgroup, and of nothing across threadgroups.
+struct Region {
+  const unsigned char* begin;
+  const unsigned char* end;
+  unsigned* read_stamp;   // the threadgroup that last read each byte
+  unsigned* write_stamp;
+};
+inline Region g_regions[64];
+inline int g_region_count = 0;
+inline unsigned g_epoch = 0;
+
+inline void count_buffer(const Buffer& b) {
+  if (g_region_count == 64) fail("too many buffers to count");
+  g_regions[g_region_count++] = {b.data, b.data + b.bytes, static_cast<unsigned*>(std::calloc(b.bytes + 1, 4)),
+                                 static_cast<unsigned*>(std::calloc(b.bytes + 1, 4))};
+}
+
+#ifdef SIM_COUNT
+__attribute__((no_sanitize("coverage"))) inline void note_access(const void* address, unsigned long bytes, bool store,
+                                                                 bool vector) {
+  if (!g_counting) return;
+  const unsigned char* a = static_cast<const unsigned char*>(address);
+  for (int r = 0; r < g_region_count; r++) {
+    Region& region = g_regions[r];
+    if (a < region.begin || a >= region.end) continue;
+    unsigned* stamp = store ? region.write_stamp : region.read_stamp;
+    unsigned long long fresh = 0;
+    for (unsigned long i = 0, o = a - region.begin; i < bytes; i++, o++) {
+      if (stamp[o] != g_epoch) {
+        stamp[o] = g_epoch;
+        fresh++;
+      }
+    }
+    if (store) {
+      g_counters.stores++;
+      g_counters.store_bytes += bytes;
+      g_counters.written_bytes += fresh;
+    } else {
+      g_counters.loads++;
+      g_counters.load_bytes += bytes;
+      g_counters.vector_loads += vector;
+      g_counters.vector_load_bytes += vector ? bytes : 0;
+      g_counters.read_bytes += fresh;
+    }
+    return;
+  }
+}
+}  // namespace sim
+#define SIM_HOOKS(n, T)                                                                            \
+  extern "C" __attribute__((no_sanitize("coverage"))) void __sanitizer_cov_load##n(T* a) {          \
+    sim::note_access(a, n, false, false);                                                          \
+  }                                                                                                \
+  extern "C" __attribute__((no_sanitize("coverage"))) void __sanitizer_cov_store##n(T* a) {         \
+    sim::note_access(a, n, true, false);                                                           \
+  }
+SIM_HOOKS(1, uint8_t)
+SIM_HOOKS(2, uint16_t)
+SIM_HOOKS(4, uint32_t)
+SIM_HOOKS(8, uint64_t)
+SIM_HOOKS(16, __int128)
+#undef SIM_HOOKS
+namespace sim {
+#else
+inline void note_access(const void*, unsigned long, bool, bool) {}
+#endif
+
+inline void write_counters(const char* path) {
+  FILE* f = std::fopen(path, "w");
+  if (!f) fail(std::string("cannot write ") + path);
+  const Counters& c = g_counters;
+  std::fprintf(f, "read_bytes %llu\nwritten_bytes %llu\nloads %llu\nload_bytes %llu\nvector_loads %llu\n"
+               "vector_load_bytes %llu\nstores %llu\nstore_bytes %llu\nreductions %llu\nshuffles %llu\n"
+               "transcendentals %llu\nbarriers %llu\nthreadgroups %llu\nthreadgroup_memory %llu\nthreads %llu\n",
+               c.read_bytes, c.written_bytes, c.loads, c.load_bytes, c.vector_loads, c.vector_load_bytes, c.stores,
+               c.store_bytes, c.reductions, c.shuffles, c.transcendentals, c.barriers, c.threadgroups,
+               c.threadgroup_memory, c.threads);
+  std::fclose(f);
+}
+
 // ---- running a grid --------------------------------------------------------------------
 struct ThreadIds {
   uint3 thread_position_in_grid, thread_position_in_threadgroup, threadgroup_position_in_grid;
@@ -389,6 +552,10 @@ inline bool resolve_simd(std::vector<Fiber>& fibers) {
     }
     if (n != live) continue;  // the other lanes have not arrived yet
     lanes[0]->op(lanes, n);
+    if (g_counting) {
+      if (lanes[0]->kind == 0) g_counters.reductions++;
+      if (lanes[0]->kind == 1) g_counters.shuffles++;
+    }
     for (int i = 0; i < n; i++) lanes[i]->wait = Wait::Running;
     progressed = true;
   }
@@ -402,6 +569,8 @@ inline void run_threadgroup(uint3 group, bool reverse) {
   s.slots.assign(s.slots.size(), -1);
   s.arrays.clear();
   s.arena_used = 0;
+  g_epoch++;
+  g_counters.threadgroups++;
   uint count = 0;
   for (uint z = 0; z < g_tg.z; z++)
     for (uint y = 0; y < g_tg.y; y++)
@@ -434,7 +603,10 @@ inline void run_threadgroup(uint3 group, bool reverse) {
       if (f.wait == Wait::Barrier) at_barrier.push_back(&f);
       if (f.wait == Wait::Done) done.push_back(&f);
     }
-    if (done.size() == count) return;
+    if (done.size() == count) {
+      g_counters.threadgroup_memory = std::max<unsigned long long>(g_counters.threadgroup_memory, s.arena_used);
+      return;
+    }
     if (!at_barrier.empty() && at_barrier.size() + done.size() == count && done.empty()) {
       for (Fiber* f : at_barrier) {
         if (!(f->site == at_barrier[0]->site)) {
@@ -443,6 +615,7 @@ inline void run_threadgroup(uint3 group, bool reverse) {
         }
       }
       for (Fiber* f : at_barrier) f->wait = Wait::Running;
+      if (g_counting) g_counters.barriers++;
       continue;
     }
     if (!at_barrier.empty() && !done.empty()) {
@@ -476,7 +649,10 @@ inline void run_grid(uint3 grid, uint3 tg, Body body, bool reverse) {
     for (uint y = 0; y < groups.y; y++)
       for (uint x = 0; x < groups.x; x++) order.push_back({x, y, z});
   if (reverse) std::reverse(order.begin(), order.end());
+  g_counters.threads = threads;
+  g_counting = true;
   for (const uint3& g : order) run_threadgroup(g, reverse);
+  g_counting = false;
 }
 
 }  // namespace sim
@@ -500,15 +676,15 @@ using value_t = typename strip_space<std::remove_cv_t<std::remove_reference_t<T>
 }  // namespace sim
 
 #define threadgroup_barrier(...) sim::barrier(__FILE__, __LINE__)
-#define simdgroup_barrier(...) sim::collective<int>(0, 0, sim::reduce_sum<int>, __FILE__, __LINE__)
-#define simd_sum(v) sim::collective<sim::value_t<decltype(v)>>((v), 0, sim::reduce_sum<sim::value_t<decltype(v)>>, __FILE__, __LINE__)
-#define simd_max(v) sim::collective<sim::value_t<decltype(v)>>((v), 0, sim::reduce_max<sim::value_t<decltype(v)>>, __FILE__, __LINE__)
-#define simd_min(v) sim::collective<sim::value_t<decltype(v)>>((v), 0, sim::reduce_min<sim::value_t<decltype(v)>>, __FILE__, __LINE__)
-#define simd_broadcast(v, l) sim::collective<sim::value_t<decltype(v)>>((v), int(l), sim::exchange<sim::value_t<decltype(v)>, 0>, __FILE__, __LINE__)
-#define simd_shuffle(v, l) sim::collective<sim::value_t<decltype(v)>>((v), int(l), sim::exchange<sim::value_t<decltype(v)>, 0>, __FILE__, __LINE__)
-#define simd_shuffle_down(v, d) sim::collective<sim::value_t<decltype(v)>>((v), int(d), sim::exchange<sim::value_t<decltype(v)>, 1>, __FILE__, __LINE__)
-#define simd_shuffle_up(v, d) sim::collective<sim::value_t<decltype(v)>>((v), int(d), sim::exchange<sim::value_t<decltype(v)>, 2>, __FILE__, __LINE__)
-#define simd_shuffle_xor(v, m) sim::collective<sim::value_t<decltype(v)>>((v), int(m), sim::exchange<sim::value_t<decltype(v)>, 3>, __FILE__, __LINE__)
+#define simdgroup_barrier(...) sim::collective<int>(0, 0, sim::reduce_sum<int>, 2, __FILE__, __LINE__)
+#define simd_sum(v) sim::collective<sim::value_t<decltype(v)>>((v), 0, sim::reduce_sum<sim::value_t<decltype(v)>>, 0, __FILE__, __LINE__)
+#define simd_max(v) sim::collective<sim::value_t<decltype(v)>>((v), 0, sim::reduce_max<sim::value_t<decltype(v)>>, 0, __FILE__, __LINE__)
+#define simd_min(v) sim::collective<sim::value_t<decltype(v)>>((v), 0, sim::reduce_min<sim::value_t<decltype(v)>>, 0, __FILE__, __LINE__)
+#define simd_broadcast(v, l) sim::collective<sim::value_t<decltype(v)>>((v), int(l), sim::exchange<sim::value_t<decltype(v)>, 0>, 1, __FILE__, __LINE__)
+#define simd_shuffle(v, l) sim::collective<sim::value_t<decltype(v)>>((v), int(l), sim::exchange<sim::value_t<decltype(v)>, 0>, 1, __FILE__, __LINE__)
+#define simd_shuffle_down(v, d) sim::collective<sim::value_t<decltype(v)>>((v), int(d), sim::exchange<sim::value_t<decltype(v)>, 1>, 1, __FILE__, __LINE__)
+#define simd_shuffle_up(v, d) sim::collective<sim::value_t<decltype(v)>>((v), int(d), sim::exchange<sim::value_t<decltype(v)>, 2>, 1, __FILE__, __LINE__)
+#define simd_shuffle_xor(v, m) sim::collective<sim::value_t<decltype(v)>>((v), int(m), sim::exchange<sim::value_t<decltype(v)>, 3>, 1, __FILE__, __LINE__)
 
 // ---- the launcher's entry point ------------------------------------------------------------
 // The manifest: `grid X Y Z`, `threadgroup X Y Z`, `reverse 0|1`, then one
@@ -524,7 +700,7 @@ inline std::vector<unsigned char> read_file(const std::string& path, size_t byte
 }
 
 inline int launch(int argc, char** argv, void** slots, Body body) {
-  if (argc != 2) fail("usage: kernel MANIFEST");
+  if (argc != 2 && argc != 3) fail("usage: kernel MANIFEST [COUNTERS]");
   FILE* manifest = std::fopen(argv[1], "r");
   if (!manifest) fail(std::string("cannot open ") + argv[1]);
   uint3 grid{}, tg{};
@@ -544,12 +720,14 @@ inline int launch(int argc, char** argv, void** slots, Body body) {
     auto data = read_file(path, bytes);
     std::memcpy(b.data, data.data(), bytes);
     slots[i] = b.data;
+    if (argc == 3) count_buffer(b);
     if (is_output) outputs.push_back({&b, path});
   }
   std::fclose(manifest);
   if (tg.x * tg.y * tg.z == 0 || tg.x * tg.y * tg.z > 1024) fail("threadgroup size must be 1..1024 threads");
   install_handlers();
   run_grid(grid, tg, body, reverse != 0);
+  if (argc == 3) write_counters(argv[2]);
   for (const Out& o : outputs) {
     FILE* f = std::fopen(o.path.c_str(), "wb");
     std::fwrite(o.buffer->data, 1, o.buffer->bytes, f);

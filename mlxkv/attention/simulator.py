@@ -9,6 +9,10 @@ among 32 lanes, threadgroup memory is shared by the group and starts as NaN. Buf
 against guard pages, so an out-of-bounds access is reported with the buffer's name. Each
 call runs twice, threads and groups in forward and then reversed order, and results that
 differ are reported as a race.
+
+Inside `with cost_counters() as launches:` each launch is also counted (`Counters`): device
+bytes and load/store instructions, SIMD-group reductions and shuffles, transcendental calls,
+barriers, threadgroup memory and threads. Those are the inputs of a cost model, not a timing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +59,51 @@ RUNTIME_ATTRIBUTES = {name: f"t.{name}" for name in (
     "thread_index_in_threadgroup", "thread_position_in_grid", "thread_position_in_threadgroup",
     "threadgroup_position_in_grid", "threadgroups_per_grid", "threads_per_grid", "threads_per_simdgroup",
     "threads_per_threadgroup")} | {"grid_size": "t.threads_per_grid", "thread_execution_width": "t.threads_per_simdgroup"}
+
+
+
+@dataclass
+class Counters:
+    """What one launch did, counted by the simulator (see `metal/sim/runtime.h`).
+
+    Device bytes count once per threadgroup (a model of a core's cache serving a threadgroup's
+    repeated reads); loads and stores count instructions on device buffers, a vector load being
+    one `vec<T, N>` copied out of device memory. SIMD-group operations and barriers count once
+    per SIMD group or threadgroup; transcendental calls once per thread. `threadgroup_memory` and
+    `threads` are per threadgroup.
+    """
+
+    name: str
+    read_bytes: int
+    written_bytes: int
+    loads: int
+    load_bytes: int
+    vector_loads: int
+    vector_load_bytes: int
+    stores: int
+    store_bytes: int
+    reductions: int
+    shuffles: int
+    transcendentals: int
+    barriers: int
+    threadgroups: int
+    threadgroup_memory: int
+    threads: int
+
+
+_counted: list[Counters] | None = None
+
+
+@contextmanager
+def cost_counters() -> Iterator[list[Counters]]:
+    """Count every simulated launch inside the block; yields the list they are appended to."""
+    global _counted
+    outer, _counted = _counted, []
+    try:
+        yield _counted
+    finally:
+        _counted = outer
+
 
 THREADGROUP_DECL = re.compile(r"threadgroup\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)\s*((?:\[[^\]]+\])+)\s*;")
 
@@ -198,10 +248,13 @@ class SimKernel:
             print(f"Simulated signature of `{self.name}`:\n  " + ",\n  ".join(self.signature(params)))
         constant = [p.name for p in params
                     if p.name in self.input_names and p.type.startswith("const constant") and p.type.endswith("*")]
-        binary = _compile(unit, {"header": self.header, "body": self.source}, constant)
-        forward = _run(binary, params, grid, threadgroup, init_value, reverse=False)
-        if check_races:
-            backward = _run(binary, params, grid, threadgroup, init_value, reverse=True)
+        counting = _counted is not None
+        binary = _compile(unit, {"header": self.header, "body": self.source}, constant, counting)
+        forward, counters = _run(binary, params, grid, threadgroup, init_value, reverse=False, counting=counting)
+        if counting:
+            _counted.append(Counters(self.name, **counters))
+        if check_races and not counting:  # a counted launch runs once
+            backward, _ = _run(binary, params, grid, threadgroup, init_value, reverse=True)
             for name, a, b in zip(self.output_names, forward, backward):
                 differ = np.flatnonzero(a.view(np.uint8) != b.view(np.uint8))
                 if differ.size:
@@ -226,6 +279,8 @@ def _to_mx(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
 METAL_DIALECT = "c++14"  # MSL 3.0-3.2, the versions MLX compiles for, are based on C++14
 CHECK_FLAGS = [f"-std={METAL_DIALECT}", "-fsyntax-only", "-pedantic", "-Werror", "-DSIM_ADDRESS_SPACES"]
 BUILD_FLAGS = ["-std=c++20", "-O0", "-w"]  # -O1 runs no faster on these small launches and builds 3x slower
+# Every load and store hooked; -O1 keeps locals in registers, off the hooks.
+COUNT_FLAGS = ["-O1", "-DSIM_COUNT", "-fsanitize-coverage=func,trace-loads,trace-stores"]
 ADDRESS_SPACES = {"1": "device", "2": "constant", "3": "threadgroup"}
 NOT_VIABLE = re.compile(r"(header|body):(\d+):(\d+): note: candidate function(?: template)?(?: \[with [^\]]*\])? "
                         r"not viable: cannot pass pointer to address space '(\w+)' as a pointer to address "
@@ -290,16 +345,20 @@ def _precompiled_runtime(compiler: str, flags: list[str]) -> Path:
         wrapper = pch.with_suffix(".h")  # included, so that the runtime stays a system header
         wrapper.write_text(f'#include "{RUNTIME}"\n')
         partial = pch.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([compiler, *flags, "-x", "c++-header", str(wrapper), "-o", str(partial)], check=True,
-                       capture_output=True)
+        built = subprocess.run([compiler, *flags, "-x", "c++-header", str(wrapper), "-o", str(partial)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            raise SimulatorError("the simulator's runtime does not compile:\n" + built.stderr[:3000])
         partial.replace(pch)
     return pch
 
 
-def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str]) -> Path:
-    """Type-check `unit` in Metal's dialect with its address spaces, then build it to run."""
+def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], counting: bool = False) -> Path:
+    """Type-check `unit` in Metal's dialect with its address spaces, then build it to run
+    (with the cost counters when `counting`)."""
     compiler = _compiler()
-    key = hashlib.sha256("\n".join([unit, RUNTIME.read_text(), compiler, *CHECK_FLAGS, *BUILD_FLAGS]).encode())
+    build_flags = BUILD_FLAGS + COUNT_FLAGS if counting else BUILD_FLAGS
+    key = hashlib.sha256("\n".join([unit, RUNTIME.read_text(), compiler, *CHECK_FLAGS, *build_flags]).encode())
     binary = CACHE / key.hexdigest()[:24]
     if binary.exists():
         return binary
@@ -314,7 +373,7 @@ def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str]) -> 
                              + _metal_words("\n".join(checked.stderr.splitlines()[:30]))
                              + _explain(checked.stderr, sources, constant_inputs))
     partial = binary.with_suffix(f".{os.getpid()}.tmp")
-    built = subprocess.run([compiler, *BUILD_FLAGS, "-include-pch", str(_precompiled_runtime(compiler, BUILD_FLAGS)),
+    built = subprocess.run([compiler, *build_flags, "-include-pch", str(_precompiled_runtime(compiler, build_flags)),
                             "-o", str(partial), str(source)], capture_output=True, text=True)
     if built.returncode != 0:
         raise SimulatorError("kernel does not compile:\n" + "\n".join(built.stderr.splitlines()[:30]))
@@ -322,8 +381,10 @@ def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str]) -> 
     return binary
 
 
-def _run(binary: Path, params: list[Param], grid, threadgroup, init_value, reverse: bool) -> list[np.ndarray]:
-    """Run the compiled kernel once; returns the outputs (numpy, host layout)."""
+def _run(binary: Path, params: list[Param], grid, threadgroup, init_value, reverse: bool,
+         counting: bool = False) -> tuple[list[np.ndarray], dict[str, int]]:
+    """Run the compiled kernel once; returns the outputs (numpy, host layout) and, when
+    `counting`, the counters the run wrote."""
     buffers = [p for p in params if p.data is not None]
     outputs = [p for p in buffers if p.output]
     with tempfile.TemporaryDirectory() as tmp:
@@ -339,8 +400,12 @@ def _run(binary: Path, params: list[Param], grid, threadgroup, init_value, rever
             lines.append(f"buffer {p.name} {data.nbytes} {data.itemsize} {int(p.output)} {path}")
         manifest = Path(tmp) / "manifest"
         manifest.write_text("\n".join(lines) + "\n")
-        proc = subprocess.run([str(binary), str(manifest)], capture_output=True, text=True)
+        counters = Path(tmp) / "counters"
+        proc = subprocess.run([str(binary), str(manifest), *([str(counters)] if counting else [])],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise SimulatorError(proc.stderr.strip() or f"kernel process exited with {proc.returncode}")
+        counted = {k: int(v) for k, v in (line.split() for line in counters.read_text().splitlines())} \
+            if counting else {}
         return [np.frombuffer((Path(tmp) / f"b{buffers.index(p)}").read_bytes(), dtype=p.data.dtype)
-                .reshape(p.data.shape) for p in outputs]
+                .reshape(p.data.shape) for p in outputs], counted
