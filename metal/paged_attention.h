@@ -1,17 +1,26 @@
 // Paged attention shared by the kernels in this folder. One threadgroup serves one query
-// token and HG query heads of one KV head (all G of its GQA group unless threadgroup memory
-// forces fewer): its NSG SIMD groups split the keys, each lane holds EPL = ceil(D / 32)
-// consecutive head dimensions, and the K/V row of a key is loaded once for the HG query heads.
-// Scores and the online softmax are kept in float32.
+// token and the HG query heads of one KV head. Its SIMD groups form HS = HG / H head sets
+// of H query heads each (at most 4 at head_dim 128: more spill registers) times KS key
+// splits; a SIMD group walks tiles of KT keys of one page (one block-table lookup a tile),
+// each lane holding EPL consecutive head dimensions and reading them with vector loads.
+// The head sets of one key split read the same rows at the same time, so a K/V byte comes
+// from device memory once per threadgroup and from the core's cache after that.
+//
+// Per tile, the H * KT dot products are summed across the 32 lanes with one reduce-scatter
+// (lane e ends up with entry e: 31 shuffles instead of H * KT 32-lane reductions), so the
+// online softmax is lane-parallel: one exp2 per score, one per head for the rescale. Scores
+// are in log2 units (log2(e) is folded into the scale) and kept in float32.
 //
 // Pools are [pages, kv_heads, BS, D]; key j of a sequence lives in page
 // block_table[j / BS] at offset j % BS. Float pools are read through DenseRows, quantized
-// ones (mx.quantize's affine format) through QuantizedRows, which dequantize each value
-// from the packed words where it is read. Helpers take kernel inputs through template
-// pointer types: MLX passes an input of fewer than 8 elements in the `constant` address
-// space and a larger one in `device`, and Metal converts neither to the other.
+// ones (mx.quantize's affine format) through QuantizedRows, which dequantize a lane's values
+// from one load of packed words and one scale and bias. Pools are always `device` buffers
+// (MLX passes only inputs under 8 elements as `constant`); other helpers take kernel inputs
+// through template pointer types, since Metal converts neither space to the other.
 // Rules for the simulator as for the GPU: SIMD functions and barriers sit in uniform
 // control flow, loads are guarded, one threadgroup array per declaration.
+
+static constant constexpr const float LOG2_E = 1.4426950408889634f;
 
 // Index of key j's row for one KV head, counting rows of D values. 64-bit: a pool passes
 // 2^31 elements at 4 GiB of float16 per layer.
@@ -20,135 +29,264 @@ int64_t kv_row(int page, int kv_heads, int kv_head, int j) {
   return (int64_t(page) * kv_heads + kv_head) * BS + j % BS;
 }
 
-// Value d of row `row` of a float pool [pages, kv_heads, BS, D].
-template <int D, typename P>
+// How N (1, 2 or 4) consecutive values of a T pool are loaded, one vector load, as floats.
+// bfloat16 is loaded as its bits, which every Metal version can put in a vector.
+template <typename T>
+struct Bits {
+  typedef T type;
+  static float to_float(T x) { return float(x); }
+};
+template <>
+struct Bits<bfloat16_t> {
+  typedef ushort type;
+  static float to_float(ushort x) { return as_type<float>(uint(x) << 16); }
+};
+
+template <typename T, int N>
+struct Chunk {
+  static void load(const device T* p, thread float* out) {
+    typedef vec<typename Bits<T>::type, N> V;
+    const V v = *reinterpret_cast<const device V*>(p);
+    for (int i = 0; i < N; i++) {
+      out[i] = Bits<T>::to_float(v[i]);
+    }
+  }
+};
+template <typename T>
+struct Chunk<T, 1> {
+  static void load(const device T* p, thread float* out) {
+    out[0] = float(p[0]);
+  }
+};
+
+// Lane `lane`'s EPL values (dims lane * EPL ...) of row `row` of a float pool [.., D]: vector
+// loads when D is a multiple of 32, else guarded single loads.
+template <int D, typename T>
 struct DenseRows {
-  P pool;
-  float at(int64_t row, int d) const {
-    return float(pool[row * D + d]);
+  const device T* pool;
+  template <int EPL>
+  void load(int64_t row, uint lane, thread float* out) const {
+    const device T* p = pool + row * D + lane * EPL;
+    if (D % 32 == 0) {
+      constexpr int C = EPL % 4 == 0 ? 4 : EPL % 2 == 0 ? 2 : 1;
+      for (int c = 0; c < EPL; c += C) {
+        Chunk<T, C>::load(p + c, out + c);
+      }
+    } else {
+      for (int i = 0; i < EPL; i++) {
+        out[i] = int(lane) * EPL + i < D ? float(p[i]) : 0.0f;
+      }
+    }
   }
 };
 
-// Value d of row `row` of a quantized pool: BITS-bit integers packed lowest bits first into
-// 32-bit words [.., D * BITS / 32], and per group of GS values a scale and a bias [.., D / GS]:
-// value = scale * q + bias.
-template <int D, int BITS, int GS, typename W, typename S>
+// Lane `lane`'s EPL values of row `row` of a quantized pool: BITS-bit integers packed lowest
+// bits first into 32-bit words [.., D * BITS / 32], and per group of GS values a scale and a
+// bias [.., D / GS]: value = scale * q + bias. When a lane's values fill whole words or share
+// one, and one group, they come from one load of words and one scale and bias; otherwise
+// (e.g. head_dim 96) each value is read on its own.
+template <int D, int BITS, int GS, typename S>
 struct QuantizedRows {
-  W words;
-  S scales;
-  S biases;
-  float at(int64_t row, int d) const {
-    const int per_word = 32 / BITS;
-    uint word = words[row * (D / per_word) + d / per_word];
-    uint q = (word >> (BITS * (d % per_word))) & ((1u << BITS) - 1u);
-    int64_t group = row * (D / GS) + d / GS;
-    return float(scales[group]) * float(q) + float(biases[group]);
+  const device uint* words;
+  const device S* scales;
+  const device S* biases;
+  template <int EPL>
+  void load(int64_t row, uint lane, thread float* out) const {
+    constexpr int PER_WORD = 32 / BITS;
+    constexpr int WORDS = EPL >= PER_WORD ? EPL / PER_WORD : 1;
+    constexpr bool ALIGNED = D == 32 * EPL && (EPL % PER_WORD == 0 || PER_WORD % EPL == 0) && GS % EPL == 0;
+    const int first = int(lane) * EPL;
+    const device uint* w = words + row * (D / PER_WORD);
+    if (ALIGNED) {
+      uint packed[WORDS];
+      if (WORDS == 4 || WORDS == 2) {
+        typedef vec<uint, (WORDS == 4 ? 4 : 2)> V;
+        const V v = *reinterpret_cast<const device V*>(w + first / PER_WORD);
+        for (int i = 0; i < WORDS; i++) {
+          packed[i] = v[i];
+        }
+      } else {
+        for (int i = 0; i < WORDS; i++) {
+          packed[i] = w[first / PER_WORD + i];
+        }
+      }
+      const int64_t group = row * (D / GS) + first / GS;
+      const float scale = float(scales[group]);
+      const float bias = float(biases[group]);
+      for (int i = 0; i < EPL; i++) {
+        const int d = first + i;
+        const uint q = (packed[EPL >= PER_WORD ? i / PER_WORD : 0] >> (BITS * (d % PER_WORD))) & ((1u << BITS) - 1u);
+        out[i] = scale * float(q) + bias;
+      }
+    } else {
+      for (int i = 0; i < EPL; i++) {
+        const int d = first + i;
+        if (d < D) {
+          const uint q = (w[d / PER_WORD] >> (BITS * (d % PER_WORD))) & ((1u << BITS) - 1u);
+          const int64_t group = row * (D / GS) + d / GS;
+          out[i] = float(scales[group]) * float(q) + float(biases[group]);
+        } else {
+          out[i] = 0.0f;
+        }
+      }
+    }
   }
 };
 
-template <int D, typename P>
-DenseRows<D, P> dense_rows(P pool) {
-  return DenseRows<D, P>{pool};
+template <int D, typename T>
+DenseRows<D, T> dense_rows(const device T* pool) {
+  return DenseRows<D, T>{pool};
 }
 
-template <int D, int BITS, int GS, typename W, typename S>
-QuantizedRows<D, BITS, GS, W, S> quantized_rows(W words, S scales, S biases) {
-  return QuantizedRows<D, BITS, GS, W, S>{words, scales, biases};
+template <int D, int BITS, int GS, typename S>
+QuantizedRows<D, BITS, GS, S> quantized_rows(const device uint* words, const device S* scales,
+                                             const device S* biases) {
+  return QuantizedRows<D, BITS, GS, S>{words, scales, biases};
 }
 
-// Online softmax over keys [first, last) for query heads q_base/D .. + HG - 1 of one KV head,
-// scores capped to softcap * tanh(score / softcap) when SOFTCAP (Gemma 2).
-// Leaves each SIMD group's running max, sum and unnormalised output in sg_m, sg_l
-// ([NSG * HG]) and sg_acc ([NSG * HG * D]).
-template <int D, int BS, int HG, int NSG, bool SOFTCAP, typename Q, typename K, typename V, typename Table>
-void attend_keys(
-    Q queries,
-    K k_rows,
-    V v_rows,
-    Table block_table,
-    int q_base,
-    int kv_heads,
-    int kv_head,
-    int first,
-    int last,
-    float scale,
-    float softcap,
-    threadgroup float* sg_m,
-    threadgroup float* sg_l,
-    threadgroup float* sg_acc,
-    uint sg,
-    uint lane) {
+// The running softmax state of one SIMD group for its H query heads: every lane holds the
+// output of its EPL dims for each head; lane e holds max and sum for head e / KT.
+template <int H, int EPL>
+struct SoftmaxState {
+  float acc[H][EPL];
+  float m;  // running max of this lane's head, in log2 units
+  float l;  // this lane's share of that head's running sum
+};
+
+// Sum `v[0..N)` across the 32 lanes so that lane e holds the total of entry e % N: each
+// step keeps half the entries and adds the partner lane's copy of them.
+template <int N>
+float reduce_scatter(thread float* v, uint lane) {
+  for (int o = N / 2; o >= 1; o /= 2) {
+    const bool upper = (lane & uint(o)) != 0;
+    for (int i = 0; i < o; i++) {
+      const float keep = upper ? v[i + o] : v[i];
+      const float send = upper ? v[i] : v[i + o];
+      v[i] = keep + simd_shuffle_xor(send, ushort(o));
+    }
+  }
+  float total = v[0];
+  for (int o = N; o < 32; o *= 2) {
+    total += simd_shuffle_xor(total, ushort(o));
+  }
+  return total;
+}
+
+// Online softmax over keys [first, last) for the H query heads q_base/D .. + H - 1 of one KV
+// head, taking every KS-th tile of KT keys from tile `split` on. Scores are capped to
+// softcap * tanh(score / softcap) when SOFTCAP (Gemma 2).
+template <int D, int BS, int H, int KT, int KS, bool SOFTCAP, typename Q, typename K, typename V, typename Table>
+SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table block_table, int q_base, int kv_heads,
+                                    int kv_head, int first, int last, float scale, float softcap, int split,
+                                    uint lane) {
   constexpr int EPL = (D + 31) / 32;
-  float q[HG][EPL];
-  float acc[HG][EPL];
-  float m[HG];
-  float l[HG];
-  for (int g = 0; g < HG; g++) {
+  constexpr int TILES_PER_PAGE = (BS + KT - 1) / KT;
+  const float q_scale = SOFTCAP ? scale : scale * LOG2_E;
+  float q[H][EPL];
+  SoftmaxState<H, EPL> st;
+  for (int h = 0; h < H; h++) {
     for (int i = 0; i < EPL; i++) {
-      int d = int(lane) * EPL + i;
-      q[g][i] = d < D ? float(queries[q_base + g * D + d]) * scale : 0.0f;
-      acc[g][i] = 0.0f;
+      const int d = int(lane) * EPL + i;
+      q[h][i] = d < D ? float(queries[q_base + h * D + d]) * q_scale : 0.0f;
+      st.acc[h][i] = 0.0f;
     }
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
   }
-  for (int j = first + int(sg); j < last; j += NSG) {
-    int64_t row = kv_row<BS>(block_table[j / BS], kv_heads, kv_head, j);
-    float k[EPL];
-    float v[EPL];
-    for (int i = 0; i < EPL; i++) {
-      int d = int(lane) * EPL + i;
-      k[i] = d < D ? k_rows.at(row, d) : 0.0f;
-      v[i] = d < D ? v_rows.at(row, d) : 0.0f;
+  st.m = -INFINITY;
+  st.l = 0.0f;
+  const int my_head = int(lane) / KT;  // lane e sums entry e = head * KT + key of each tile
+  const int tile_first = (first / BS) * TILES_PER_PAGE + (first % BS) / KT;
+  const int tile_last = last > first ? ((last - 1) / BS) * TILES_PER_PAGE + ((last - 1) % BS) / KT : tile_first - 1;
+  for (int t = tile_first + split; t <= tile_last; t += KS) {
+    const int page = t / TILES_PER_PAGE;
+    const int offset = (t % TILES_PER_PAGE) * KT;
+    const int key0 = page * BS + offset;
+    const int physical = block_table[page];
+    float part[32];
+    for (int e = 0; e < 32; e++) {
+      part[e] = 0.0f;
     }
-    for (int g = 0; g < HG; g++) {
-      float partial = 0.0f;
+    for (int k = 0; k < KT; k++) {
+      const int j = key0 + k;
+      if (j >= first && j < last && offset + k < BS) {
+        float kv[EPL];
+        k_rows.template load<EPL>(kv_row<BS>(physical, kv_heads, kv_head, j), lane, kv);
+        for (int h = 0; h < H; h++) {
+          float dot = 0.0f;
+          for (int i = 0; i < EPL; i++) {
+            dot += q[h][i] * kv[i];
+          }
+          part[h * KT + k] = dot;
+        }
+      }
+    }
+    float s = reduce_scatter<32>(part, lane);
+    const int j = key0 + int(lane) % KT;
+    const bool valid = my_head < H && j >= first && j < last && offset + int(lane) % KT < BS;
+    if (SOFTCAP) {
+      s = softcap * metal::tanh(s / softcap) * LOG2_E;
+    }
+    s = valid ? s : -INFINITY;
+    float tile_max = s;
+    for (int o = 1; o < KT; o *= 2) {
+      tile_max = metal::max(tile_max, simd_shuffle_xor(tile_max, ushort(o)));
+    }
+    const float m_new = metal::max(st.m, tile_max);
+    const float correction = m_new == -INFINITY ? 1.0f : metal::fast::exp2(st.m - m_new);
+    const float p = valid ? metal::fast::exp2(s - m_new) : 0.0f;
+    st.l = st.l * correction + p;
+    st.m = m_new;
+    for (int h = 0; h < H; h++) {
+      const float c = simd_shuffle(correction, ushort(h * KT));
       for (int i = 0; i < EPL; i++) {
-        partial += q[g][i] * k[i];
+        st.acc[h][i] *= c;
       }
-      float s = simd_sum(partial);
-      if (SOFTCAP) {
-        s = softcap * metal::tanh(s / softcap);
-      }
-      float m_new = metal::max(m[g], s);
-      float correction = metal::exp(m[g] - m_new);
-      float p = metal::exp(s - m_new);
-      l[g] = l[g] * correction + p;
+    }
+    for (int k = 0; k < KT; k++) {
+      const int jk = key0 + k;
+      float kv[EPL];
       for (int i = 0; i < EPL; i++) {
-        acc[g][i] = acc[g][i] * correction + p * v[i];
+        kv[i] = 0.0f;
       }
-      m[g] = m_new;
-    }
-  }
-  for (int g = 0; g < HG; g++) {
-    if (lane == 0) {
-      sg_m[sg * HG + g] = m[g];
-      sg_l[sg * HG + g] = l[g];
-    }
-    for (int i = 0; i < EPL; i++) {
-      int d = int(lane) * EPL + i;
-      if (d < D) {
-        sg_acc[(sg * HG + g) * D + d] = acc[g][i];
+      if (jk >= first && jk < last && offset + k < BS) {
+        v_rows.template load<EPL>(kv_row<BS>(physical, kv_heads, kv_head, jk), lane, kv);
+      }
+      for (int h = 0; h < H; h++) {
+        const float pk = simd_shuffle(p, ushort(h * KT + k));
+        for (int i = 0; i < EPL; i++) {
+          st.acc[h][i] += pk * kv[i];
+        }
       }
     }
   }
+  for (int o = 1; o < KT; o *= 2) {
+    st.l += simd_shuffle_xor(st.l, ushort(o));
+  }
+  return st;
 }
 
-// Merge `count` softmax states (max, sum, unnormalised output element) spaced by the
-// given strides; an empty state has max -inf and weighs nothing. The states may sit in
-// threadgroup memory or in device/constant buffers, each in its own space.
+// The max and sum of head h of a SIMD group's state, read from the head's first lane.
+template <int H, int EPL, int KT>
+void head_stats(thread const SoftmaxState<H, EPL>& st, int h, thread float& m, thread float& l) {
+  m = simd_shuffle(st.m, ushort(h * KT));
+  l = simd_shuffle(st.l, ushort(h * KT));
+}
+
+// Merge `count` softmax states (max in log2 units, sum, unnormalised output element) spaced
+// by the given strides; an empty state has max -inf and weighs nothing. The states may sit
+// in threadgroup memory or in device/constant buffers, each in its own space.
 template <typename ML, typename Acc>
 void merge_states(ML m, ML l, Acc acc, int count, int ml_stride, int acc_stride,
                   thread float& max_out, thread float& sum_out, thread float& acc_out) {
-  float top = -INFINITY;
+  float top = max_out;
   for (int s = 0; s < count; s++) {
     top = metal::max(top, float(m[s * ml_stride]));
   }
-  float sum = 0.0f;
-  float out = 0.0f;
+  float w0 = max_out == -INFINITY ? 0.0f : metal::fast::exp2(max_out - top);
+  float sum = w0 * sum_out;
+  float out = w0 * acc_out;
   for (int s = 0; s < count; s++) {
     float ms = float(m[s * ml_stride]);
-    float w = ms == -INFINITY ? 0.0f : metal::exp(ms - top);
+    float w = ms == -INFINITY ? 0.0f : metal::fast::exp2(ms - top);
     sum += w * float(l[s * ml_stride]);
     out += w * float(acc[s * acc_stride]);
   }
@@ -168,10 +306,79 @@ int first_key(int pos, int window) {
 template <bool SINKS>
 void add_sink(float sink, thread float& top, thread float& sum, thread float& acc) {
   if (SINKS) {
-    float m = metal::max(top, sink);
-    float w = top == -INFINITY ? 0.0f : metal::exp(top - m);
-    sum = sum * w + metal::exp(sink - m);
+    float s = sink * LOG2_E;
+    float m = metal::max(top, s);
+    float w = top == -INFINITY ? 0.0f : metal::fast::exp2(top - m);
+    sum = sum * w + metal::fast::exp2(s - m);
     acc = acc * w;
     top = m;
   }
+}
+
+// A merged softmax state for H heads, each lane's EPL dims: max (log2 units), sum, output.
+template <int H, int EPL>
+struct Merged {
+  float m[H][EPL];
+  float l[H][EPL];
+  float acc[H][EPL];
+};
+
+// Attend one query token's keys [first, last) with every SIMD group of the threadgroup and
+// merge the key splits' states in threadgroup memory: split k > 0 writes, split 0 reads and
+// returns the merged state of its head set (what other SIMD groups return is not used).
+// tg_ml holds (KS - 1) * HG * 2 floats and tg_acc (KS - 1) * HG * D: what the merge needs,
+// not a copy of every SIMD group's state.
+template <int D, int BS, int HG, int H, int KT, int KS, bool SOFTCAP, typename Q, typename K, typename V,
+          typename Table>
+Merged<H, (D + 31) / 32> attend_and_merge(Q queries, K k_rows, V v_rows, Table block_table, int q_base, int kv_heads,
+                                          int kv_head, int first, int last, float scale, float softcap,
+                                          threadgroup float* tg_ml, threadgroup float* tg_acc, uint sg, uint lane) {
+  constexpr int EPL = (D + 31) / 32;
+  constexpr int HS = HG / H;
+  const int head_set = int(sg) % HS;
+  const int split = int(sg) / HS;
+  const SoftmaxState<H, EPL> st = attend_keys<D, BS, H, KT, KS, SOFTCAP>(
+      queries, k_rows, v_rows, block_table, q_base + head_set * H * D, kv_heads, kv_head, first, last, scale,
+      softcap, split, lane);
+  Merged<H, EPL> out;
+  for (int h = 0; h < H; h++) {
+    float m, l;
+    head_stats<H, EPL, KT>(st, h, m, l);
+    for (int i = 0; i < EPL; i++) {
+      out.m[h][i] = m;
+      out.l[h][i] = l;
+      out.acc[h][i] = st.acc[h][i];
+    }
+  }
+  if (KS > 1) {
+    if (split > 0) {
+      for (int h = 0; h < H; h++) {
+        const int slot = (split - 1) * HG + head_set * H + h;
+        if (lane == 0) {
+          tg_ml[slot * 2] = out.m[h][0];
+          tg_ml[slot * 2 + 1] = out.l[h][0];
+        }
+        for (int i = 0; i < EPL; i++) {
+          const int d = int(lane) * EPL + i;
+          if (d < D) {
+            tg_acc[slot * D + d] = out.acc[h][i];
+          }
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (split == 0) {
+      for (int h = 0; h < H; h++) {
+        const int g = head_set * H + h;
+        for (int i = 0; i < EPL; i++) {
+          const int d = int(lane) * EPL + i;
+          if (d < D) {
+            merge_states(tg_ml + g * 2, tg_ml + g * 2 + 1, tg_acc + g * D + d, KS - 1, HG * 2, HG * D, out.m[h][i],
+                         out.l[h][i], out.acc[h][i]);
+          }
+        }
+      }
+    }
+  }
+  return out;
 }

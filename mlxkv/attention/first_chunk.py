@@ -17,7 +17,7 @@ import numpy as np
 
 from ..cache.manager import KVBatch
 from ..cache.storage import Pool
-from .reference import PLAIN, Variant
+from .reference import PLAIN, Variant, in_packed_order
 
 
 def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array, values: mx.array, k_pool: Pool,
@@ -28,19 +28,16 @@ def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array
     other's `keys` and `values` as computed, through MLX's SDPA as mlx-lm's prefill does."""
     if not exact.any():
         return attention(queries, k_pool, v_pool, batch, scale, variant)
-    parts, order = [], []
+    parts = []
     for row in np.flatnonzero(exact):
         lo, n = int(batch.query_starts[row]), int(exact[row])
         q, k, v = (x[lo:lo + n].swapaxes(0, 1)[None] for x in (queries, keys, values))
-        parts.append(_own_attention(q, k, v, scale, variant)[0].swapaxes(0, 1))
-        order.append(np.arange(lo, lo + n))
-    rest = np.setdiff1d(np.arange(batch.num_tokens), np.concatenate(order))
+        parts.append((_own_attention(q, k, v, scale, variant)[0].swapaxes(0, 1), np.arange(lo, lo + n)))
+    rest = np.setdiff1d(np.arange(batch.num_tokens), np.concatenate([p[1] for p in parts]))
     if rest.size:
-        parts.append(attention(queries[mx.array(rest.astype(np.int32))], k_pool, v_pool, batch.skip(exact), scale,
-                               variant))
-        order.append(rest)
-    inverse = np.argsort(np.concatenate(order)).astype(np.int32)
-    return mx.concatenate(parts)[mx.array(inverse)]
+        parts.append((attention(queries[mx.array(rest.astype(np.int32))], k_pool, v_pool, batch.skip(exact), scale,
+                                variant), rest))
+    return in_packed_order(parts)
 
 
 def _own_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, variant: Variant) -> mx.array:

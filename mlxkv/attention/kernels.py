@@ -1,10 +1,10 @@
 """The Metal paged-attention kernels: sources from `metal/`, launched through `mx.fast.metal_kernel`.
 
-The contiguous layout runs through the same kernels: its storage is one page of
-`max_seq_len` tokens per sequence, so the block table has one column and the kernel's
-indexing is unchanged. MLX's own SDPA is not used for it because a packed batch needs a
-different causal offset per token (prefill chunks beside decode rows), which SDPA could
-only take as a dense per-sequence mask after padding every sequence.
+Decode rows and short prefill chunks run on the paged kernel, one threadgroup per query token
+and KV head, split into 512-key partitions when a step would leave the GPU's cores idle; chunks
+of `PREFILL_FROM` tokens or more run on MLX's SDPA over their gathered pages (`prefill.py`). The
+contiguous layout runs through the same kernels: its storage is one page of `max_seq_len`
+tokens per sequence, so the block table has one column and the kernel's indexing is unchanged.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,17 +20,20 @@ import numpy as np
 
 from ..cache.manager import KVBatch
 from ..cache.storage import Pool, QuantizedPages
+from .prefill import PREFILL_FROM, with_chunks_on_sdpa
 from .reference import PLAIN, Variant, reference_attention
 
 _PACKAGED = Path(__file__).parents[1] / "metal"  # inside the wheel
 METAL_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).parents[2] / "metal"
 
 ENV_VAR = "MLXKV_ATTENTION"
-SIMDGROUPS = 4          # most SIMD groups per threadgroup: 128 threads
+SIMDGROUPS = 4          # SIMD groups a threadgroup aims for (128 threads): more key splits when fewer head sets
 THREADGROUP_MEMORY = 32 * 1024  # bytes of threadgroup memory an Apple GPU gives a threadgroup
-PARTITION = 256         # keys per split-K partition
-SPLIT_BELOW = 128       # split when fewer (token, head tile) threadgroups than this ...
-SPLIT_FROM = 2 * PARTITION  # ... would each walk at least this many keys
+PARTITION = 512         # keys per split-K partition
+THREADGROUPS_PER_CORE = 4  # split-K when a decode step would give the GPU's cores fewer threadgroups than this
+# GPU cores by the last letter of MLX's architecture name (applegpu_g14c: an M2 Max): phone, base,
+# Pro, Max, Ultra chips. The smallest of each class, so that a split is never missed for want of cores.
+GPU_CORES = {"p": 4, "g": 8, "s": 14, "c": 24, "d": 48}
 KV_INPUTS = {False: ["k_pool", "v_pool"],  # float pages; quantized ones pass their three arrays each
              True: ["k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases"]}
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}  # largest |kernel - reference|
@@ -37,18 +41,60 @@ TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}  # largest |
 Factory = Callable[..., Callable]
 
 
-def launch_shape(group: int, head_dim: int) -> tuple[int, int]:
-    """(SIMD groups, query heads) per threadgroup whose merge arrays fit in threadgroup memory.
+@dataclass(frozen=True)
+class LaunchShape:
+    """How a threadgroup covers one query token and one KV head's GQA group of `heads` query
+    heads: `heads // heads_per_simdgroup` head sets times `splits` key splits of SIMD groups,
+    each walking tiles of `keys_per_tile` keys of a page."""
 
-    All heads of the GQA group share one threadgroup, so each K/V row is read once, with
-    as many SIMD groups (4 down to 2) as fit; only when none fits does a threadgroup take
-    fewer heads (a divisor of the group), e.g. head_dim 256 with GQA 16.
+    heads: int
+    heads_per_simdgroup: int
+    keys_per_tile: int
+    splits: int
+    head_dim: int
+
+    @property
+    def simdgroups(self) -> int:
+        return self.heads // self.heads_per_simdgroup * self.splits
+
+    @property
+    def threadgroup_memory(self) -> int:
+        """Bytes: the states the key splits other than the first hand over to be merged."""
+        return (self.splits - 1) * self.heads * (self.head_dim + 2) * 4 if self.splits > 1 else 8
+
+    def template(self) -> list[tuple[str, int]]:
+        return [("HG", self.heads), ("H", self.heads_per_simdgroup), ("KT", self.keys_per_tile),
+                ("KS", self.splits), ("NSG", self.simdgroups)]
+
+
+def launch_shape(group: int, head_dim: int, block_size: int) -> LaunchShape:
+    """The threadgroup shape for GQA `group` at `head_dim` over pages of `block_size` keys.
+
+    A SIMD group takes as many of the group's heads as its registers hold without spilling
+    (4 at head_dim 128, as MLX found for its SDPA; 8 at 64, 2 at 256), the rest go to other
+    SIMD groups reading the same rows; key splits fill the threadgroup to `SIMDGROUPS`. A tile
+    has 32 / heads keys (rounded to powers of two), so that one reduce-scatter sums all of a
+    tile's dot products, and at most a page.
     """
-    for heads in (h for h in range(group, 0, -1) if group % h == 0):
-        for simdgroups in range(SIMDGROUPS, 1 if heads > 1 else 0, -1):
-            if simdgroups * heads * (head_dim + 2) * 4 <= THREADGROUP_MEMORY:
-                return simdgroups, heads
-    raise ValueError(f"head_dim={head_dim} is too large for the Metal kernels' threadgroup memory")
+    lane_dims = 32 * -(-head_dim // 32)
+    most = max(1, min(8, 512 // lane_dims))
+    per_simdgroup = max(h for h in range(1, min(group, most) + 1) if group % h == 0)
+    head_sets = group // per_simdgroup
+    if head_sets > 32:
+        raise ValueError(f"a GQA group of {group} heads at head_dim={head_dim} needs more than 1,024 threads")
+    keys_per_tile = min(32 // (1 << (per_simdgroup - 1).bit_length()), 1 << (block_size.bit_length() - 1))
+    shape = LaunchShape(group, per_simdgroup, keys_per_tile, max(1, SIMDGROUPS // head_sets), head_dim)
+    if shape.threadgroup_memory > THREADGROUP_MEMORY:
+        raise ValueError(f"head_dim={head_dim} is too large for the Metal kernels' threadgroup memory")
+    return shape
+
+
+def gpu_cores() -> int:
+    """The GPU's core count by its class (MLX names the architecture), or a base chip's off Metal."""
+    if not mx.metal.is_available():
+        return GPU_CORES["g"]
+    info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    return GPU_CORES.get(str(info.get("architecture", "g"))[-1:], GPU_CORES["g"])
 
 
 def _check_batch(dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int,
@@ -79,8 +125,11 @@ class PagedAttentionKernels:
     after a different K/V reader prologue. Each template variant compiles once per process.
     """
 
-    def __init__(self, metal_kernel: Factory = mx.fast.metal_kernel, verbose: bool = False) -> None:
+    def __init__(self, metal_kernel: Factory = mx.fast.metal_kernel, verbose: bool = False,
+                 cores: int | None = None, prefill_from: int = PREFILL_FROM) -> None:
         self.verbose = verbose
+        self.cores = gpu_cores() if cores is None else cores
+        self.prefill_from = prefill_from
         header = (METAL_DIR / "paged_attention.h").read_text()
 
         def build(name: str, input_names: list[str], output_names: list[str], quantized: bool | None = None):
@@ -101,40 +150,47 @@ class PagedAttentionKernels:
 
     def __call__(self, queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KVBatch,
                  scale: float | None = None, variant: Variant = PLAIN, split: bool | None = None) -> mx.array:
-        """Same contract as `reference_attention`; `split` forces split-K on or off. Each of
-        `variant`'s window, soft-cap and sinks is a template switch, so plain attention pays
-        for none of them."""
+        """Same contract as `reference_attention`: chunks of `prefill_from` tokens or more on
+        MLX's SDPA, the other rows on the paged kernel (`split` forces its split-K on or off)."""
+        scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
+        return with_chunks_on_sdpa(lambda *args: self.paged(*args, split=split), queries, k_pool, v_pool, batch, scale,
+                                   variant, self.prefill_from)
+
+    def paged(self, queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KVBatch, scale: float,
+              variant: Variant = PLAIN, split: bool | None = None) -> mx.array:
+        """The paged kernel for every row. Each of `variant`'s window, soft-cap and sinks is a
+        template switch, so plain attention pays for none of them."""
         tokens, q_heads, head_dim = queries.shape
         group = q_heads // k_pool.shape[1]
-        simdgroups, heads = launch_shape(group, head_dim)
-        tiles = q_heads // heads
-        scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+        shape = launch_shape(group, head_dim, k_pool.shape[2])
+        tiles = q_heads // shape.heads
         rows = np.repeat(np.arange(len(batch.query_lens), dtype=np.int32), batch.query_lens)
         longest = int(batch.context_lens.max()) if tokens else 0
         if split is None:
-            split = tokens * tiles < SPLIT_BELOW and longest >= SPLIT_FROM
+            split = tokens * tiles < THREADGROUPS_PER_CORE * self.cores and longest > PARTITION
         quantized = isinstance(k_pool, QuantizedPages)
         kv = [*k_pool.parts, *v_pool.parts] if quantized else [k_pool, v_pool]
         sinks = mx.zeros((1,), mx.float32) if variant.sinks is None else variant.sinks.astype(mx.float32)
         args = [queries, *kv, mx.array(batch.block_tables), mx.array(rows), mx.array(batch.positions),
                 mx.array(scale, mx.float32), mx.array(variant.window or 0, mx.int32),
                 mx.array(variant.softcap or 0.0, mx.float32), sinks]
-        template = [("T", queries.dtype), ("D", head_dim), ("BS", k_pool.shape[2]), ("G", group), ("HG", heads),
-                    ("NSG", simdgroups), ("WINDOWED", variant.window is not None),
+        template = [("T", queries.dtype), ("D", head_dim), ("BS", k_pool.shape[2]), ("G", group), *shape.template(),
+                    ("WINDOWED", variant.window is not None),
                     ("SOFTCAP", variant.softcap is not None), ("SINKS", variant.sinks is not None)]
         if quantized:
             template += [("BITS", k_pool.bits), ("GS", k_pool.group_size)]
-        launch = dict(threadgroup=(32 * simdgroups, 1, 1), verbose=self.verbose)
+        threads = 32 * shape.simdgroups
+        launch = dict(threadgroup=(threads, 1, 1), verbose=self.verbose)
         if not split:
-            return self.direct[quantized](inputs=args, template=template, grid=(32 * simdgroups, tiles, tokens),
+            return self.direct[quantized](inputs=args, template=template, grid=(threads, tiles, tokens),
                                output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
         parts = max(1, -(-longest // PARTITION))
         acc, ml = self.partitioned[quantized](
             inputs=args + [mx.array(parts, mx.int32)], template=template + [("PARTITION", PARTITION)],
-            grid=(32 * simdgroups, tiles, tokens * parts),
-            output_shapes=[(tokens, tiles, parts, heads, head_dim), (tokens, tiles, parts, heads, 2)],
+            grid=(threads, tiles, tokens * parts),
+            output_shapes=[(tokens, tiles, parts, shape.heads, head_dim), (tokens, tiles, parts, shape.heads, 2)],
             output_dtypes=[mx.float32, mx.float32], **launch)
-        return self.reduce(inputs=[acc, ml, sinks], template=template, grid=(32 * simdgroups, tiles, tokens),
+        return self.reduce(inputs=[acc, ml, sinks], template=template, grid=(threads, tiles, tokens),
                            output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
 
     def warm(self, dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int,

@@ -139,11 +139,14 @@ def reference_attention(queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KV
             last = ctx[row] - q_lens[row] + lo + n
             parts.append(_attend(queries, k_pool, v_pool, starts[row:row + 1] + lo, n, np.array([last]),
                                  tables[row:row + 1], scale, variant))
-    if len(parts) == 1:
-        out, order = parts[0]
-    else:
-        out = mx.concatenate([p[0] for p in parts])
-        order = np.concatenate([p[1] for p in parts])
+    return in_packed_order(parts)
+
+
+def in_packed_order(parts: list[tuple[mx.array, np.ndarray]]) -> mx.array:
+    """Outputs computed for groups of a batch's tokens, `(out, the token ids of its rows)`, as
+    one array in the packed order of the tokens."""
+    out = parts[0][0] if len(parts) == 1 else mx.concatenate([p[0] for p in parts])
+    order = np.concatenate([p[1] for p in parts])
     if np.array_equal(order, np.arange(order.size)):
         return out
     return out[mx.array(np.argsort(order).astype(np.int32))]

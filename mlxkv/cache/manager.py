@@ -62,6 +62,12 @@ class KVBatch:
         """The batch of the layers with this sliding window (their own pages), else this one."""
         return (self.by_window or {}).get(window, self)
 
+    def select(self, rows: np.ndarray) -> KVBatch:
+        """The same step for these rows only (their tokens packed in the same order)."""
+        kept = np.isin(np.repeat(np.arange(len(self.query_lens)), self.query_lens), rows)
+        return KVBatch(tuple(self.seq_ids[r] for r in rows), self.query_lens[rows], self.context_lens[rows],
+                       self.block_tables[rows], self.slot_mapping[kept], self.block_size)
+
     def skip(self, leading: np.ndarray) -> KVBatch:
         """The same step without each row's first `leading[b]` new tokens (its last ones stay)."""
         offsets = np.arange(self.num_tokens) - np.repeat(self.query_starts, self.query_lens)

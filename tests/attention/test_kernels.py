@@ -8,7 +8,14 @@ import pytest
 from helpers import mutant_kernels, packed_step, uncompilable_kernels
 
 from mlxkv import reference_attention
-from mlxkv.attention.kernels import METAL_DIR, TOLERANCE, PagedAttentionKernels, launch_shape, select_attention
+from mlxkv.attention.kernels import (
+    METAL_DIR,
+    TOLERANCE,
+    LaunchShape,
+    PagedAttentionKernels,
+    launch_shape,
+    select_attention,
+)
 from mlxkv.attention.reference import PLAIN, Variant
 from mlxkv.attention.simulator import SimulatorError, metal_kernel
 
@@ -24,7 +31,8 @@ VARIANTS = [
 
 @pytest.fixture(scope="module")
 def kernels():
-    return PagedAttentionKernels(metal_kernel)
+    """The paged kernel for every row, long prefill chunks included (see test_prefill.py)."""
+    return PagedAttentionKernels(metal_kernel, prefill_from=10**9)
 
 
 def compare(kernels, cache, batch, q_heads, dtype, split, variant=PLAIN):
@@ -101,16 +109,19 @@ def test_contiguous_layout_runs_through_the_same_kernels(kernels, split):
     compare(kernels, cache, batch, 4, mx.float32, split)
 
 
-def test_split_k_is_chosen_for_few_long_sequences(kernels, monkeypatch):
+@pytest.mark.parametrize("cores, context, partitions", [(8, 1100, 3), (8, 512, None), (1, 1100, None)])
+def test_split_k_into_512_key_partitions_when_the_gpus_cores_would_idle(cores, context, partitions, monkeypatch):
+    """Two sequences of 2 KV heads make 4 threadgroups: too few for 8 cores, enough for one."""
+    kernels = PagedAttentionKernels(metal_kernel, cores=cores)
     calls = []
     monkeypatch.setitem(kernels.partitioned, False, lambda **kw: calls.append(kw) or (None, None))
     monkeypatch.setattr(kernels, "reduce", lambda **kw: [mx.zeros(kw["output_shapes"][0])])
-    cache, batch = packed_step("paged", 16, 1, 64, mx.float32, [9], [1])
-    q = mx.zeros((1, 1, 64))
-    long_batch = type(batch)(batch.seq_ids, batch.query_lens, np.array([600], np.int32), batch.block_tables,
+    monkeypatch.setitem(kernels.direct, False, lambda **kw: [mx.zeros(kw["output_shapes"][0])])
+    cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [9, 9], [1, 1])
+    long_batch = type(batch)(batch.seq_ids, batch.query_lens, np.array([context, 9], np.int32), batch.block_tables,
                              batch.slot_mapping, batch.block_size)
-    kernels(q, *cache.kv(0), long_batch)
-    assert len(calls) == 1 and calls[0]["grid"][2] == 3
+    kernels(mx.zeros((2, 2, 64)), *cache.kv(0), long_batch)
+    assert [call["grid"][2] // 2 for call in calls] == ([] if partitions is None else [partitions])
 
 
 def test_attention_backend_choice(monkeypatch):
@@ -167,12 +178,21 @@ def test_block_tables_of_any_size_in_either_address_space(kernels, entries, spli
     compare(kernels, cache, batch, 4, mx.float32, split)
 
 
-@pytest.mark.parametrize("head_dim, group, shape", [(64, 8, (4, 8)), (256, 8, (3, 8)), (128, 16, (3, 16)),
-                                                    (256, 16, (3, 8)), (128, 1, (4, 1))])
-def test_launch_shape_keeps_threadgroup_memory_within_32_kib(head_dim, group, shape):
-    simdgroups, heads = launch_shape(group, head_dim)
-    assert (simdgroups, heads) == shape
-    assert simdgroups * heads * (head_dim + 2) * 4 <= 32 * 1024
+@pytest.mark.parametrize("head_dim, group, shape, simdgroups, memory", [
+    (128, 8, (4, 8, 2), 4, 4160),   # GQA 8 at 128: two head sets of 4, two key splits, 4 KiB to merge
+    (128, 4, (4, 8, 4), 4, 6240),
+    (128, 1, (1, 16, 4), 4, 1560),  # tiles of a whole 16-key page
+    (64, 8, (8, 4, 4), 4, 6336),    # 8 heads fit a SIMD group's registers at head_dim 64
+    (256, 8, (2, 16, 1), 4, 8),     # ... 2 at 256; no key split, nothing to merge
+    (128, 16, (4, 8, 1), 4, 8),
+    (256, 16, (2, 16, 1), 8, 8),
+    (96, 7, (1, 16, 1), 7, 8),      # an odd group: one head per SIMD group
+])
+def test_launch_shape_spreads_heads_over_simd_groups_and_merges_in_little_memory(head_dim, group, shape, simdgroups,
+                                                                                memory):
+    launch = launch_shape(group, head_dim, 16)
+    assert (launch.heads_per_simdgroup, launch.keys_per_tile, launch.splits) == shape
+    assert (launch.simdgroups, launch.threadgroup_memory) == (simdgroups, memory)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
@@ -183,11 +203,11 @@ def test_large_head_groups_run_within_threadgroup_memory(kernels, head_dim, grou
 
 
 def test_the_simulator_refuses_a_launch_over_32_kib_naming_the_arrays(kernels, monkeypatch):
-    monkeypatch.setattr("mlxkv.attention.kernels.launch_shape", lambda group, head_dim: (4, group))
+    monkeypatch.setattr("mlxkv.attention.kernels.launch_shape", lambda *_: LaunchShape(8, 2, 16, 5, 256))
     cache, batch = packed_step("paged", 16, 1, 256, mx.float16, [5], [1])
     with pytest.raises(SimulatorError, match=r"launch refused: the kernel declares 33024 bytes of threadgroup memory, "
-                                             r"more than the 32768 an Apple GPU allows a threadgroup: sg_m \(128 B\), "
-                                             r"sg_l \(128 B\), sg_acc \(32768 B\)"):
+                                             r"more than the 32768 an Apple GPU allows a threadgroup: tg_ml \(256 B\), "
+                                             r"tg_acc \(32768 B\)"):
         compare(kernels, cache, batch, 8, mx.float16, False)
 
 
@@ -201,9 +221,9 @@ def test_key_offsets_are_64_bit():
     assert np.array(out).tolist() == ((pages.astype(np.int64) * 8 + 7) * 16 + 15).tolist()
 
 
-# Around and across split-K partition boundaries (256 keys), in one batch: decode rows, and a
-# 20-token prefill chunk over keys 250..269 that straddles the first boundary.
-CONTEXTS, QUERY_LENS = [255, 256, 257, 512, 513, 2900, 270], [1, 1, 1, 1, 1, 1, 20]
+# Around and across split-K partition boundaries (512 keys), in one batch: decode rows, and a
+# 20-token prefill chunk over keys 500..519 that straddles the first boundary.
+CONTEXTS, QUERY_LENS = [511, 512, 513, 1024, 1025, 2900, 520], [1, 1, 1, 1, 1, 1, 20]
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
