@@ -6,21 +6,38 @@ them and the script prints the K/V bytes read per second and the paged/SDPA time
 With `--kv-bits` both hold quantized K/V and the baseline is mlx-lm's own quantized attention
 (`mx.quantized_matmul` over the packed K/V, as its `QuantizedKVCache` runs).
 On a Mac this times the Metal kernels; elsewhere it times the pure-MLX reference path
-(there is no Metal) and says so.
+(there is no Metal) and says so. `--prefill` (a Mac) times prefill chunks of growing length on
+the paged kernel against MLX's SDPA over the gathered pages, the choice `PREFILL_FROM` makes.
+
+`--model` runs anywhere: the kernels run in the project's CPU simulator, which counts what a
+launch does (device bytes, vector loads, SIMD reductions and shuffles, transcendentals,
+barriers, threadgroup memory), printed per K/V byte and per key for decode batches beside the
+kernels of commit `--baseline`, with a roofline estimate of the share of an M2 Max's memory
+bandwidth each would reach. Those are models; the GB/s table above, run on a Mac, is the
+measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import subprocess
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from mlxkv import KVBatch, reference_attention
-from mlxkv.attention.kernels import PagedAttentionKernels
+from mlxkv.attention.kernels import PARTITION, THREADGROUPS_PER_CORE, PagedAttentionKernels, launch_shape
+from mlxkv.attention.prefill import chunk_attention
 from mlxkv.cache.storage import QuantizedPages, kv_bytes_per_token
+
+REPO = Path(__file__).resolve().parents[1]
+BASELINE = "b728b4a"  # the kernels before the tiled, reduce-scatter decode (issue 16)
 
 
 def timed(fn, repeats: int) -> float:
@@ -64,6 +81,175 @@ def case(attention, batch: int, context: int, args) -> tuple[float, float]:
     return paged, timed(baseline, args.repeats)
 
 
+def prefill(args) -> None:
+    """Seconds per chunk of L tokens at one context: the paged kernel per token against SDPA."""
+    if not mx.metal.is_available():
+        print("--prefill times the Metal kernel, which needs a Mac; `--model` estimates the same choice here")
+        return
+    kernels, dtype = PagedAttentionKernels(), getattr(mx, args.dtype)
+    context, bs, d = args.contexts[0], args.block_size, args.head_dim
+    pages = -(-context // bs)
+    k_pool, v_pool = (mx.random.normal((pages, args.kv_heads, bs, d)).astype(dtype) for _ in range(2))
+    table = np.random.default_rng(0).permutation(pages).astype(np.int32)
+    print(f"prefill chunks at context {context}, {args.q_heads}/{args.kv_heads} heads, head_dim {d}, {args.dtype}")
+    print(f"{'chunk':>6} {'paged ms':>9} {'SDPA ms':>8} {'paged/SDPA':>11}")
+    for length in (1, 2, 4, 8, 16, 32, 64, 128, 512):
+        q = mx.random.normal((length, args.q_heads, d)).astype(dtype)
+        batch = KVBatch((0,), np.array([length], np.int32), np.array([context], np.int32), table[None],
+                        np.zeros(length, np.int32), bs)
+        mx.eval(q, k_pool, v_pool)
+        paged = timed(lambda: kernels.paged(q, k_pool, v_pool, batch, d ** -0.5), args.repeats)
+        sdpa = timed(lambda: chunk_attention(q, k_pool, v_pool, table, context, d ** -0.5), args.repeats)
+        print(f"{length:>6} {paged * 1e3:>9.3f} {sdpa * 1e3:>8.3f} {paged / sdpa:>11.2f}")
+
+
+# ---- the cost model ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Gpu:
+    """An M2 Max (38 cores), as the roofline below assumes it."""
+
+    name: str = "M2 Max"
+    bandwidth: float = 400e9       # bytes/s of unified memory
+    cores: int = 38
+    lanes: int = 128               # ALU lanes per core issuing one instruction a cycle (4 SIMD groups)
+    clock: float = 1.398e9
+    launch: float = 4e-6           # s of fixed dispatch and tail per kernel launch (assumed)
+    latency: float = 700e-9        # s from a device load's issue to its data (assumed)
+    tg_memory: int = 64 * 1024     # threadgroup memory a core holds for its resident threadgroups (assumed)
+    simdgroups: int = 32           # SIMD groups resident on a core (assumed)
+    transcendental: int = 4        # lane slots of an exp2/tanh (quarter-rate special-function unit)
+    reduction: int = 5             # shuffles a 32-lane reduction takes (log2 32 steps)
+
+
+def baseline_kernels(rev: str):
+    """`PagedAttentionKernels` as commit `rev` had them (its launcher and its `metal/` sources),
+    built on the simulator; None without git."""
+    tmp = Path(tempfile.mkdtemp(prefix="mlxkv-baseline-"))
+    try:
+        names = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "metal/"], check=True,
+                               capture_output=True, text=True).stdout.split()
+        (tmp / "mlxkv" / "attention").mkdir(parents=True)
+        (tmp / "mlxkv" / "metal").mkdir()
+        for name in [n for n in names if n.endswith((".h", ".metal"))] + ["mlxkv/attention/kernels.py"]:
+            text = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{name}"], check=True,
+                                  capture_output=True, text=True).stdout
+            (tmp / ("mlxkv/metal/" + Path(name).name if name.startswith("metal/") else name)).write_text(text)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    path = tmp / "mlxkv" / "attention" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("mlxkv.attention.baseline_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "mlxkv.attention"
+    spec.loader.exec_module(module)
+    return module
+
+
+def count(kernels, context: int, group: int, head_dim: int, split: bool, block_size: int = 16) -> list:
+    """The counted launches of one decode row of one KV head (a threadgroup's work is the same
+    for every sequence and KV head, so per K/V byte this is the whole batch's)."""
+    from mlxkv.attention.simulator import cost_counters
+    rng = np.random.default_rng(0)
+    pages = -(-context // block_size)
+    k_pool, v_pool = (mx.array(rng.standard_normal((pages, 1, block_size, head_dim)), mx.float16) for _ in range(2))
+    batch = KVBatch((0,), np.ones(1, np.int32), np.array([context], np.int32),
+                    rng.permutation(pages).astype(np.int32)[None], np.zeros(1, np.int32), block_size)
+    q = mx.array(rng.standard_normal((1, group, head_dim)), mx.float16)
+    with cost_counters() as launches:
+        mx.eval(kernels(q, k_pool, v_pool, batch, head_dim ** -0.5, split=split))
+    return launches
+
+
+def estimate(launches: list, replicas: int, in_flight: int, group: int, head_dim: int, context: int,
+             gpu: Gpu) -> float:
+    """Seconds the launches would take on `gpu` for `replicas` (sequences x KV heads) copies of
+    the counted work, each launch bound by the slowest of: device bytes at full bandwidth;
+    device bytes at what its resident SIMD groups keep in flight (`in_flight` bytes each for
+    the attention launch, Little's law over the load latency; residency limited by threadgroup
+    memory and SIMD groups per core); the ALUs (FMAs, loads, transcendentals, shuffles); on the
+    cores its threadgroups occupy. Plus a fixed cost per launch."""
+    seconds = 0.0
+    for i, c in enumerate(launches):
+        slots = (2 * group * head_dim * context if i == 0 else 0) + c.loads + gpu.transcendental * c.transcendentals
+        slots += 32 * (c.shuffles + gpu.reduction * c.reductions)
+        threadgroups, simdgroups = c.threadgroups * replicas, c.threads // 32
+        cores = min(gpu.cores, threadgroups)
+        resident = min(gpu.tg_memory // max(1, c.threadgroup_memory), gpu.simdgroups // simdgroups,
+                       -(-threadgroups // gpu.cores))
+        bandwidth = gpu.bandwidth if i else min(gpu.bandwidth,
+                                                cores * resident * simdgroups * in_flight / gpu.latency)
+        seconds += max((c.read_bytes + c.written_bytes) * replicas / bandwidth,
+                       slots * replicas / (cores * gpu.lanes * gpu.clock)) + gpu.launch
+    return seconds
+
+
+def model(args) -> None:
+    """The counter table for decode batches, this tree's kernels beside `--baseline`'s."""
+    from mlxkv.attention.simulator import metal_kernel
+    gpu, kv_heads = Gpu(), args.kv_heads
+    kernels = {"new": PagedAttentionKernels(metal_kernel, cores=gpu.cores)}
+    old = baseline_kernels(args.baseline)
+    if old is not None:
+        kernels[args.baseline] = old.PagedAttentionKernels(metal_kernel)
+    else:
+        print(f"(git cannot show commit {args.baseline} here: no baseline columns)")
+    print(f"Modeled in the CPU simulator, float16 K/V, {kv_heads} KV heads, block 16; roofline for an {gpu.name}: "
+          f"{gpu.bandwidth / 1e9:.0f} GB/s, {gpu.cores} cores x {gpu.lanes} lanes at {gpu.clock / 1e9:.2f} GHz, "
+          f"{gpu.launch * 1e6:.0f} us a launch, {gpu.latency * 1e9:.0f} ns load latency, {gpu.tg_memory // 1024} KiB "
+          f"threadgroup memory and {gpu.simdgroups} SIMD groups resident a core, exp2/tanh {gpu.transcendental} lane "
+          f"slots, a 32-lane reduction {gpu.reduction} shuffles, a shuffle a SIMD instruction; in flight per SIMD "
+          "group: a tile's K rows (new) or one K and one V row (baseline). Per key = per key of one KV head (its G "
+          "query heads); device bytes count once per threadgroup. To be confirmed on a Mac: "
+          "python scripts/bench_kernels.py")
+    print(f"{'batch':>5} {'ctx':>6} {'G':>2} {'D':>4} {'kernel':>8} {'split':>5} {'thr':>5} {'tg mem':>7} "
+          f"{'dev/KV':>7} {'vec%':>5} {'B/load':>6} {'red/key':>8} {'shf/key':>8} {'exp/key':>8} {'bar/tg':>6} "
+          f"{'est GB/s':>8} {'of BW':>6}")
+    cache: dict = {}
+    for head_dim in args.model_head_dims:
+        for group in args.model_groups:
+            for context in args.model_contexts:
+                for batch in args.model_batches:
+                    for name, k in kernels.items():
+                        tiles = batch * kv_heads * group // _heads(old, name, group, head_dim)
+                        split = _splits(old, name, k, tiles, context)
+                        key = (name, context, group, head_dim, split)
+                        if key not in cache:
+                            cache[key] = count(k, context, group, head_dim, split)
+                        in_flight = 2 * head_dim * (launch_shape(group, head_dim, 16).keys_per_tile if name == "new"
+                                                    else 2)  # a tile's K rows, or one K and one V row
+                        _row(batch, context, group, head_dim, name, split, cache[key], kv_heads, in_flight, gpu)
+
+
+
+def _heads(old, name: str, group: int, head_dim: int) -> int:
+    """Query heads per threadgroup of this tree's kernel (`new`) or of the baseline module `old`."""
+    if name == "new":
+        return launch_shape(group, head_dim, 16).heads
+    return old.launch_shape(group, head_dim)[1]
+
+
+def _splits(old, name: str, kernels, threadgroups: int, context: int) -> bool:
+    """Whether that kernel's launcher would split a decode step of `threadgroups` threadgroups."""
+    if name == "new":
+        return threadgroups < THREADGROUPS_PER_CORE * kernels.cores and context > PARTITION
+    return threadgroups < old.SPLIT_BELOW and context >= old.SPLIT_FROM
+
+
+def _row(batch, context, group, head_dim, name, split, launches, kv_heads, in_flight, gpu) -> None:
+    kv = 2 * context * head_dim * 2  # K and V of one KV head, float16
+    total = {f: sum(getattr(c, f) for c in launches) for f in ("read_bytes", "written_bytes", "loads", "load_bytes",
+                                                                "vector_load_bytes", "reductions", "shuffles",
+                                                                "transcendentals", "barriers")}
+    main = launches[0]
+    rate = kv * batch * kv_heads / estimate(launches, batch * kv_heads, in_flight, group, head_dim, context, gpu)
+    print(f"{batch:>5} {context:>6} {group:>2} {head_dim:>4} {name:>8} {'yes' if split else 'no':>5} "
+          f"{main.threads:>5} {main.threadgroup_memory:>7} "
+          f"{(total['read_bytes'] + total['written_bytes']) / kv:>7.3f} "
+          f"{100 * total['vector_load_bytes'] / max(1, total['load_bytes']):>5.0f} "
+          f"{total['load_bytes'] / max(1, total['loads']):>6.1f} {total['reductions'] / context:>8.2f} "
+          f"{total['shuffles'] / context:>8.2f} {total['transcendentals'] / context:>8.1f} "
+          f"{total['barriers'] / max(1, main.threadgroups):>6.2f} {rate / 1e9:>8.0f} {rate / gpu.bandwidth:>6.0%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -76,7 +262,18 @@ def main() -> None:
     parser.add_argument("--kv-bits", type=int, choices=[8, 4], default=None, help="quantized K/V [default: floats]")
     parser.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--prefill", action="store_true", help="time prefill chunks: paged kernel vs SDPA (a Mac)")
+    parser.add_argument("--model", action="store_true", help="count the kernels in the simulator (any machine)")
+    parser.add_argument("--baseline", default=BASELINE, help="commit whose kernels --model counts beside these")
+    parser.add_argument("--model-batches", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--model-contexts", type=int, nargs="+", default=[512, 4096, 32768])
+    parser.add_argument("--model-groups", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--model-head-dims", type=int, nargs="+", default=[64, 128])
     args = parser.parse_args()
+    if args.model:
+        return model(args)
+    if args.prefill:
+        return prefill(args)
 
     if mx.metal.is_available():
         attention, what = PagedAttentionKernels(), "Metal paged-attention kernels"

@@ -19,7 +19,7 @@ from ..cache.manager import KVBatch
 from ..cache.storage import Pool
 from .reference import PLAIN, Variant, gather_kv, in_packed_order
 
-PREFILL_FROM = 8  # query tokens from which a chunk runs on SDPA (see scripts/bench_kernels.py --model)
+PREFILL_FROM = 8  # query tokens from which a chunk runs on SDPA; a Mac measures it: scripts/bench_kernels.py --prefill
 
 
 def chunk_attention(queries: mx.array, k_pool: Pool, v_pool: Pool, table: np.ndarray, context: int, scale: float,

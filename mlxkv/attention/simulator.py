@@ -287,6 +287,25 @@ NOT_VIABLE = re.compile(r"(header|body):(\d+):(\d+): note: candidate function(?:
                         r"space '(\w+)' in (\d+)\w* argument")
 
 
+# C++14 that Metal's language leaves out, which clang accepts: (pattern, what it is).
+NOT_IN_METAL = [
+    (re.compile(r"(?<![\w\]\)\[\s])\s*\[[^\[\]]*\]\s*(\(|\{|mutable\b)"), "a lambda expression"),
+    (re.compile(r"\b(virtual|goto|thread_local|try|throw|dynamic_cast|typeid|new|delete)\b"), "'{0}'"),
+]
+COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
+def _outside_metal(sources: dict[str, str]) -> str | None:
+    """The first C++ feature in `sources` that Metal's language does not have, and where."""
+    for file, text in sources.items():
+        for number, line in enumerate(COMMENTS.sub(lambda m: "\n" * m.group().count("\n"), text).splitlines(), 1):
+            for pattern, what in NOT_IN_METAL:
+                found = pattern.search(line)
+                if found:
+                    return f"{file}:{number}: {what.format(found.group(1))} is not part of Metal's language"
+    return None
+
+
 def _compiler() -> str:
     """clang++ 17 or newer: the type check needs its address-space attribute and arithmetic `__bf16`."""
     names = [os.environ.get("MLXKV_SIM_CXX")] + [f"clang++-{v}" for v in range(30, 16, -1)] + ["clang++"]
@@ -357,6 +376,9 @@ def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], cou
     """Type-check `unit` in Metal's dialect with its address spaces, then build it to run
     (with the cost counters when `counting`)."""
     compiler = _compiler()
+    outside = _outside_metal(sources)
+    if outside:
+        raise SimulatorError("kernel does not compile as Metal: " + outside)
     build_flags = BUILD_FLAGS + COUNT_FLAGS if counting else BUILD_FLAGS
     key = hashlib.sha256("\n".join([unit, RUNTIME.read_text(), compiler, *CHECK_FLAGS, *build_flags]).encode())
     binary = CACHE / key.hexdigest()[:24]

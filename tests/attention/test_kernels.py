@@ -13,6 +13,7 @@ from mlxkv.attention.kernels import (
     TOLERANCE,
     LaunchShape,
     PagedAttentionKernels,
+    gpu_cores,
     launch_shape,
     select_attention,
 )
@@ -246,3 +247,31 @@ def test_warm_up_checks_each_attention_variant_the_model_uses():
     assert mutant.warm(mx.float32, 64, 16, 4, 2) is None  # plain attention never adds a sink
     problem = mutant.warm(mx.float32, 64, 16, 4, 2, variants=[PLAIN, Variant(window=64), sinks])
     assert problem.startswith("paged_attention differs from the reference attention by up to ")
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
+def test_decode_at_gqa_8_head_dim_128_meets_the_cost_goals(kernels, split):
+    """Counted in the simulator, one float16 decode row over 2,048 keys: K/V come from device
+    memory about once, by vector loads, with no 32-lane reductions and 4 KiB of threadgroup memory."""
+    from mlxkv.attention.simulator import cost_counters
+    cache, batch = packed_step("paged", 16, 1, 128, mx.float16, [2048], [1], max_seq_len=2048)
+    q = mx.array(np.random.default_rng(1).standard_normal((1, 8, 128)), mx.float16)
+    with cost_counters() as launches:
+        kernels(q, *cache.kv(0), batch, None, split=split)
+    kv_bytes = 2 * 2048 * 128 * 2
+    attention = launches[0]
+    assert [c.name for c in launches] == (["mlxkv_paged_attention_partitioned", "mlxkv_paged_attention_reduce"]
+                                          if split else ["mlxkv_paged_attention"])
+    assert (attention.threads, attention.threadgroup_memory) == (128, 4160)
+    assert sum(c.read_bytes + c.written_bytes for c in launches) / kv_bytes <= 1.05
+    assert attention.vector_load_bytes / attention.load_bytes >= 0.9
+    assert sum(c.reductions for c in launches) == 0
+    assert attention.shuffles / 2048 < 18 and attention.transcendentals / 2048 < 24
+
+
+@pytest.mark.parametrize("architecture, cores", [("applegpu_g14c", 24), ("applegpu_g13g", 8), ("applegpu_g15d", 48),
+                                                 ("something_else", 8)])
+def test_gpu_cores_come_from_the_architectures_class(architecture, cores, monkeypatch):
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "device_info", lambda: {"architecture": architecture}, raising=False)
+    assert gpu_cores() == cores

@@ -166,6 +166,9 @@ def test_address_spaces_are_distinct_pointer_types(header, body, message):
      "decomposition declarations are a C++17 extension"),
     ("if (int x = a[0]; x > 0) { out[0] = x; }", "'if' initialization statements are a C++17 extension"),
     ("int n = a[0];\nint v[n];\nv[0] = 1;\nout[0] = v[0];", "variable length arrays in C++ are a Clang extension"),
+    ("auto twice = [](int x) { return 2 * x; };\nout[0] = twice(a[0]);",
+     "body:1: a lambda expression is not part of Metal's language"),
+    ("int* p = new int(1);\nout[0] = *p;", "body:1: 'new' is not part of Metal's language"),
 ])
 def test_code_newer_than_metals_cpp14_or_not_pedantic_is_rejected(body, message):
     with pytest.raises(SimulatorError, match="does not compile as Metal") as error:
@@ -185,3 +188,36 @@ def test_checkouts_sharing_one_cache_each_use_their_own_runtime(tmp_path, monkey
         monkeypatch.setattr(simulator, "RUNTIME", runtime)
         assert run("out[thread_position_in_grid.x] = a[thread_position_in_grid.x] + 1;").tolist() == \
             list(range(1, 65))
+
+
+def test_cost_counters_count_what_a_launch_does():
+    """Two threadgroups of 32 threads over 64 floats: each thread loads its float4 (a vector
+    load) and its own float (a scalar one, from the same bytes), sums across the SIMD group,
+    shuffles, takes one exp and meets one barrier."""
+    from mlxkv.attention.simulator import cost_counters
+    kernel = metal_kernel("probe", ["a"], ["out"], """
+        threadgroup float shared[32];
+        uint i = thread_position_in_grid.x;
+        const float4 v = *(const device float4*)(a + 4 * (i / 4));
+        float s = simd_sum(v[i % 4]) + a[i];
+        shared[thread_index_in_threadgroup] = simd_shuffle_xor(s, 1);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[i] = metal::exp(shared[thread_index_in_threadgroup ^ 1]);""")
+    with cost_counters() as launches:
+        kernel(inputs=[mx.arange(64, dtype=mx.float32) / 64], output_shapes=[(64,)], output_dtypes=[mx.float32],
+               grid=(64, 1, 1), threadgroup=(32, 1, 1))
+    [c] = launches
+    assert (c.read_bytes, c.written_bytes) == (256, 256)  # each byte once per threadgroup
+    assert (c.loads, c.load_bytes, c.vector_loads, c.vector_load_bytes) == (128, 1280, 64, 1024)
+    assert (c.stores, c.store_bytes) == (64, 256)
+    assert (c.reductions, c.shuffles, c.transcendentals, c.barriers) == (2, 2, 64, 2)
+    assert (c.threadgroups, c.threadgroup_memory, c.threads) == (2, 128, 32)
+
+
+def test_metal_vectors_convert_and_index_as_metal_does():
+    out = run("""
+        const half4 h = half4(1.5f, 2.0f, -3.0f, 4.0f);
+        const float4 f = float4(h);
+        out[thread_position_in_grid.x] = f[thread_position_in_grid.x % 4] + as_type<float>(0x3f800000u);""", n=8,
+              threads=8)
+    assert out.tolist() == [2.5, 3.0, -2.0, 5.0] * 2
