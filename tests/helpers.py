@@ -107,7 +107,7 @@ def uncompilable_kernels(**kw):
 class ExplodingSampler(TokenSampler):
     """A request's sampler that raises when used: a failure that belongs to one request."""
 
-    def __call__(self, logits, index):
+    def key(self, index):
         raise RuntimeError("sampler exploded")
 
 

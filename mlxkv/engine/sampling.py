@@ -7,7 +7,8 @@ import random
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+import numpy as np
+from mlx_lm.sample_utils import apply_top_p
 
 from ..errors import MlxkvError
 
@@ -85,27 +86,17 @@ def _mix(seed: int, index: int) -> int:
 
 
 class TokenSampler:
-    """One request's sampler. The PRNG key of its n-th token is a function of its seed and n
-    alone, so a seed gives the same tokens in any batch, and a step that is run again (after
-    a preemption or a failed step) draws exactly what it would have drawn."""
+    """One request's sampling parameters and seed. The PRNG key of its n-th token is a function
+    of its seed and n alone, so a seed gives the same tokens in any batch, and a step that is
+    run again (after a preemption or a failed step) draws exactly what it would have drawn."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.seed = params.seed if params.seed is not None else random.getrandbits(64)
 
-    def __call__(self, logits: mx.array, index: int) -> mx.array:
-        """Token number `index` of the request (a 0-d array) from one row of logits."""
-        p = self.params
-        if p.greedy:
-            return mx.argmax(logits, axis=-1)
-        logprobs = log_softmax(logits)
-        if p.top_p < 1:
-            logprobs = apply_top_p(logprobs[None], p.top_p)[0]
-        if p.min_p > 0:
-            logprobs = apply_min_p(logprobs[None], p.min_p)[0]
-        if 0 < p.top_k < logits.shape[-1]:
-            logprobs = apply_top_k(logprobs, p.top_k)
-        return mx.random.categorical(logprobs * (1 / p.temperature), key=mx.random.key(_mix(self.seed, index)))
+    def key(self, index: int) -> mx.array:
+        """The PRNG key of the request's token number `index`."""
+        return mx.random.key(_mix(self.seed, index))
 
 
 @dataclass(frozen=True)
@@ -136,13 +127,49 @@ class SamplingFailed(MlxkvError):
 
 
 def sample(logits: mx.array, samplers: list[TokenSampler], indices: list[int]) -> mx.array:
-    """Next tokens for rows of `logits` (`[rows, vocab]`): row i is token `indices[i]` of its request."""
-    if all(s.params.greedy for s in samplers):
-        return mx.argmax(logits, axis=-1)
-    tokens = []
-    for row, (sampler, index) in enumerate(zip(samplers, indices)):
+    """Next tokens for rows of `logits` (`[rows, vocab]`): row i is token `indices[i]` of its
+    request. One argmax for the greedy rows and one batched draw for the others, whatever mix of
+    parameters they have (a row's draw depends only on its logits, parameters and key)."""
+    greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    rows = [row for row, s in enumerate(samplers) if not s.params.greedy]
+    if not rows:
+        return greedy
+    keys = []
+    for row in rows:
         try:
-            tokens.append(sampler(logits[row], index))
+            keys.append(samplers[row].key(indices[row]))
         except Exception as exc:
             raise SamplingFailed(row, exc) from exc
-    return mx.stack(tokens).astype(mx.uint32)
+    drawn = _draw(logits[mx.array(rows)], [samplers[row].params for row in rows], mx.stack(keys))
+    if len(rows) == len(samplers):
+        return drawn
+    picked = np.zeros(len(samplers), bool)
+    picked[rows] = True
+    where = np.cumsum(picked) - 1  # row -> its place among the drawn rows
+    return mx.where(mx.array(picked), drawn[mx.array(np.maximum(where, 0).astype(np.int32))], greedy)
+
+
+def _column(values: list[float]) -> mx.array:
+    return mx.array(values, mx.float32)[:, None]
+
+
+def _draw(logits: mx.array, params: list[SamplingParams], keys: mx.array) -> mx.array:
+    """Tokens drawn from `logits` rows (mlx-lm's top-p, min-p and top-k filters, in that order,
+    with each row's own parameters, then temperature), with each row's key: the Gumbel-max draw
+    `mx.random.categorical` makes, one row at a time or all at once."""
+    logprobs = log_softmax(logits)
+    top_p = [p.top_p for p in params]
+    if min(top_p) < 1:
+        logprobs = mx.where(_column(top_p) < 1, apply_top_p(logprobs, _column(top_p)), logprobs)
+    if any(p.min_p > 0 for p in params):
+        floor = mx.max(logprobs, axis=-1, keepdims=True) + _column([math.log(p.min_p) if p.min_p > 0 else -math.inf
+                                                                    for p in params])
+        logprobs = mx.where(logprobs < floor, -math.inf, logprobs)
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(top_k) < vocab:  # ties at the k-th value all stay
+        kth = mx.take_along_axis(mx.sort(logprobs, axis=-1), mx.array([vocab - k for k in top_k])[:, None], axis=-1)
+        logprobs = mx.where(logprobs < kth, -math.inf, logprobs)
+    scaled = logprobs * _column([1 / p.temperature for p in params])
+    noise = mx.vmap(lambda key: mx.random.gumbel((vocab,), key=key))(keys)
+    return mx.argmax(scaled + noise, axis=-1).astype(mx.uint32)

@@ -97,9 +97,9 @@ def test_a_consumer_whose_event_loop_closed_does_not_stop_the_engine(setup):
 
 def test_a_failed_request_fails_in_its_own_consumer_while_others_finish(setup, monkeypatch):
     llm, expected = setup
-    original = TokenSampler.__call__
-    monkeypatch.setattr(TokenSampler, "__call__", lambda self, logits, index: ExplodingSampler.__call__(
-        self, logits, index) if self.params.seed == 13 else original(self, logits, index))
+    original = TokenSampler.key
+    monkeypatch.setattr(TokenSampler, "key", lambda self, index: ExplodingSampler.key(self, index)
+                        if self.params.seed == 13 else original(self, index))
 
     async def main():
         bad = collect(llm, PROMPTS[2], SamplingParams(max_tokens=16, temperature=1.0, seed=13))
@@ -116,11 +116,11 @@ def test_aborts_racing_a_failing_step_leave_the_engine_serving(setup, monkeypatc
     llm, expected = setup
     forward, calls = llm.engine.runner.forward, iter(range(10**6))
 
-    def slow_then_failing(batch):
+    def slow_then_failing(batch, token_ids):
         time.sleep(0.05)
         if next(calls) % 3 == 1:
             raise RuntimeError("forward failed")
-        return forward(batch)
+        return forward(batch, token_ids)
 
     monkeypatch.setattr(llm.engine.runner, "forward", slow_then_failing)
 

@@ -275,9 +275,9 @@ def test_a_request_that_fails_gets_a_500_or_an_error_event_and_the_rest_go_on(mo
     from mlxkv.engine.sampling import TokenSampler
     from mlxkv.entrypoints.server import build_app
 
-    original = TokenSampler.__call__
-    monkeypatch.setattr(TokenSampler, "__call__", lambda self, logits, index: ExplodingSampler.__call__(
-        self, logits, index) if self.params.seed == 13 else original(self, logits, index))
+    original = TokenSampler.key
+    monkeypatch.setattr(TokenSampler, "key", lambda self, index: ExplodingSampler.key(self, index)
+                        if self.params.seed == 13 else original(self, index))
     llm = AsyncLLM(LLMEngine(*load(), EngineConfig(max_num_seqs=4, max_model_len=256)))
     app = build_app(llm, MODEL)
     bad = {"prompt": "The class", "max_tokens": 4, "temperature": 1.0, "seed": 13}
