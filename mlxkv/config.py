@@ -58,7 +58,8 @@ class EngineConfig:
     available). `enable_prefix_caching` lets requests share the cached pages of a common
     prefix (paged layout only). `kv_bits` (8 or 4) quantizes the KV pages in groups of
     `kv_group_size` along the head dimension, so the same memory holds about twice (8-bit)
-    or three and a half times (4-bit) as many tokens.
+    or three and a half times (4-bit) as many tokens. `pipeline` starts each step before the host
+    reads the one before (see `LLMEngine`); off, every step is read before the next is built.
     """
 
     kv_layout: KVLayout | str | None = None
@@ -73,6 +74,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_bits: int | None = None
     kv_group_size: int = 64
+    pipeline: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_layout", resolve_layout(self.kv_layout))
@@ -88,8 +90,9 @@ class EngineConfig:
         fraction = self.kv_cache_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be a number in (0, 1], got {fraction!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "pipeline"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_quantization(self.kv_bits, self.kv_group_size)
         if self.num_blocks is not None and self.kv_layout is KVLayout.CONTIGUOUS:
             raise ValueError("num_blocks applies to the paged layout; size the contiguous one with kv_cache_memory")

@@ -22,9 +22,9 @@ from ..cache.storage import dtype_name
 from ..config import EngineConfig
 from ..errors import RequestTooLong, UnknownSequenceError
 from .model_runner import ModelRunner, kv_shape, layer_variants
-from .request import Request, Status
+from .request import PENDING, Request, Status
 from .sampling import SamplingFailed, SamplingParams, TokenLogprob, logprobs, sample
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .text import TextStream
 
 logger = logging.getLogger("mlxkv")
@@ -81,11 +81,27 @@ class RequestOutput:
     usage: Usage | None = None
 
 
+@dataclass
+class InFlight:
+    """A step started on the device whose sampled tokens the host has not read yet: row i of
+    `tokens` is `sampling[i]`'s output number `slots[i]`, a `PENDING` placeholder until read."""
+
+    batch: ScheduledBatch
+    sampling: list[Request]
+    slots: list[int]
+    tokens: mx.array
+    scored: tuple[mx.array, ...]
+
+
 class LLMEngine:
     """Continuous batching over a paged (or contiguous) KV cache for one mlx-lm model.
 
-    Every step schedules work, runs one forward pass over the packed batch, samples,
-    and evaluates everything with a single `mx.eval`.
+    Steps are pipelined as mlx-lm's `generate_step` is: each `step` schedules and starts step N
+    (one forward pass over the packed batch, sampling, one `mx.async_eval`), feeding each
+    continuing request the token step N-1 sampled for it as a lazy array, and only then reads
+    step N-1's tokens, accepts them (EOS, stop strings, max tokens) and returns their outputs,
+    while the device computes step N. A request that turns out to have finished at N-1 drops
+    what step N computed for it.
 
     Threads: `add_request` and `abort` may be called from any thread while another
     thread runs `step`; one lock guards the queues and the pool, and is not held during
@@ -122,6 +138,8 @@ class LLMEngine:
         self.reset_peak_usage()
         self._ids = itertools.count()
         self._lock = threading.RLock()
+        self.last_step_wait = 0.0  # seconds the last step was blocked in MLX evaluation (the rest: host work)
+        self._inflight: InFlight | None = None
 
     @property
     def max_request_tokens(self) -> int:
@@ -181,33 +199,53 @@ class LLMEngine:
         with self._lock:
             request = self.requests.pop(request_key(request_id), None)
             if request is not None:
+                request.drop_pending()
                 self.scheduler.finish(request, "abort")
             elif not missing_ok:
                 raise UnknownSequenceError(request_id)
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return self.scheduler.has_work()
+            return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that produced text or finished.
+        """Start the next batch, then return an output for every request whose token from the
+        batch before produced text or finished it.
 
         A step that fails (in the forward pass, sampling or evaluation) changes nothing for
         the requests that did not cause it: see `_recover`.
         """
+        self.last_step_wait = 0.0
         with self._lock:
+            previous, self._inflight = self._inflight, None
             batch = self.scheduler.schedule()
-            if batch is None:
-                return []
-            self._track_usage()
+            if batch is not None:
+                self._track_usage()
+        failed = self._launch(batch, previous) if batch is not None else []
+        outputs = self._resolve(previous) if previous is not None else []
+        with self._lock:
+            current = self._inflight
+            if current is not None:  # its K/V are queued, and its input tokens now all known
+                self.scheduler.commit(current.batch)
+            if not self.config.pipeline:
+                self._inflight = None
+        if current is not None and not self.config.pipeline:
+            outputs += self._resolve(current)
+        return outputs + failed
+
+    def _launch(self, batch: ScheduledBatch, previous: InFlight | None) -> list[RequestOutput]:
+        """Build `batch`'s forward pass and sampling and start evaluating them; returns the
+        outputs of the requests that failed to (none when it started)."""
         sampling = [r for r, s in zip(batch.requests, batch.samples) if s]
         try:
-            logits = self.runner.forward(batch)
+            logits = self.runner.forward(batch, self._token_ids(batch, previous))
             tokens = sample(logits, [r.sampler for r in sampling], [len(r.output_ids) for r in sampling]) \
                 if sampling else mx.array([], mx.uint32)
             wanted = [r.params.logprobs for r in sampling if r.params.logprobs is not None]
             scored = logprobs(logits, tokens, max(wanted)) if wanted else ()
-            mx.eval(tokens, *scored, self.cache.tensors)
+            started = time.perf_counter()
+            mx.async_eval(tokens, *scored, self.cache.tensors)  # on a CPU build this runs most of the graph
+            self.last_step_wait += time.perf_counter() - started
         except SamplingFailed as exc:
             return self._recover(batch.requests, [sampling[exc.row]], exc.cause)
         except Exception as exc:
@@ -216,16 +254,60 @@ class LLMEngine:
             self._recover(batch.requests, [], None)
             raise
         with self._lock:
-            self.scheduler.commit(batch)
-            sampled = tokens.tolist()
-            scores = _token_logprobs(sampling, sampled, [a.tolist() for a in scored])
-            return [self._accept(request, token, score) for request, token, score in zip(sampling, sampled, scores)
+            slots = [len(r.output_ids) for r in sampling]
+            for request in sampling:
+                request.append_output(PENDING)
+            self._inflight = InFlight(batch, sampling, slots, tokens, scored)
+        return []
+
+    @staticmethod
+    def _token_ids(batch: ScheduledBatch, previous: InFlight | None) -> mx.array:
+        """The batch's input tokens, packed; a token still `PENDING` comes lazily from the step
+        before, which sampled it."""
+        host = np.concatenate([r.pending(n) for r, n in zip(batch.requests, batch.counts)]).astype(np.int32)
+        waiting = np.flatnonzero(host == PENDING)
+        if not waiting.size:
+            return mx.array(host)
+        rows = {id(r): i for i, r in enumerate(previous.sampling)}
+        owners = np.repeat(np.arange(len(batch.requests)), batch.counts)[waiting]
+        source = mx.array(np.array([rows[id(batch.requests[o])] for o in owners], np.int32))
+        host[waiting] = 0
+        ids = mx.array(host)
+        ids[mx.array(waiting.astype(np.int32))] = previous.tokens[source].astype(mx.int32)
+        return ids
+
+    def _resolve(self, step: InFlight) -> list[RequestOutput]:
+        """Read `step`'s tokens (waiting for the device) and accept them."""
+        try:
+            started = time.perf_counter()
+            mx.eval(step.tokens, *step.scored)
+            self.last_step_wait += time.perf_counter() - started
+            sampled, scored = step.tokens.tolist(), [a.tolist() for a in step.scored]
+        except Exception as exc:
+            return self._recover_pipeline(step, exc)
+        except BaseException:
+            self._recover_pipeline(step, None)
+            raise
+        with self._lock:
+            scores = _token_logprobs(step.sampling, sampled, scored)
+            return [self._accept(request, slot, token, score)
+                    for request, slot, token, score in zip(step.sampling, step.slots, sampled, scores)
                     if request.status is not Status.FINISHED]
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every unfinished request with `error` (for a failure no request can be blamed for)."""
         with self._lock:
             return [self._fail(request, error) for request in list(self.requests.values())]
+
+    def _recover_pipeline(self, step: InFlight, error: Exception | None) -> list[RequestOutput]:
+        """`step` failed to evaluate, and so did the step started after it, which read its
+        tokens: both are undone (their placeholders dropped) and `step`'s requests fail."""
+        with self._lock:
+            later, self._inflight = self._inflight, None
+            undone = step.batch.requests + (later.batch.requests if later else [])
+            for request in undone:
+                request.drop_pending()
+            return self._recover(list(dict.fromkeys(undone)), step.batch.requests if error else [], error)
 
     def _recover(self, batch: list[Request], culprits: list[Request] | None,
                  error: Exception | None) -> list[RequestOutput]:
@@ -254,20 +336,25 @@ class LLMEngine:
         request.error = error
         return self._finish(request, "error")
 
-    def _accept(self, request: Request, token: int, score: TokenLogprob | None) -> RequestOutput:
+    def _accept(self, request: Request, slot: int, token: int, score: TokenLogprob | None) -> RequestOutput:
+        """Put `token` in its placeholder as output number `slot`, and end the request if it is
+        done (dropping what a later step computed for it)."""
         request.first_token_time = request.first_token_time or time.perf_counter()
         if token in self.tokenizer.eos_token_ids and not request.params.ignore_eos:
+            request.truncate_outputs(slot)
             return self._finish(request, "stop")
-        request.append_output(token)
+        request.set_output(slot, token)
         new = ((token,), (score,) if score else ())
         if request.stream.add(token):
+            request.truncate_outputs(slot + 1)
             return self._finish(request, "stop", *new)
-        if len(request.output_ids) >= request.params.max_tokens:
+        if slot + 1 >= request.params.max_tokens:
             return self._finish(request, "length", *new)
         return self._output(request, *new)
 
     def _finish(self, request: Request, reason: str, token_ids: tuple[int, ...] = (),
                 scores: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
+        request.drop_pending()
         request.stream.finish()
         request.finish_time = time.perf_counter()
         self.scheduler.finish(request, reason)
@@ -277,7 +364,7 @@ class LLMEngine:
     @staticmethod
     def _output(request: Request, token_ids: tuple[int, ...] = (),
                 scores: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
-        usage = Usage(len(request.prompt_ids), len(request.output_ids), request.num_cached_tokens or 0)
+        usage = Usage(len(request.prompt_ids), request.num_outputs, request.num_cached_tokens or 0)
         return RequestOutput(request.request_id, request.stream.take_delta(), request.status is Status.FINISHED,
                              request.finish_reason, request.error, token_ids, scores, usage)
 

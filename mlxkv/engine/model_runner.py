@@ -90,14 +90,14 @@ class ModelRunner:
             if not isinstance(layer.self_attn, PagedAttention):
                 layer.self_attn = PagedAttention(layer.self_attn, index, adapter_for(model, index, layer.self_attn))
 
-    def forward(self, step: ScheduledBatch) -> mx.array | None:
-        """Logits `[rows that sample, vocab]` for `step`, None if no row samples (lazy either way)."""
-        token_ids = np.concatenate([r.pending(n) for r, n in zip(step.requests, step.counts)]).astype(np.int32)
+    def forward(self, step: ScheduledBatch, token_ids: mx.array) -> mx.array | None:
+        """Logits `[rows that sample, vocab]` for `step`, whose packed input tokens are
+        `token_ids`; None if no row samples (lazy either way)."""
         hidden = self.hidden(token_ids, step.kv, np.asarray(step.exact, np.int32))
         rows = (np.cumsum(step.counts) - 1)[np.asarray(step.samples, dtype=bool)]
         return self.head(hidden[mx.array(rows.astype(np.int32))]) if rows.size else None
 
-    def hidden(self, token_ids: np.ndarray, kv: KVBatch, exact: np.ndarray) -> mx.array:
+    def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, exact: np.ndarray) -> mx.array:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
         the first `exact[b]` tokens of row b attending their own K/V as computed (lazy)."""
         context = StepContext(self.cache, kv, mx.array(kv.positions), self.attention, exact)

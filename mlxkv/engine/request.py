@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from .sampling import SamplingParams, TokenSampler
 from .text import TextStream
 
+PENDING = -1  # an output token sampled by a step whose result the host has not read yet
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -52,6 +54,33 @@ class Request:
     def append_output(self, token: int) -> None:
         self.output_ids.append(token)
         self.all_token_ids.append(token)
+
+    def set_output(self, slot: int, token: int) -> None:
+        """Output number `slot` is `token` (it was `PENDING`)."""
+        self.output_ids[slot] = token
+        self.all_token_ids[len(self.prompt_ids) + slot] = token
+
+    def truncate_outputs(self, count: int) -> None:
+        """Keep only the first `count` outputs (what later steps computed past them is dropped)."""
+        del self.output_ids[count:]
+        del self.all_token_ids[len(self.prompt_ids) + count:]
+
+    def drop_pending(self) -> None:
+        """Forget outputs still `PENDING` (they are always the last ones)."""
+        kept = len(self.output_ids)
+        while kept and self.output_ids[kept - 1] == PENDING:
+            kept -= 1
+        self.truncate_outputs(kept)
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens the host has read."""
+        return len(self.output_ids) - self.output_ids[-2:].count(PENDING)
+
+    @property
+    def done_sampling(self) -> bool:
+        """All `max_tokens` outputs are sampled (some maybe not read yet): nothing more to run."""
+        return len(self.output_ids) >= self.params.max_tokens
 
     def pending(self, count: int) -> list[int]:
         """The next `count` tokens to run through the model."""

@@ -82,7 +82,7 @@ class Scheduler:
         """Pick the next step's work and reserve its KV slots; None when there is nothing to run."""
         plan = _Plan(self.max_num_batched_tokens)
         for request in sorted(self.running, key=lambda r: not r.is_decode):
-            if plan.budget and request not in plan.preempted:
+            if plan.budget and request not in plan.preempted and not request.done_sampling:
                 self._make_room(plan, request)
         while self.waiting and plan.budget and len(self.running) < self.max_num_seqs \
                 and self.cache.num_active < self.cache.max_seqs:

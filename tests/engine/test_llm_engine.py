@@ -261,10 +261,10 @@ def test_a_forward_pass_failure_fails_its_batch_and_nothing_else(model, solo, mo
     forward = engine.runner.forward
     calls = iter(range(10**6))
 
-    def fail_on_the_second_call(batch):
+    def fail_on_the_second_call(batch, token_ids):
         if next(calls) == 1:
             raise RuntimeError("[metal::malloc] Resource limit exceeded")
-        return forward(batch)
+        return forward(batch, token_ids)
 
     monkeypatch.setattr(engine.runner, "forward", fail_on_the_second_call)
     while engine.has_unfinished():
@@ -337,3 +337,40 @@ def test_outputs_carry_tokens_usage_and_the_model_s_logprobs(checkpoint, model):
     assert [(o.usage.prompt_tokens, o.usage.completion_tokens, o.usage.cached_tokens) for o in mine] == \
         [(4, 1, 0), (4, 2, 0), (4, 3, 0)]
     assert mine[-1].finished and mine[-1].finish_reason == "length"
+
+
+def run_mixed(model, pipeline, eos, stop, abort_after):
+    """A mixed batch through a small pool (preemptions): greedy and seeded rows, an EOS, a stop
+    string, max_tokens, and one request aborted once it has produced `abort_after` tokens."""
+    model_, tokenizer = model
+    saved = set(tokenizer.eos_token_ids)
+    tokenizer.eos_token_ids = saved | {eos}
+    try:
+        engine = LLMEngine(model_, tokenizer, EngineConfig(block_size=4, num_blocks=12, max_num_seqs=5,
+                                                           max_num_batched_tokens=16, pipeline=pipeline))
+        params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, stop=[stop]),
+                  SamplingParams(max_tokens=7, temperature=0.9, seed=3), SamplingParams(max_tokens=12),
+                  SamplingParams(max_tokens=12, temperature=1.2, top_p=0.9, seed=4), SamplingParams(max_tokens=3)]
+        requests = [engine.add_request(p, sp) for p, sp in zip(FAILURE_PROMPTS * 2, params)]
+        texts = {r.request_id: "" for r in requests}
+        while engine.has_unfinished():
+            for out in engine.step():
+                texts[out.request_id] += out.delta
+            victim = requests[3]
+            if victim.finish_reason is None and victim.num_outputs >= abort_after:
+                engine.abort(victim.request_id)
+        assert engine.cache.free_pages == engine.cache.pool.capacity
+        return [(r.output_ids, r.finish_reason, texts[r.request_id]) for r in requests], engine.scheduler.num_preemptions
+    finally:
+        tokenizer.eos_token_ids = saved
+
+
+def test_pipelined_steps_give_exactly_the_unpipelined_outputs(model):
+    plain, _ = run_mixed(model, False, eos=-5, stop="\x00", abort_after=99)
+    eos, stop = plain[0][0][4], plain[1][2][3:6]  # a token request 0 produces, text request 1 does
+    expected, preempted = run_mixed(model, False, eos, stop, abort_after=4)
+    assert preempted > 0
+    reasons = [reason for _, reason, _ in expected]
+    assert reasons[:4] == ["stop", "stop", "length", "abort"] and reasons[5] == "length"
+    assert stop not in expected[1][2] and plain[1][2].startswith(expected[1][2])
+    assert run_mixed(model, True, eos, stop, abort_after=4)[0] == expected
