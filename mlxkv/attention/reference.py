@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -24,25 +25,41 @@ def gather_kv(pool: Pool, block_tables: np.ndarray, length: int) -> mx.array:
     float16 and bfloat16, whose quantized matmul has no fast CPU path; in float32 from
     twice as fast (one sequence, 8-bit) to half as fast (16 sequences, 4-bit).
     """
+    return _gather_with(pool, _Gather.of(block_tables, length, pool.shape[1], pool.shape[2]))
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """Which pages `gather_kv` takes: one page sliced (no whole-slot read for the contiguous
+    layout) or several gathered head-major in one `take` (which yields the head-major result
+    directly instead of gathering and then transposing)."""
+
+    rows: int
+    length: int
+    page: mx.array | None      # one page: each row's page
+    indices: mx.array | None   # several: `[rows, kv_heads, pages]` into `[pages * kv_heads, ...]`
+
+    @classmethod
+    def of(cls, block_tables: np.ndarray, length: int, kv_heads: int, page_size: int) -> _Gather:
+        pages = -(-length // page_size)
+        if pages == 1:
+            return cls(len(block_tables), length, mx.array(block_tables[:, 0]), None)
+        rows = block_tables[:, None, :pages] * kv_heads + np.arange(kv_heads, dtype=np.int32)[None, :, None]
+        return cls(len(block_tables), length, None, mx.array(rows))
+
+
+def _gather_with(pool: Pool, where: _Gather) -> mx.array:
     if isinstance(pool, QuantizedPages):
-        return pool.dequantize(tuple(_gather(part, block_tables, length) for part in pool.parts))
-    return _gather(pool, block_tables, length)
+        return pool.dequantize(tuple(_take(part, where) for part in pool.parts))
+    return _take(pool, where)
 
 
-def _gather(pool: mx.array, block_tables: np.ndarray, length: int) -> mx.array:
-    """`gather_kv` for one array of `[pages, kv_heads, page_size, row]`.
-
-    A single page is sliced before the gather (no whole-slot read for the contiguous
-    layout); several pages are gathered head-major in one `take`, which yields the
-    head-major result directly instead of gathering and then transposing.
-    """
+def _take(pool: mx.array, where: _Gather) -> mx.array:
     num_pages, kv_heads, page_size, row = pool.shape
-    pages = -(-length // page_size)
-    if pages == 1:
-        return mx.take(pool[:, :, :length], mx.array(block_tables[:, 0]), axis=0)
-    rows = block_tables[:, None, :pages] * kv_heads + np.arange(kv_heads, dtype=np.int32)[None, :, None]
-    gathered = mx.take(pool.reshape(num_pages * kv_heads, page_size, row), mx.array(rows), axis=0)
-    return gathered.reshape(len(block_tables), kv_heads, pages * page_size, row)
+    if where.page is not None:
+        return mx.take(pool[:, :, :where.length], where.page, axis=0)
+    gathered = mx.take(pool.reshape(num_pages * kv_heads, page_size, row), where.indices, axis=0)
+    return gathered.reshape(where.rows, kv_heads, where.indices.shape[-1] * page_size, row)
 
 
 def _softmax(scores: mx.array, sinks: mx.array | None = None) -> mx.array:
@@ -79,36 +96,79 @@ class Variant:
 PLAIN = Variant()
 
 
-def _attend(queries: mx.array, k_pool: Pool, v_pool: Pool, starts: np.ndarray, width: int,
-            ctx: np.ndarray, block_tables: np.ndarray, scale: float, variant: Variant) -> tuple[mx.array, np.ndarray]:
-    """Attention for rows of `width` queries each, from token `starts[i]`, the last one at
-    position `ctx[i] - 1`. Returns (out, the token ids of its rows)."""
-    n, q_heads, head_dim = len(starts), queries.shape[1], queries.shape[2]
-    kv_heads, page_size = k_pool.shape[1], k_pool.shape[2]
-    group = q_heads // kv_heads
-    token_ids = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
+@dataclass(frozen=True)
+class _Group:
+    """Rows of a batch attended together, `width` queries each: which queries, which pages,
+    which keys each query may see. Built once per batch, shared by every layer."""
 
-    q = queries[mx.array(token_ids)].reshape(n, width, kv_heads, group, head_dim)
-    q = q.transpose(0, 2, 3, 1, 4).reshape(n, kv_heads, group * width, head_dim)
+    width: int
+    token_ids: np.ndarray
+    queries: mx.array          # `token_ids` as an index
+    gather: _Gather
+    first_page: int
+    allowed: mx.array          # `[rows, 1, 1, width, keys]`
+
+
+@lru_cache(maxsize=16)
+def _plan(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> tuple[list[_Group], mx.array | None]:
+    """How `reference_attention` splits `batch`, and the permutation back to packed order.
+
+    Decode rows go together in buckets of similar length (page counts within a power of two),
+    so a short context does not copy the batch's longest; each prefill chunk goes on its own in
+    tiles of at most `QUERY_TILE` queries, which bounds the score matrix whatever its length."""
+    q_lens, ctx, tables, starts = batch.query_lens, batch.context_lens, batch.block_tables, batch.query_starts
+    pieces = []
+    decode = np.flatnonzero(q_lens == 1)
+    buckets = np.array([int(n).bit_length() for n in -(-ctx[decode] // page_size)])
+    for bucket in np.unique(buckets):
+        rows = decode[buckets == bucket]
+        pieces.append((starts[rows], 1, ctx[rows], tables[rows]))
+    for row in np.flatnonzero(q_lens > 1):
+        for lo in range(0, int(q_lens[row]), QUERY_TILE):
+            n = min(QUERY_TILE, int(q_lens[row]) - lo)
+            pieces.append((starts[row:row + 1] + lo, n, np.array([ctx[row] - q_lens[row] + lo + n]),
+                           tables[row:row + 1]))
+    groups = [_group(*piece, kv_heads, page_size, window) for piece in pieces]
+    order = np.concatenate([g.token_ids for g in groups]) if groups else np.zeros(0, np.int64)
+    unpermute = None if np.array_equal(order, np.arange(order.size)) else mx.array(np.argsort(order).astype(np.int32))
+    return groups, unpermute
+
+
+def _group(starts: np.ndarray, width: int, ctx: np.ndarray, tables: np.ndarray, kv_heads: int, page_size: int,
+           window: int | None) -> _Group:
+    """Rows of `width` queries each, from token `starts[i]`, the last one at position `ctx[i] - 1`."""
+    token_ids = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
     query_pos = (ctx - width)[:, None] + np.arange(width)[None, :]
-    first_page = 0 if variant.window is None else max(0, int(query_pos.min()) - variant.window + 1) // page_size
-    tables = block_tables[:, first_page:]
-    keys = gather_kv(k_pool, tables, int(ctx.max()) - first_page * page_size)
-    values = gather_kv(v_pool, tables, int(ctx.max()) - first_page * page_size)
-    scores = ((q * scale) @ keys.swapaxes(-1, -2)).reshape(n, kv_heads, group, width, -1)
+    first_page = 0 if window is None else max(0, int(query_pos.min()) - window + 1) // page_size
+    length = int(ctx.max()) - first_page * page_size
+    gather = _Gather.of(tables[:, first_page:], length, kv_heads, page_size)
+    keys = length if gather.page is not None else gather.indices.shape[-1] * page_size
+    key_pos = first_page * page_size + np.arange(keys)[None, None, :]
+    allowed = key_pos <= query_pos[:, :, None]
+    if window is not None:
+        allowed &= key_pos > query_pos[:, :, None] - window
+    return _Group(width, token_ids, mx.array(token_ids.astype(np.int32)), gather, first_page,
+                  mx.array(allowed[:, None, None]))
+
+
+def _attend(queries: mx.array, k_pool: Pool, v_pool: Pool, group: _Group, scale: float, variant: Variant) -> mx.array:
+    """Attention for one group of rows (its queries in packed order)."""
+    n, width = group.gather.rows, group.width
+    q_heads, head_dim = queries.shape[1], queries.shape[2]
+    kv_heads = k_pool.shape[1]
+    grouped = q_heads // kv_heads
+    q = queries[group.queries].reshape(n, width, kv_heads, grouped, head_dim)
+    q = q.transpose(0, 2, 3, 1, 4).reshape(n, kv_heads, grouped * width, head_dim)
+    keys, values = _gather_with(k_pool, group.gather), _gather_with(v_pool, group.gather)
+    scores = ((q * scale) @ keys.swapaxes(-1, -2)).reshape(n, kv_heads, grouped, width, -1)
     if variant.softcap is not None:
         scores = mx.tanh(scores / variant.softcap) * variant.softcap
-
-    key_pos = first_page * page_size + np.arange(scores.shape[-1])[None, None, :]
-    allowed = key_pos <= query_pos[:, :, None]
-    if variant.window is not None:
-        allowed &= key_pos > query_pos[:, :, None] - variant.window
-    scores = mx.where(mx.array(allowed[:, None, None]), scores, -math.inf)
-    sinks = None if variant.sinks is None else variant.sinks.astype(mx.float32).reshape(1, kv_heads, group, 1, 1)
+    scores = mx.where(group.allowed, scores, -math.inf)
+    sinks = None if variant.sinks is None else variant.sinks.astype(mx.float32).reshape(1, kv_heads, grouped, 1, 1)
     probs = _softmax(scores.astype(mx.float32), sinks).astype(values.dtype)
-    out = probs.reshape(n, kv_heads, group * width, -1) @ values
-    out = out.reshape(n, kv_heads, group, width, head_dim).transpose(0, 3, 1, 2, 4)
-    return out.reshape(n * width, q_heads, head_dim), token_ids
+    out = probs.reshape(n, kv_heads, grouped * width, -1) @ values
+    out = out.reshape(n, kv_heads, grouped, width, head_dim).transpose(0, 3, 1, 2, 4)
+    return out.reshape(n * width, q_heads, head_dim)
 
 
 def reference_attention(queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KVBatch,
@@ -118,28 +178,15 @@ def reference_attention(queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KV
     `queries` is `[tokens, q_heads, head_dim]`, packed row after row as in `batch`; each
     new token attends causally to its sequence's cached tokens and the chunk's earlier
     tokens, which must already be written to the pools (float or quantized), as `variant`
-    says (a sliding window reads only the pages the window reaches). Decode rows are computed together
-    in buckets of similar length (page counts within a power of two), so a short context
-    does not copy the batch's longest; each prefill chunk runs on its own in tiles of at
-    most `QUERY_TILE` queries, which bounds the score matrix whatever the chunk length.
-    Returns `[tokens, q_heads, head_dim]`.
+    says (a sliding window reads only the pages the window reaches). Rows are split as
+    `_plan` says, once per batch for all layers. Returns `[tokens, q_heads, head_dim]`.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(queries.shape[-1])
-    q_lens, ctx, tables, starts = batch.query_lens, batch.context_lens, batch.block_tables, batch.query_starts
-    parts = []
-    decode = np.flatnonzero(q_lens == 1)
-    buckets = np.array([int(n).bit_length() for n in -(-ctx[decode] // k_pool.shape[2])])
-    for bucket in np.unique(buckets):
-        rows = decode[buckets == bucket]
-        parts.append(_attend(queries, k_pool, v_pool, starts[rows], 1, ctx[rows], tables[rows], scale, variant))
-    for row in np.flatnonzero(q_lens > 1):
-        for lo in range(0, int(q_lens[row]), QUERY_TILE):
-            n = min(QUERY_TILE, int(q_lens[row]) - lo)
-            last = ctx[row] - q_lens[row] + lo + n
-            parts.append(_attend(queries, k_pool, v_pool, starts[row:row + 1] + lo, n, np.array([last]),
-                                 tables[row:row + 1], scale, variant))
-    return in_packed_order(parts)
+    groups, unpermute = _plan(batch, k_pool.shape[1], k_pool.shape[2], variant.window)
+    parts = [_attend(queries, k_pool, v_pool, group, scale, variant) for group in groups]
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    return out if unpermute is None else out[unpermute]
 
 
 def in_packed_order(parts: list[tuple[mx.array, np.ndarray]]) -> mx.array:

@@ -14,7 +14,9 @@ from .prefix_cache import page_key, root_key
 class BlockTable:
     """Logical block i of a sequence lives in physical page `pages[i]` of the pool.
 
-    Token `p` is stored at slot `pages[p // page_size] * page_size + p % page_size`.
+    Token `p` is stored at slot `pages[p // page_size] * page_size + p % page_size`. `row`
+    holds the same pages as an int32 array as long as the longest table (zeros after them),
+    kept up to date as pages come and go, so a step's slots and block tables are array slices.
     The table grows from the pool as tokens are appended, up to `max_tokens`. With prefix
     caching it starts from the cached pages of its prefix (`reuse_prefix`), publishes each
     page its tokens fill (`publish`; `keys[i]` is the content key of full page i) and, on
@@ -27,6 +29,7 @@ class BlockTable:
         self.max_tokens = max_tokens
         self.num_tokens = 0
         self.pages: list[int] = []
+        self.row = np.zeros(-(-max_tokens // pool.page_size), np.int32)
         self.keys: list[bytes] = []
         self.num_computed = 0  # tokens whose K/V are stored, as last published
         self.dropped = 0  # leading pages given back by `slide`
@@ -56,7 +59,9 @@ class BlockTable:
 
     def reserve_pages(self, count: int) -> None:
         """Make room for `count` more tokens without appending them (all or nothing)."""
-        self.pages += self.pool.alloc(self.owner, self.pages_needed(count))
+        new = self.pool.alloc(self.owner, self.pages_needed(count))
+        self.row[len(self.pages):len(self.pages) + len(new)] = new
+        self.pages += new
 
     def append(self, count: int) -> np.ndarray:
         """Append `count` tokens, growing from the pool; returns their slots (int32)."""
@@ -73,13 +78,17 @@ class BlockTable:
         gone = self.pages[self.dropped:keep]
         self.pool.release_pages(self.owner, gone)
         self.pages[self.dropped:keep] = [0] * len(gone)
+        self.row[self.dropped:keep] = 0
         self.dropped = max(self.dropped, keep)
         return len(gone)
 
     def slots(self, start: int, stop: int) -> np.ndarray:
+        """The slots of tokens `start` .. `stop - 1` (int32), in O(stop - start)."""
+        if stop - start == 1:
+            return np.array([self.row[start // self.page_size] * self.page_size + start % self.page_size], np.int32)
         positions = np.arange(start, stop, dtype=np.int64)
-        pages = np.asarray(self.pages, dtype=np.int64)[positions // self.page_size]
-        return (pages * self.page_size + positions % self.page_size).astype(np.int32)
+        return (self.row[positions // self.page_size].astype(np.int64) * self.page_size
+                + positions % self.page_size).astype(np.int32)
 
     @property
     def blocks_in_use(self) -> int:
@@ -116,12 +125,14 @@ class BlockTable:
             self.pages.append(page)
             self.keys.append(key)
         self.pool.share(self.owner, self.pages)
+        self.row[:len(self.pages)] = self.pages
         self.num_tokens = start = len(self.pages) * size
         for count in range(min(len(tokens) - start, size - 1), 0, -1):
             page = self.pool.lookup(page_key(self._parent, tokens[start : start + count]))
             if page is not None:
                 if last > start:  # it may hold the last token too: that one is computed again
                     self.pool.take_over(self.owner, page)
+                    self.row[len(self.pages)] = page
                     self.pages.append(page)
                     self.num_tokens = min(start + count, last)
                 break
@@ -153,6 +164,7 @@ class BlockTable:
         parent = self._parent
         for count in range(len(self.tail), 0, -1):  # every prefix: a sequence may share only the start
             self.pool.publish(self.pages[len(self.keys)], page_key(parent, self.tail[:count]))
+        self.row[:len(self.pages)] = 0
         self.pages, self.keys, self.tail = [], [], []
         self.num_tokens = self.num_computed = self.dropped = 0
         return self.pool.free(self.owner)
