@@ -1,12 +1,18 @@
 """Throughput and latency of mlxkv against mlx-lm's BatchGenerator: one workload, one process.
 
 Both engines run the same model directory, the same prompts and output lengths (greedy,
-EOS ignored so lengths are exact) and the same cap on concurrent sequences. mlx-lm runs
-first; mlxkv then gets a paged KV pool of `--kv-fraction` times the KV bytes mlx-lm peaked at,
-with float pages and then with each of `--kv-bits` (8-bit and 4-bit pages: more tokens in the
-same bytes, so fewer preemptions and more sequences at once).
-Prints a table and a final line `throughput_ratio=<mlxkv/mlx-lm> kv_memory_ratio=<mlxkv/mlx-lm>`
-followed by `throughput_ratio_<bits>bit=...` per quantized run.
+EOS ignored so lengths are exact). mlx-lm runs first, with `--max-num-seqs` sequences at once.
+mlxkv then runs twice with float pages:
+- with a pool of `--kv-fraction` of the KV bytes mlx-lm peaked at and the same sequence cap
+  (does it do the same work in less memory?);
+- with a pool of exactly mlx-lm's peak KV bytes and the sequence cap raised to every request,
+  so that the budget, not the cap, limits it (what does the same memory buy?).
+It repeats the second run with each of `--kv-bits` (8-bit and 4-bit pages: more tokens in the
+same bytes). "peak KV" is the KV each engine actually held at its peak (mlxkv: the pages
+allocated to sequences, not the pool).
+Prints a table and a final line `throughput_ratio=<mlxkv/mlx-lm at equal KV bytes>
+kv_memory_ratio=<mlxkv's peak KV at the smaller pool / mlx-lm's>` followed by
+`throughput_ratio_<bits>bit=...` per quantized run.
 With `--long-prompt N` it also measures the inter-token latency of 8 running decodes while
 one N-token prompt is prefilled, with and without chunked prefill.
 """
@@ -71,9 +77,9 @@ def long_prompt_latency(model, tokenizer, length: int, chunk: int | None) -> dic
 
 def print_table(rows: dict[str, dict[str, float]]) -> None:
     columns = list(next(iter(rows.values())))
-    print(f"{'':24}" + "".join(f"{c:>18}" for c in columns))
+    print(f"{'':36}" + "".join(f"{c:>18}" for c in columns))
     for name, row in rows.items():
-        print(f"{name:24}" + "".join(f"{row[c]:>18.3f}" for c in columns))
+        print(f"{name:36}" + "".join(f"{row[c]:>18.3f}" for c in columns))
 
 
 def main() -> None:
@@ -103,31 +109,40 @@ def main() -> None:
     bytes_per_token = model_kv_bytes_per_token(model)
     run_mlx_lm(model, warm, 2, bytes_per_token)
     reference = run_mlx_lm(model, workload, args.max_num_seqs, bytes_per_token)
-    config = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          kv_cache_memory=max(1, int(args.kv_fraction * reference.peak_allocated)),
-                          max_model_len=args.prompt_len[1] + args.output_len[1])
+    small = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         kv_cache_memory=max(1, int(args.kv_fraction * reference.peak_allocated)),
+                         max_model_len=args.prompt_len[1] + args.output_len[1])
+    equal = replace(small, kv_cache_memory=reference.peak_allocated, max_num_seqs=args.num_requests)
+    plans = [(f"mlxkv {args.kv_fraction:g}x KV, cap {args.max_num_seqs}", small)]
+    plans += [(f"mlxkv{f' {b}-bit' if b else ''} equal KV, cap {args.num_requests}", replace(equal, kv_bits=b))
+              for b in [None] + args.kv_bits]
     runs, engines = [reference], {}
-    for bits in [None] + args.kv_bits:
-        name = "mlxkv paged" + (f" {bits}-bit" if bits else "")
-        run_mlxkv(model, tokenizer, warm, replace(config, kv_bits=bits), "warm-up")
-        run, engines[name] = run_mlxkv(model, tokenizer, workload, replace(config, kv_bits=bits), name)
+    for name, config in plans:
+        run_mlxkv(model, tokenizer, warm, config, "warm-up")
+        run, engines[name] = run_mlxkv(model, tokenizer, workload, config, name)
         assert all(len(run.token_times[i]) == n for i, n in enumerate(workload.output_lens))
         runs.append(run)
 
-    rows = {r.name: r.latency(workload) | {"KV bytes/token": r.bytes_per_token, "peak KV MiB": r.pool_bytes / 2**20,
+    rows = {r.name: r.latency(workload) | {"KV bytes/token": r.bytes_per_token,
+                                           "peak KV MiB": r.peak_allocated / 2**20,
                                            "peak MLX mem GiB": r.peak_memory / 2**30} for r in runs}
     print_table(rows)
     for name, engine in engines.items():
-        print(f"{name}: {engine.scheduler.num_preemptions} preemptions, pool of {engine.cache.pool.capacity} pages")
+        run = runs[list(engines).index(name) + 1]
+        most = max(s.sequences for s in run.samples)
+        print(f"{name}: pool {run.pool_bytes / 2**20:.1f} MiB, peak use {run.peak_allocated / run.pool_bytes:.0%} "
+              f"of it, at most {most} sequences at once, {engine.scheduler.num_preemptions} preemptions")
     if args.long_prompt:
         print(f"\n8 decodes while a {args.long_prompt}-token prompt is prefilled (mlxkv):")
         print_table({"chunked (512 tokens/step)": long_prompt_latency(model, tokenizer, args.long_prompt, 512),
                      "not chunked": long_prompt_latency(model, tokenizer, args.long_prompt, None)})
     base = rows["mlx-lm BatchGenerator"]["tok/s"]
-    quantized = [f"throughput_ratio_{b}bit={rows[f'mlxkv paged {b}-bit']['tok/s'] / base:.3f}" for b in args.kv_bits]
-    print(" ".join([f"throughput_ratio={rows['mlxkv paged']['tok/s'] / base:.3f}",
-                    f"kv_memory_ratio={runs[1].pool_bytes / reference.pool_bytes:.3f}", *quantized]))
+    ratios = {name: rows[name]["tok/s"] / base for name, _ in plans}
+    quantized = [f"throughput_ratio_{b}bit={ratios[plans[2 + i][0]]:.3f}" for i, b in enumerate(args.kv_bits)]
+    print(" ".join([f"throughput_ratio={ratios[plans[1][0]]:.3f}",
+                    f"kv_memory_ratio={runs[1].peak_allocated / reference.peak_allocated:.3f}",
+                    f"throughput_ratio_{args.kv_fraction:g}x_kv={ratios[plans[0][0]]:.3f}", *quantized]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,108 @@
+"""Single-stream decode against mlx-lm, and the engine's host time per step, in one process.
+
+Part one: greedy decode of one chat, `mlx_lm.stream_generate` against mlxkv's `LLM.stream`, on
+the shipped demo model and on a random ~100M-parameter float32 Llama (both engines load the same
+weights once). The two alternate, run after run, and the medians of their generation tokens per
+second (after the first token) give `single_stream_ratio=<mlxkv/mlx-lm>` per model.
+
+Part two: host milliseconds per engine step (the step's wall time but the wait for the device)
+at 16, 64, 256 and 1,024 running decodes on a tiny model, where the device's share is small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from harness import DEFAULT_MODEL, blas_in_use, load_bench_model
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from mlxkv import LLM, SamplingParams
+from mlxkv.config import EngineConfig
+from mlxkv.engine import LLMEngine
+from mlxkv.models import load
+from mlxkv.models.random_model import make_checkpoint
+
+PROMPT = "Write a short note on paged attention and why it saves memory."
+
+
+def mlx_lm_tps(model, tokenizer, prompt: list[int], tokens: int) -> float:
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=tokens, sampler=make_sampler(0.0)):
+        pass
+    assert last.generation_tokens == tokens, last.generation_tokens
+    return last.generation_tps
+
+
+def mlxkv_tps(llm: LLM, prompt: list[int], tokens: int) -> float:
+    stream = llm.stream(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    request = stream.request
+    for _ in stream:
+        pass
+    assert len(request.output_ids) == tokens, len(request.output_ids)
+    return (len(request.output_ids) - 1) / (request.finish_time - request.first_token_time)
+
+
+def single_stream(name: str, model, tokenizer, args) -> float:
+    """Median generation tok/s of each engine, alternating; prints and returns mlxkv/mlx-lm."""
+    llm = LLM((model, tokenizer), max_num_seqs=1)
+    prompt = tokenizer.encode(PROMPT)
+    mlx_lm_tps(model, tokenizer, prompt, 8)
+    mlxkv_tps(llm, prompt, 8)
+    theirs, ours = [], []
+    for _ in range(args.runs):
+        theirs.append(mlx_lm_tps(model, tokenizer, prompt, args.tokens))
+        ours.append(mlxkv_tps(llm, prompt, args.tokens))
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    print(f"{name}: mlx-lm {statistics.median(theirs):.1f} tok/s, mlxkv {statistics.median(ours):.1f} tok/s "
+          f"(runs: {', '.join(f'{t:.0f}/{o:.0f}' for t, o in zip(theirs, ours))})")
+    print(f"single_stream_ratio[{name}]={ratio:.3f}")
+    return ratio
+
+
+def host_per_step(model, tokenizer, sequences: int, steps: int) -> tuple[float, float]:
+    """(host ms, step ms) per decode step, median over `steps`, with `sequences` running."""
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=sequences, max_num_batched_tokens=4 * sequences,
+                                                      max_model_len=256, num_blocks=sequences * 8 + 64))
+    for i in range(sequences):
+        engine.add_request([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=200, ignore_eos=True))
+    while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):
+        engine.step()
+    hosts, totals = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        totals.append(time.perf_counter() - start)
+        hosts.append(totals[-1] - engine.last_step_wait)
+    return 1e3 * statistics.median(hosts), 1e3 * statistics.median(totals)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model", type=Path, default=None, help=f"the ~100M model [default: {DEFAULT_MODEL}]")
+    parser.add_argument("--sequences", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--tiny", type=Path, default=Path.home() / ".cache" / "mlxkv" / "bench-tiny")
+    args = parser.parse_args()
+
+    print(f"BLAS: {blas_in_use()}; MLX {mx.__version__}, device {mx.default_device()}")
+    single_stream("demo", *load(None), args)
+    single_stream("llama-100m", *load_bench_model(args.model), args)
+    if not (args.tiny / "config.json").exists():
+        make_checkpoint(args.tiny, "llama", "float32")
+    tiny, tokenizer = load(args.tiny)
+    print(f"\nhost time per decode step, tiny model ({args.steps} steps, median)")
+    print(f"{'running':>8} {'host ms':>8} {'step ms':>8} {'host us/seq':>12}")
+    for sequences in args.sequences:
+        host, total = host_per_step(tiny, tokenizer, sequences, args.steps)
+        print(f"{sequences:>8} {host:>8.2f} {total:>8.2f} {1e3 * host / sequences:>12.1f}")
+
+
+if __name__ == "__main__":
+    main()
