@@ -5,8 +5,9 @@ the shipped demo model and on a random ~100M-parameter float32 Llama (both engin
 weights once). The two alternate, run after run, and the medians of their generation tokens per
 second (after the first token) give `single_stream_ratio=<mlxkv/mlx-lm>` per model.
 
-Part two: host milliseconds per engine step (the step's wall time but the wait for the device)
-at 16, 64, 256 and 1,024 running decodes on a tiny model, where the device's share is small.
+Part two: host milliseconds per engine step (the step's wall time but the time blocked in MLX's
+evaluation) at 16, 64, 256 and 1,024 running decodes on a tiny model. Measured with unpipelined
+steps: on a CPU the device's threads share the cores with the host, which would blur the split.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def single_stream(name: str, model, tokenizer, args) -> float:
 def host_per_step(model, tokenizer, sequences: int, steps: int) -> tuple[float, float]:
     """(host ms, step ms) per decode step, median over `steps`, with `sequences` running."""
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=sequences, max_num_batched_tokens=4 * sequences,
-                                                      max_model_len=256, num_blocks=sequences * 8 + 64))
+                                                      max_model_len=256, num_blocks=sequences * 8 + 64,
+                                                      pipeline=False))
     for i in range(sequences):
         engine.add_request([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=200, ignore_eos=True))
     while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):

@@ -59,9 +59,11 @@ class BlockTable:
 
     def reserve_pages(self, count: int) -> None:
         """Make room for `count` more tokens without appending them (all or nothing)."""
-        new = self.pool.alloc(self.owner, self.pages_needed(count))
-        self.row[len(self.pages):len(self.pages) + len(new)] = new
-        self.pages += new
+        needed = self.pages_needed(count)
+        if needed:
+            new = self.pool.alloc(self.owner, needed)
+            self.row[len(self.pages):len(self.pages) + needed] = new
+            self.pages += new
 
     def append(self, count: int) -> np.ndarray:
         """Append `count` tokens, growing from the pool; returns their slots (int32)."""
@@ -69,6 +71,12 @@ class BlockTable:
         start = self.num_tokens
         self.num_tokens += count
         return self.slots(start, self.num_tokens)
+
+    def append_one(self) -> int:
+        """`append(1)`, returning the token's slot as an int (a decode step's common case)."""
+        self.reserve_pages(1)
+        self.num_tokens += 1
+        return self.slot(self.num_tokens - 1)
 
     def slide(self, first_token: int) -> int:
         """Give back the pages holding only tokens before `first_token`, which no query will
@@ -104,8 +112,8 @@ class BlockTable:
     def slot(self, position: int) -> int:
         if not 0 <= position < self.num_tokens:
             raise IndexError(f"position {position} is outside 0..{self.num_tokens - 1}")
-        page = self.pages[position // self.page_size]
-        return page * self.page_size + position % self.page_size
+        size = self.page_size
+        return self.pages[position // size] * size + position % size
 
     def reuse_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """Start the empty table from the cache: the pages holding `tokens`' leading full pages,

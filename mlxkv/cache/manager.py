@@ -305,8 +305,13 @@ class KVCacheManager:
 
     def _append(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int],
                 by_window: dict[int, KVBatch] | None = None) -> KVBatch:
-        slots = [table.append(n) for table, n in zip(tables, counts)]
-        return self._batch(seq_ids, tables, counts, np.concatenate(slots or [np.zeros(0, np.int32)]), by_window)
+        slots: list[int] = []
+        for table, n in zip(tables, counts):  # one token a row is the common case: no array per row
+            if n == 1:
+                slots.append(table.append_one())
+            else:
+                slots += table.append(n).tolist()
+        return self._batch(seq_ids, tables, counts, np.array(slots, np.int32), by_window)
 
     def write(self, layer: int, batch: KVBatch, keys: mx.array, values: mx.array) -> None:
         """Store `layer`'s K/V for the new tokens of `batch` (`[tokens, kv_heads, head_dim]`)."""
