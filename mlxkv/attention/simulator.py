@@ -227,7 +227,7 @@ class SimKernel:
             else:
                 casts.append(f"({p.type})g_buf[{buffers.index(p)}]")
         return "\n".join([
-            f'#include "{RUNTIME}"',
+            f'#include "{_runtime_copy()}"',
             '#line 1 "header"', rewrite(self.header),
             '#line 1 "signature"', decl,
             f"void kernel_body({', '.join(p.declaration for p in params)}) {{",
@@ -354,15 +354,32 @@ def _explain(stderr: str, sources: dict[str, str], constant_inputs: list[str]) -
     return "".join(f"\n  {n}" for n in notes)
 
 
+def _runtime_copy() -> Path:
+    """`runtime.h` as a file in the cache named by its content, which every build includes.
+
+    Checkouts share the cache (CI's clone and a developer's tree both use ~/.cache), and clang
+    refuses a precompiled header whose source moved or was touched since: a copy that only its
+    content names is neither, wherever the checkout is and however often it is cloned."""
+    text = RUNTIME.read_text()
+    copy = CACHE / f"runtime-{hashlib.sha256(text.encode()).hexdigest()[:24]}.h"
+    if not copy.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        partial = copy.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(text)
+        partial.replace(copy)
+    return copy
+
+
 def _precompiled_runtime(compiler: str, flags: list[str]) -> Path:
-    """`runtime.h` built once as a precompiled header for `flags`: parsing it and the standard
-    headers it includes is most of the time a kernel takes to compile. Keyed on the runtime's path
-    too: a header precompiled from another checkout's copy would define everything twice."""
-    key = hashlib.sha256("\n".join([str(RUNTIME), RUNTIME.read_text(), compiler, *flags]).encode()).hexdigest()[:24]
-    pch = CACHE / f"runtime-{key}.pch"
+    """The runtime copy built once as a precompiled header for `flags`: parsing it and the
+    standard headers it includes is most of the time a kernel takes to compile."""
+    runtime = _runtime_copy()
+    key = hashlib.sha256("\n".join([runtime.name, str(runtime.stat().st_mtime_ns), compiler, *flags]).encode())
+    key = key.hexdigest()[:24]
+    pch = CACHE / f"{runtime.stem}-{key}.pch"
     if not pch.exists():
         wrapper = pch.with_suffix(".h")  # included, so that the runtime stays a system header
-        wrapper.write_text(f'#include "{RUNTIME}"\n')
+        wrapper.write_text(f'#include "{runtime}"\n')
         partial = pch.with_suffix(f".{os.getpid()}.tmp")
         built = subprocess.run([compiler, *flags, "-x", "c++-header", str(wrapper), "-o", str(partial)],
                                capture_output=True, text=True)
@@ -380,7 +397,7 @@ def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], cou
     if outside:
         raise SimulatorError("kernel does not compile as Metal: " + outside)
     build_flags = BUILD_FLAGS + COUNT_FLAGS if counting else BUILD_FLAGS
-    key = hashlib.sha256("\n".join([unit, RUNTIME.read_text(), compiler, *CHECK_FLAGS, *build_flags]).encode())
+    key = hashlib.sha256("\n".join([unit, compiler, *CHECK_FLAGS, *build_flags]).encode())  # the unit names the runtime
     binary = CACHE / key.hexdigest()[:24]
     if binary.exists():
         return binary

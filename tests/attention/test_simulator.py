@@ -176,18 +176,19 @@ def test_code_newer_than_metals_cpp14_or_not_pedantic_is_rejected(body, message)
     assert message in str(error.value)
 
 
-def test_checkouts_sharing_one_cache_each_use_their_own_runtime(tmp_path, monkeypatch):
-    """CI's clone and a developer's checkout share ~/.cache: a runtime header precompiled from one
-    must not be included beside the other's."""
+def test_checkouts_sharing_one_cache_build_kernels_wherever_and_whenever_cloned(tmp_path, monkeypatch):
+    """CI clones afresh into the same path, or another, and shares ~/.cache with a developer's
+    checkout: a runtime precompiled for one clone must not be included beside another's copy, nor
+    refused because the clone's file is newer."""
     from mlxkv.attention import simulator
     monkeypatch.setattr(simulator, "CACHE", tmp_path / "cache")
-    for checkout in ("one", "two"):
+    for n, checkout in enumerate(("one", "two", "one")):
         runtime = tmp_path / checkout / "runtime.h"
-        runtime.parent.mkdir()
-        runtime.write_text(simulator.RUNTIME.read_text())
+        runtime.parent.mkdir(exist_ok=True)
+        runtime.write_text(simulator.RUNTIME.read_text())  # a fresh clone: same text, new mtime
         monkeypatch.setattr(simulator, "RUNTIME", runtime)
-        assert run("out[thread_position_in_grid.x] = a[thread_position_in_grid.x] + 1;").tolist() == \
-            list(range(1, 65))
+        assert run(f"out[thread_position_in_grid.x] = a[thread_position_in_grid.x] + {n};").tolist() == \
+            list(range(n, 64 + n))
 
 
 def test_cost_counters_count_what_a_launch_does():
