@@ -256,7 +256,8 @@ class LLMEngine:
         with self._lock:
             slots = [len(r.output_ids) for r in sampling]
             for request in sampling:
-                request.append_output(PENDING)
+                if request.status is not Status.FINISHED:  # not aborted since it was scheduled
+                    request.append_output(PENDING)
             self._inflight = InFlight(batch, sampling, slots, tokens, scored)
         return []
 
