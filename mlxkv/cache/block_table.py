@@ -12,11 +12,11 @@ from .prefix_cache import page_key, root_key
 
 
 class BlockTable:
-    """Logical block i of a sequence lives in physical page `pages[i]` of the pool.
+    """Logical block i of a sequence lives in physical page `row[i]` of the pool.
 
-    Token `p` is stored at slot `pages[p // page_size] * page_size + p % page_size`. `row`
-    holds the same pages as an int32 array as long as the longest table (zeros after them),
-    kept up to date as pages come and go, so a step's slots and block tables are array slices.
+    Token `p` is stored at slot `row[p // page_size] * page_size + p % page_size`. `row` is an
+    int32 array as long as the longest table, its first `num_pages` entries the pages and zeros
+    after them, so a step's slots and block tables are array slices.
     The table grows from the pool as tokens are appended, up to `max_tokens`. With prefix
     caching it starts from the cached pages of its prefix (`reuse_prefix`), publishes each
     page its tokens fill (`publish`; `keys[i]` is the content key of full page i) and, on
@@ -28,8 +28,8 @@ class BlockTable:
         self.owner = owner
         self.max_tokens = max_tokens
         self.num_tokens = 0
-        self.pages: list[int] = []
         self.row = np.zeros(-(-max_tokens // pool.page_size), np.int32)
+        self.num_pages = 0
         self.keys: list[bytes] = []
         self.num_computed = 0  # tokens whose K/V are stored, as last published
         self.dropped = 0  # leading pages given back by `slide`
@@ -41,29 +41,33 @@ class BlockTable:
         return self.pool.page_size
 
     @property
+    def pages(self) -> list[int]:
+        """The pages held, in order (a copy)."""
+        return self.row[: self.num_pages].tolist()
+
+    @property
     def position_base(self) -> int:
         """The slot of token 0 (0 while the table holds no page)."""
-        return self.pages[0] * self.page_size if self.pages else 0
+        return int(self.row[0]) * self.page_size if self.num_pages else 0
 
     @property
     def max_context(self) -> int:
         """How many tokens the pages held now can store without growing."""
-        return len(self.pages) * self.page_size
+        return self.num_pages * self.page_size
 
     def pages_needed(self, count: int) -> int:
         """How many new pages appending `count` tokens takes; checks the length limit."""
         total = self.num_tokens + count
         if total > self.max_tokens:
             raise SequenceTooLong(self.owner, total, self.max_tokens)
-        return max(0, -(-total // self.page_size) - len(self.pages))
+        return max(0, -(-total // self.page_size) - self.num_pages)
 
     def reserve_pages(self, count: int) -> None:
         """Make room for `count` more tokens without appending them (all or nothing)."""
         needed = self.pages_needed(count)
         if needed:
-            new = self.pool.alloc(self.owner, needed)
-            self.row[len(self.pages):len(self.pages) + needed] = new
-            self.pages += new
+            self.row[self.num_pages:self.num_pages + needed] = self.pool.alloc(self.owner, needed)
+            self.num_pages += needed
 
     def append(self, count: int) -> np.ndarray:
         """Append `count` tokens, growing from the pool; returns their slots (int32)."""
@@ -82,18 +86,15 @@ class BlockTable:
         """Give back the pages holding only tokens before `first_token`, which no query will
         read again (a sliding-window layer's); their entries stay, pointing at page 0, so
         later pages keep their index. Returns how many pages went back."""
-        keep = min(max(0, first_token) // self.page_size, len(self.pages))
-        gone = self.pages[self.dropped:keep]
+        keep = min(max(0, first_token) // self.page_size, self.num_pages)
+        gone = self.row[self.dropped:keep].tolist()
         self.pool.release_pages(self.owner, gone)
-        self.pages[self.dropped:keep] = [0] * len(gone)
         self.row[self.dropped:keep] = 0
         self.dropped = max(self.dropped, keep)
         return len(gone)
 
     def slots(self, start: int, stop: int) -> np.ndarray:
         """The slots of tokens `start` .. `stop - 1` (int32), in O(stop - start)."""
-        if stop - start == 1:
-            return np.array([self.row[start // self.page_size] * self.page_size + start % self.page_size], np.int32)
         positions = np.arange(start, stop, dtype=np.int64)
         return (self.row[positions // self.page_size].astype(np.int64) * self.page_size
                 + positions % self.page_size).astype(np.int32)
@@ -107,13 +108,13 @@ class BlockTable:
         """The page that holds token `token`, or None past the tokens stored."""
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"token must be a non-negative integer, got {token!r}")
-        return self.pages[token // self.page_size] if token < self.num_tokens else None
+        return int(self.row[token // self.page_size]) if token < self.num_tokens else None
 
     def slot(self, position: int) -> int:
         if not 0 <= position < self.num_tokens:
             raise IndexError(f"position {position} is outside 0..{self.num_tokens - 1}")
         size = self.page_size
-        return self.pages[position // size] * size + position % size
+        return int(self.row[position // size]) * size + position % size
 
     def reuse_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """Start the empty table from the cache: the pages holding `tokens`' leading full pages,
@@ -122,26 +123,28 @@ class BlockTable:
         token is never reused, since its logits must be computed: a shared page holding it
         is not taken, a partial one is, and the token is written again. Returns the tokens
         now in place."""
-        if self.pages:
+        if self.num_pages:
             raise ValueError(f"sequence {self.owner} already holds pages; a prefix is reused only before its first step")
         self.root, size, last = root_key(salt), self.page_size, len(tokens) - 1
+        shared = []
         for first in range(0, last // size * size, size):
             key = page_key(self._parent, tokens[first : first + size])
             page = self.pool.lookup(key)
             if page is None:
                 break
-            self.pages.append(page)
+            shared.append(page)
             self.keys.append(key)
-        self.pool.share(self.owner, self.pages)
-        self.row[:len(self.pages)] = self.pages
-        self.num_tokens = start = len(self.pages) * size
+        self.pool.share(self.owner, shared)
+        self.row[: len(shared)] = shared
+        self.num_pages = len(shared)
+        self.num_tokens = start = len(shared) * size
         for count in range(min(len(tokens) - start, size - 1), 0, -1):
             page = self.pool.lookup(page_key(self._parent, tokens[start : start + count]))
             if page is not None:
                 if last > start:  # it may hold the last token too: that one is computed again
                     self.pool.take_over(self.owner, page)
-                    self.row[len(self.pages)] = page
-                    self.pages.append(page)
+                    self.row[self.num_pages] = page
+                    self.num_pages += 1
                     self.num_tokens = min(start + count, last)
                 break
         self.num_computed, self.tail = self.num_tokens, list(tokens[start : self.num_tokens])
@@ -156,7 +159,7 @@ class BlockTable:
         size = self.page_size
         for index in range(len(self.keys), num_computed // size):
             self.keys.append(page_key(self._parent, tokens[index * size : (index + 1) * size]))
-            self.pool.publish(self.pages[index], self.keys[-1])
+            self.pool.publish(int(self.row[index]), self.keys[-1])
         self.num_computed, self.tail = num_computed, list(tokens[num_computed // size * size : num_computed])
 
     @property
@@ -171,8 +174,8 @@ class BlockTable:
         prompt again) computes only what is new."""
         parent = self._parent
         for count in range(len(self.tail), 0, -1):  # every prefix: a sequence may share only the start
-            self.pool.publish(self.pages[len(self.keys)], page_key(parent, self.tail[:count]))
-        self.row[:len(self.pages)] = 0
-        self.pages, self.keys, self.tail = [], [], []
-        self.num_tokens = self.num_computed = self.dropped = 0
+            self.pool.publish(int(self.row[len(self.keys)]), page_key(parent, self.tail[:count]))
+        self.row[: self.num_pages] = 0
+        self.keys, self.tail = [], []
+        self.num_tokens = self.num_computed = self.dropped = self.num_pages = 0
         return self.pool.free(self.owner)

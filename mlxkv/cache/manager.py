@@ -429,7 +429,7 @@ class KVCacheManager:
 
     def _batch(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int],
                slot_mapping: np.ndarray, by_window: dict[int, KVBatch] | None = None) -> KVBatch:
-        width = _stable_width(max((len(t.pages) for t in tables), default=1), self.max_pages_per_seq)
+        width = _stable_width(max((t.num_pages for t in tables), default=1), self.max_pages_per_seq)
         block_tables = np.stack([t.row[:width] for t in tables]) if tables else np.zeros((0, width), np.int32)
         return KVBatch(
             seq_ids=seq_ids,
