@@ -50,13 +50,12 @@ def with_chunks_on_sdpa(attention: Callable, queries: mx.array, k_pool: Pool, v_
         return attention(queries, k_pool, v_pool, batch, scale, variant)
     parts = []
     for row in chunks:
-        tokens = np.arange(batch.query_starts[row], batch.query_starts[row] + batch.query_lens[row])
-        parts.append((chunk_attention(queries[int(tokens[0]):int(tokens[-1]) + 1], k_pool, v_pool,
-                                      batch.block_tables[row], int(batch.context_lens[row]), scale, variant), tokens))
+        lo, hi = int(batch.query_starts[row]), int(batch.query_starts[row] + batch.query_lens[row])
+        parts.append((chunk_attention(queries[lo:hi], k_pool, v_pool, batch.block_tables[row],
+                                      int(batch.context_lens[row]), scale, variant), np.arange(lo, hi)))
     rest = np.setdiff1d(np.arange(len(batch.query_lens)), chunks)
     if rest.size:
-        tokens = np.concatenate([np.arange(batch.query_starts[r], batch.query_starts[r] + batch.query_lens[r])
-                                 for r in rest])
+        tokens = np.flatnonzero(~np.isin(np.repeat(np.arange(len(batch.query_lens)), batch.query_lens), chunks))
         parts.append((attention(queries[mx.array(tokens.astype(np.int32))], k_pool, v_pool, batch.select(rest),
                                 scale, variant), tokens))
     return in_packed_order(parts)

@@ -105,7 +105,6 @@ class _Group:
     token_ids: np.ndarray
     queries: mx.array          # `token_ids` as an index
     gather: _Gather
-    first_page: int
     allowed: mx.array          # `[rows, 1, 1, width, keys]`
 
 
@@ -129,9 +128,7 @@ def _plan(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> 
             pieces.append((starts[row:row + 1] + lo, n, np.array([ctx[row] - q_lens[row] + lo + n]),
                            tables[row:row + 1]))
     groups = [_group(*piece, kv_heads, page_size, window) for piece in pieces]
-    order = np.concatenate([g.token_ids for g in groups]) if groups else np.zeros(0, np.int64)
-    unpermute = None if np.array_equal(order, np.arange(order.size)) else mx.array(np.argsort(order).astype(np.int32))
-    return groups, unpermute
+    return groups, _unpermutation(np.concatenate([g.token_ids for g in groups]) if groups else np.zeros(0, np.int64))
 
 
 def _group(starts: np.ndarray, width: int, ctx: np.ndarray, tables: np.ndarray, kv_heads: int, page_size: int,
@@ -147,8 +144,7 @@ def _group(starts: np.ndarray, width: int, ctx: np.ndarray, tables: np.ndarray, 
     allowed = key_pos <= query_pos[:, :, None]
     if window is not None:
         allowed &= key_pos > query_pos[:, :, None] - window
-    return _Group(width, token_ids, mx.array(token_ids.astype(np.int32)), gather, first_page,
-                  mx.array(allowed[:, None, None]))
+    return _Group(width, token_ids, mx.array(token_ids.astype(np.int32)), gather, mx.array(allowed[:, None, None]))
 
 
 def _attend(queries: mx.array, k_pool: Pool, v_pool: Pool, group: _Group, scale: float, variant: Variant) -> mx.array:
@@ -193,7 +189,10 @@ def in_packed_order(parts: list[tuple[mx.array, np.ndarray]]) -> mx.array:
     """Outputs computed for groups of a batch's tokens, `(out, the token ids of its rows)`, as
     one array in the packed order of the tokens."""
     out = parts[0][0] if len(parts) == 1 else mx.concatenate([p[0] for p in parts])
-    order = np.concatenate([p[1] for p in parts])
-    if np.array_equal(order, np.arange(order.size)):
-        return out
-    return out[mx.array(np.argsort(order).astype(np.int32))]
+    unpermute = _unpermutation(np.concatenate([p[1] for p in parts]))
+    return out if unpermute is None else out[unpermute]
+
+
+def _unpermutation(order: np.ndarray) -> mx.array | None:
+    """The index that puts rows computed in `order` (token ids) back in packed order; None if they are."""
+    return None if np.array_equal(order, np.arange(order.size)) else mx.array(np.argsort(order).astype(np.int32))
