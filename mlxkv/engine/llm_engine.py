@@ -237,10 +237,10 @@ class LLMEngine:
         """Build `batch`'s forward pass and sampling and start evaluating them; returns the
         outputs of the requests that failed to (none when it started)."""
         sampling = [r for r, s in zip(batch.requests, batch.samples) if s]
+        slots = [len(r.output_ids) for r in sampling]  # the output number each row samples
         try:
             logits = self.runner.forward(batch, self._token_ids(batch, previous))
-            tokens = sample(logits, [r.sampler for r in sampling], [len(r.output_ids) for r in sampling]) \
-                if sampling else mx.array([], mx.uint32)
+            tokens = sample(logits, [r.sampler for r in sampling], slots) if sampling else mx.array([], mx.uint32)
             wanted = [r.params.logprobs for r in sampling if r.params.logprobs is not None]
             scored = logprobs(logits, tokens, max(wanted)) if wanted else ()
             started = time.perf_counter()
@@ -254,7 +254,6 @@ class LLMEngine:
             self._recover(batch.requests, [], None)
             raise
         with self._lock:
-            slots = [len(r.output_ids) for r in sampling]
             for request in sampling:
                 if request.status is not Status.FINISHED:  # not aborted since it was scheduled
                     request.append_output(PENDING)

@@ -65,17 +65,22 @@ class Request:
         del self.output_ids[count:]
         del self.all_token_ids[len(self.prompt_ids) + count:]
 
+    @property
+    def num_pending(self) -> int:
+        """Outputs still `PENDING` (they are always the last ones)."""
+        count = 0
+        while count < len(self.output_ids) and self.output_ids[-1 - count] == PENDING:
+            count += 1
+        return count
+
     def drop_pending(self) -> None:
-        """Forget outputs still `PENDING` (they are always the last ones)."""
-        kept = len(self.output_ids)
-        while kept and self.output_ids[kept - 1] == PENDING:
-            kept -= 1
-        self.truncate_outputs(kept)
+        """Forget the outputs still `PENDING`."""
+        self.truncate_outputs(len(self.output_ids) - self.num_pending)
 
     @property
     def num_outputs(self) -> int:
         """Output tokens the host has read."""
-        return len(self.output_ids) - self.output_ids[-2:].count(PENDING)
+        return len(self.output_ids) - self.num_pending
 
     @property
     def done_sampling(self) -> bool:

@@ -7,7 +7,6 @@ import random
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
 from ..errors import MlxkvError
@@ -140,13 +139,9 @@ def sample(logits: mx.array, samplers: list[TokenSampler], indices: list[int]) -
             keys.append(samplers[row].key(indices[row]))
         except Exception as exc:
             raise SamplingFailed(row, exc) from exc
-    drawn = _draw(logits[mx.array(rows)], [samplers[row].params for row in rows], mx.stack(keys))
-    if len(rows) == len(samplers):
-        return drawn
-    picked = np.zeros(len(samplers), bool)
-    picked[rows] = True
-    where = np.cumsum(picked) - 1  # row -> its place among the drawn rows
-    return mx.where(mx.array(picked), drawn[mx.array(np.maximum(where, 0).astype(np.int32))], greedy)
+    index = mx.array(rows)
+    greedy[index] = _draw(logits[index], [samplers[row].params for row in rows], mx.stack(keys))
+    return greedy
 
 
 def _column(values: list[float]) -> mx.array:
