@@ -24,6 +24,7 @@ import importlib.util
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,16 +183,39 @@ def estimate(launches: list, replicas: int, in_flight: int, group: int, head_dim
     return seconds
 
 
+@dataclass(frozen=True)
+class Contender:
+    """A kernel set to count, and what its launcher decides for a decode step: query heads per
+    threadgroup `(group, head_dim)`, split-K `(threadgroups, context)`, and K/V bytes a SIMD
+    group has in flight `(group, head_dim)` for the roofline."""
+
+    name: str
+    kernels: object
+    heads: Callable[[int, int], int]
+    splits: Callable[[int, int], bool]
+    in_flight: Callable[[int, int], int]
+
+
+def contenders(gpu: Gpu, rev: str) -> list[Contender]:
+    """This tree's kernels (a tile's K rows in flight), and commit `rev`'s when git can show them
+    (one K and one V row in flight)."""
+    from mlxkv.attention.simulator import metal_kernel
+    found = [Contender("new", PagedAttentionKernels(metal_kernel, cores=gpu.cores),
+                       lambda g, d: launch_shape(g, d, 16).heads,
+                       lambda t, c: t < THREADGROUPS_PER_CORE * gpu.cores and c > PARTITION,
+                       lambda g, d: 2 * d * launch_shape(g, d, 16).keys_per_tile)]
+    old = baseline_kernels(rev)
+    if old is None:
+        print(f"(git cannot show commit {rev} here: no baseline columns)")
+        return found
+    return found + [Contender(rev, old.PagedAttentionKernels(metal_kernel), lambda g, d: old.launch_shape(g, d)[1],
+                              lambda t, c: t < old.SPLIT_BELOW and c >= old.SPLIT_FROM, lambda g, d: 2 * d * 2)]
+
+
 def model(args) -> None:
     """The counter table for decode batches, this tree's kernels beside `--baseline`'s."""
-    from mlxkv.attention.simulator import metal_kernel
     gpu, kv_heads = Gpu(), args.kv_heads
-    kernels = {"new": PagedAttentionKernels(metal_kernel, cores=gpu.cores)}
-    old = baseline_kernels(args.baseline)
-    if old is not None:
-        kernels[args.baseline] = old.PagedAttentionKernels(metal_kernel)
-    else:
-        print(f"(git cannot show commit {args.baseline} here: no baseline columns)")
+    rivals = contenders(gpu, args.baseline)
     print(f"Modeled in the CPU simulator, float16 K/V, {kv_heads} KV heads, block 16; roofline for an {gpu.name}: "
           f"{gpu.bandwidth / 1e9:.0f} GB/s, {gpu.cores} cores x {gpu.lanes} lanes at {gpu.clock / 1e9:.2f} GHz, "
           f"{gpu.launch * 1e6:.0f} us a launch, {gpu.latency * 1e9:.0f} ns load latency, {gpu.tg_memory // 1024} KiB "
@@ -203,35 +227,18 @@ def model(args) -> None:
     print(f"{'batch':>5} {'ctx':>6} {'G':>2} {'D':>4} {'kernel':>8} {'split':>5} {'thr':>5} {'tg mem':>7} "
           f"{'dev/KV':>7} {'vec%':>5} {'B/load':>6} {'red/key':>8} {'shf/key':>8} {'exp/key':>8} {'bar/tg':>6} "
           f"{'est GB/s':>8} {'of BW':>6}")
-    cache: dict = {}
+    counted: dict = {}
     for head_dim in args.model_head_dims:
         for group in args.model_groups:
             for context in args.model_contexts:
                 for batch in args.model_batches:
-                    for name, k in kernels.items():
-                        tiles = batch * kv_heads * group // _heads(old, name, group, head_dim)
-                        split = _splits(old, name, k, tiles, context)
-                        key = (name, context, group, head_dim, split)
-                        if key not in cache:
-                            cache[key] = count(k, context, group, head_dim, split)
-                        in_flight = 2 * head_dim * (launch_shape(group, head_dim, 16).keys_per_tile if name == "new"
-                                                    else 2)  # a tile's K rows, or one K and one V row
-                        _row(batch, context, group, head_dim, name, split, cache[key], kv_heads, in_flight, gpu)
-
-
-
-def _heads(old, name: str, group: int, head_dim: int) -> int:
-    """Query heads per threadgroup of this tree's kernel (`new`) or of the baseline module `old`."""
-    if name == "new":
-        return launch_shape(group, head_dim, 16).heads
-    return old.launch_shape(group, head_dim)[1]
-
-
-def _splits(old, name: str, kernels, threadgroups: int, context: int) -> bool:
-    """Whether that kernel's launcher would split a decode step of `threadgroups` threadgroups."""
-    if name == "new":
-        return threadgroups < THREADGROUPS_PER_CORE * kernels.cores and context > PARTITION
-    return threadgroups < old.SPLIT_BELOW and context >= old.SPLIT_FROM
+                    for rival in rivals:
+                        split = rival.splits(batch * kv_heads * group // rival.heads(group, head_dim), context)
+                        key = (rival.name, context, group, head_dim, split)
+                        if key not in counted:
+                            counted[key] = count(rival.kernels, context, group, head_dim, split)
+                        _row(batch, context, group, head_dim, rival.name, split, counted[key], kv_heads,
+                             rival.in_flight(group, head_dim), gpu)
 
 
 def _row(batch, context, group, head_dim, name, split, launches, kv_heads, in_flight, gpu) -> None:
