@@ -107,7 +107,8 @@ class LLM:
             prompts = [prompts]
         elif not isinstance(prompts, (list, tuple, np.ndarray)):
             raise TypeError(f"prompts must be text, token ids, or a list of those, got {type(prompts).__name__}")
-        params = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        one = not isinstance(params, Sequence) or isinstance(params, str)
+        params = [params or SamplingParams()] * len(prompts) if one else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         requests = self._submit(prompts, params, cache_salt)

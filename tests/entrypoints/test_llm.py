@@ -149,6 +149,9 @@ def test_bad_prompts_are_named(checkpoint):
         llm.generate([[1, 999]])
     with pytest.raises(ValueError, match="got 2 prompts but 1 SamplingParams"):
         llm.generate(PROMPTS[:2], [SamplingParams()])
+    with pytest.raises(TypeError, match="params must be SamplingParams, got str"):
+        llm.generate(PROMPTS[0], "greedy")  # not a sequence of nine one-letter params
+    assert not llm.engine.has_unfinished()
 
 
 def test_model_loading_errors_are_specific(tmp_path, checkpoint):
