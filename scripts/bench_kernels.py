@@ -85,7 +85,7 @@ def case(attention, batch: int, context: int, args) -> tuple[float, float]:
 def prefill(args) -> None:
     """Seconds per chunk of L tokens at one context: the paged kernel per token against SDPA."""
     if not mx.metal.is_available():
-        print("--prefill times the Metal kernel, which needs a Mac; `--model` estimates the same choice here")
+        print("--prefill times the Metal kernel against SDPA, which needs a Mac (no Metal on this machine)")
         return
     kernels, dtype = PagedAttentionKernels(), getattr(mx, args.dtype)
     context, bs, d = args.contexts[0], args.block_size, args.head_dim
