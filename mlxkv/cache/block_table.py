@@ -23,12 +23,14 @@ class BlockTable:
     `release`, its partly filled last page.
     """
 
-    def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int) -> None:
+    def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int, row: np.ndarray | None = None) -> None:
+        """`row`: where to keep the page row (a zeroed int32 row of a matrix holding many
+        tables, so that a batch's tables are one slice of it), else an array of its own."""
         self.pool = pool
         self.owner = owner
         self.max_tokens = max_tokens
         self.num_tokens = 0
-        self.row = np.zeros(-(-max_tokens // pool.page_size), np.int32)
+        self.row = np.zeros(-(-max_tokens // pool.page_size), np.int32) if row is None else row
         self.num_pages = 0
         self.keys: list[bytes] = []
         self.num_computed = 0  # tokens whose K/V are stored, as last published
@@ -75,12 +77,6 @@ class BlockTable:
         start = self.num_tokens
         self.num_tokens += count
         return self.slots(start, self.num_tokens)
-
-    def append_one(self) -> int:
-        """`append(1)`, returning the token's slot as an int (a decode step's common case)."""
-        self.reserve_pages(1)
-        self.num_tokens += 1
-        return self.slot(self.num_tokens - 1)
 
     def slide(self, first_token: int) -> int:
         """Give back the pages holding only tokens before `first_token`, which no query will
@@ -179,3 +175,26 @@ class BlockTable:
         self.keys, self.tail = [], []
         self.num_tokens = self.num_computed = self.dropped = self.num_pages = 0
         return self.pool.free(self.owner)
+
+
+def new_pages(tables: Sequence[BlockTable], counts: np.ndarray) -> np.ndarray:
+    """`table.pages_needed(count)` for every table and count at once (int64), the length
+    limits checked: what a step's many sequences take without a Python call per table."""
+    lengths = np.fromiter((t.num_tokens for t in tables), np.int64, len(tables)) + counts
+    pages = np.fromiter((t.num_pages for t in tables), np.int64, len(tables))
+    limits = np.fromiter((t.max_tokens for t in tables), np.int64, len(tables))
+    over = np.flatnonzero(lengths > limits)
+    if over.size:
+        table = tables[over[0]]
+        raise SequenceTooLong(table.owner, int(lengths[over[0]]), table.max_tokens)
+    size = tables[0].page_size if tables else 1
+    return np.maximum(0, -(-lengths // size) - pages)
+
+
+def append_all(tables: Sequence[BlockTable], counts: np.ndarray, needed: np.ndarray) -> None:
+    """`table.append(count)` for every table, given what `new_pages` said each needs: only
+    the tables that cross into a new page call the pool, the rest just count their tokens."""
+    for row in np.flatnonzero(needed):
+        tables[row].reserve_pages(int(counts[row]))
+    for table, count in zip(tables, counts.tolist()):
+        table.num_tokens += count

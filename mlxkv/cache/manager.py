@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import KVCacheExhausted, MlxkvError, UnknownSequenceError, positive_int
-from .block_table import BlockTable
+from .block_table import BlockTable, append_all, new_pages
 from .layout import KVLayout, resolve_layout
 from .pool import PagePool
 from .storage import KVStorage, Pool
@@ -50,9 +50,7 @@ class KVBatch:
     @cached_property
     def positions(self) -> np.ndarray:
         """The position of every new token, packed like the queries."""
-        starts = np.repeat(self.context_lens - self.query_lens, self.query_lens)
-        offsets = np.arange(self.num_tokens) - np.repeat(self.query_starts, self.query_lens)
-        return (starts + offsets).astype(np.int32)
+        return new_positions(self.context_lens, self.query_lens)
 
     @cached_property
     def slot_mapping_mx(self) -> mx.array:
@@ -124,12 +122,20 @@ class WindowGroup:
     pool: PagePool
     storage: KVStorage
     tables: dict[int, BlockTable]
+    rows: np.ndarray  # the tables' page rows, one per sequence slot as in the manager's
 
 
 def window_pool_pages(window: int, block_size: int, max_seqs: int, step_tokens: int) -> int:
     """Pages a window group needs so that it never runs out: each sequence's window plus a page
     on either side, and the new tokens of one step of at most `step_tokens`."""
     return max_seqs * (-(-window // block_size) + 2) + -(-step_tokens // block_size)
+
+
+def new_positions(context_lens: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
+    """The positions of each row's last `query_lens[b]` tokens of `context_lens[b]`, packed (int32)."""
+    ends = np.cumsum(query_lens)
+    offsets = np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - query_lens, query_lens)
+    return (np.repeat(context_lens - query_lens, query_lens) + offsets).astype(np.int32)
 
 
 def _stable_width(pages: int, limit: int) -> int:
@@ -205,6 +211,9 @@ class KVCacheManager:
             pages_per_seq = 1
             self.pool = PagePool(max_seqs, max_seq_len)
         self.max_pages_per_seq = pages_per_seq
+        self._rows = np.zeros((max_seqs, pages_per_seq), np.int32)  # row i: the pages of the sequence in slot i
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._row_of: dict[int, int] = {}
         shared = [i for i, w in enumerate(windows) if not (grouped and w)]
         self._where = {layer: (None, index) for index, layer in enumerate(shared)}
         self.storage = KVStorage(len(shared), self.pool.capacity, num_kv_heads, self.pool.page_size, head_dim, dtype,
@@ -214,7 +223,8 @@ class KVCacheManager:
             layers = [i for i, w in enumerate(windows) if w == window]
             pages = (window_pages or {}).get(window) or window_pool_pages(window, block_size, max_seqs, max_seq_len)
             self.windowed[window] = WindowGroup(window, layers, PagePool(pages, block_size), KVStorage(
-                len(layers), pages, num_kv_heads, block_size, head_dim, dtype, kv_bits, kv_group_size), {})
+                len(layers), pages, num_kv_heads, block_size, head_dim, dtype, kv_bits, kv_group_size), {},
+                np.zeros_like(self._rows))
             self._where.update({layer: (window, index) for index, layer in enumerate(layers)})
         self._tables: dict[int, BlockTable] = {}
         self._next_id = 0
@@ -255,11 +265,14 @@ class KVCacheManager:
             ids = list(range(self._next_id, self._next_id + n))
             self._next_id += n
             for seq_id in ids:
-                self._tables[seq_id] = BlockTable(self.pool, seq_id, self.max_seq_len)
+                row = self._row_of[seq_id] = self._free_rows.pop()
+                self._rows[row] = 0
+                self._tables[seq_id] = BlockTable(self.pool, seq_id, self.max_seq_len, self._rows[row])
                 if self.layout is KVLayout.CONTIGUOUS:
                     self._tables[seq_id].reserve_pages(1)
                 for group in self.windowed.values():
-                    group.tables[seq_id] = BlockTable(group.pool, seq_id, self.max_seq_len)
+                    group.rows[row] = 0
+                    group.tables[seq_id] = BlockTable(group.pool, seq_id, self.max_seq_len, group.rows[row])
             return ids
 
     def reuse_prefix(self, seq_id: int, tokens: Sequence[int], salt: str | None = None) -> int:
@@ -281,37 +294,30 @@ class KVCacheManager:
     def step(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""
         seq_ids = tuple(seq_ids)
-        counts = [int(n) for n in num_new_tokens]
+        counts = np.asarray(num_new_tokens, np.int64).reshape(-1)
         if len(counts) != len(seq_ids):
             raise ValueError(f"got {len(seq_ids)} seq_ids but {len(counts)} num_new_tokens")
-        if any(n < 0 for n in counts):
-            raise ValueError(f"num_new_tokens must be non-negative, got {counts}")
+        if (counts < 0).any():
+            raise ValueError(f"num_new_tokens must be non-negative, got {counts.tolist()}")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct, got {list(seq_ids)}")
         with self._lock:
             tables = [self._table(seq_id) for seq_id in seq_ids]
-            needed = sum(table.pages_needed(n) for table, n in zip(tables, counts))
-            if needed > self.pool.free_count:
-                raise KVCacheExhausted(needed, self.pool.free_count)
+            needed = {None: new_pages(tables, counts)}
+            if needed[None].sum() > self.pool.free_count:
+                raise KVCacheExhausted(int(needed[None].sum()), self.pool.free_count)
             rows = {window: [group.tables[seq_id] for seq_id in seq_ids] for window, group in self.windowed.items()}
             for window, group in self.windowed.items():
                 for table in rows[window]:  # what this step's first query no longer sees
                     table.slide(table.num_tokens - window + 1)
-                window_needed = sum(table.pages_needed(n) for table, n in zip(rows[window], counts))
-                if window_needed > group.pool.free_count:
-                    raise KVCacheExhausted(window_needed, group.pool.free_count, f"pages of window-{window} layers")
-            by_window = {window: self._append(seq_ids, rows[window], counts) for window in self.windowed}
-            return self._append(seq_ids, tables, counts, by_window or None)
-
-    def _append(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int],
-                by_window: dict[int, KVBatch] | None = None) -> KVBatch:
-        slots: list[int] = []
-        for table, n in zip(tables, counts):  # one token a row is the common case: no array per row
-            if n == 1:
-                slots.append(table.append_one())
-            else:
-                slots += table.append(n).tolist()
-        return self._batch(seq_ids, tables, counts, np.array(slots, np.int32), by_window)
+                needed[window] = new_pages(rows[window], counts)
+                if needed[window].sum() > group.pool.free_count:
+                    raise KVCacheExhausted(int(needed[window].sum()), group.pool.free_count,
+                                           f"pages of window-{window} layers")
+            for window, group in self.windowed.items():
+                append_all(rows[window], counts, needed[window])
+            append_all(tables, counts, needed[None])
+            return self._batches(seq_ids, tables, counts)
 
     def write(self, layer: int, batch: KVBatch, keys: mx.array, values: mx.array) -> None:
         """Store `layer`'s K/V for the new tokens of `batch` (`[tokens, kv_heads, head_dim]`)."""
@@ -331,16 +337,14 @@ class KVCacheManager:
         seq_ids = tuple(seq_ids)
         with self._lock:
             tables = [self._table(seq_id) for seq_id in seq_ids]
-            empty, zeros = np.zeros(0, np.int32), [0] * len(tables)
-            by_window = {window: self._batch(seq_ids, [group.tables[s] for s in seq_ids], zeros, empty)
-                         for window, group in self.windowed.items()}
-            return self._batch(seq_ids, tables, zeros, empty, by_window or None)
+            return self._batches(seq_ids, tables, np.zeros(len(tables), np.int64))
 
     def release(self, seq_id: int) -> int:
         """Close a sequence and return its pages; returns how many it held."""
         with self._lock:
             table = self._table(seq_id)
             del self._tables[seq_id]
+            self._free_rows.append(self._row_of.pop(seq_id))
             for group in self.windowed.values():
                 group.tables.pop(seq_id).release()
             return table.release()
@@ -412,10 +416,10 @@ class KVCacheManager:
     def free_pages(self) -> int:
         return self.pool.free_count
 
-    def pages_needed(self, seq_id: int, count: int) -> int:
-        """New pages `count` more tokens of `seq_id` would take."""
+    def pages_needed(self, seq_ids: Sequence[int], counts: Sequence[int]) -> np.ndarray:
+        """New pages each sequence would take for its count of more tokens (int64)."""
         with self._lock:
-            return self._table(seq_id).pages_needed(count)
+            return new_pages([self._table(seq_id) for seq_id in seq_ids], np.asarray(counts, np.int64))
 
     def num_tokens(self, seq_id: int) -> int:
         with self._lock:
@@ -427,16 +431,24 @@ class KVCacheManager:
             raise UnknownSequenceError(seq_id)
         return table
 
-    def _batch(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int],
-               slot_mapping: np.ndarray, by_window: dict[int, KVBatch] | None = None) -> KVBatch:
+    def _batches(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: np.ndarray) -> KVBatch:
+        """The batch of `tables` after their last `counts[b]` tokens were appended, with the
+        same batch in each window group's pages."""
+        rows = np.fromiter((self._row_of[seq_id] for seq_id in seq_ids), np.intp, len(seq_ids))
+        by_window = {window: self._batch(seq_ids, [group.tables[s] for s in seq_ids], group.rows, rows, counts)
+                     for window, group in self.windowed.items()}
+        return self._batch(seq_ids, tables, self._rows, rows, counts, by_window or None)
+
+    def _batch(self, seq_ids: tuple[int, ...], tables: list[BlockTable], matrix: np.ndarray, rows: np.ndarray,
+               counts: np.ndarray, by_window: dict[int, KVBatch] | None = None) -> KVBatch:
+        """One pool's batch: block tables cut from the `rows` of the tables' `matrix`, and each
+        new token's slot read off them, in one vector pass."""
         width = _stable_width(max((t.num_pages for t in tables), default=1), self.max_pages_per_seq)
-        block_tables = np.stack([t.row[:width] for t in tables]) if tables else np.zeros((0, width), np.int32)
-        return KVBatch(
-            seq_ids=seq_ids,
-            query_lens=np.asarray(counts, np.int32),
-            context_lens=np.asarray([t.num_tokens for t in tables], np.int32),
-            block_tables=block_tables,
-            slot_mapping=slot_mapping.astype(np.int32),
-            block_size=self.block_size,
-            by_window=by_window,
-        )
+        block_tables = matrix[rows, :width]
+        query_lens = counts.astype(np.int32)
+        context_lens = np.fromiter((t.num_tokens for t in tables), np.int32, len(tables))
+        positions = new_positions(context_lens, query_lens)
+        size = self.block_size
+        pages = block_tables[np.repeat(np.arange(len(tables)), query_lens), positions // size]
+        slots = pages.astype(np.int64) * size + positions % size
+        return KVBatch(seq_ids, query_lens, context_lens, block_tables, slots.astype(np.int32), size, by_window)

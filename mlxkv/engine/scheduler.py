@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..cache.manager import KVBatch, KVCacheManager
 from ..cache.prefix_cache import PrefixCacheStats
 from .request import Request, Status
@@ -34,11 +36,11 @@ class _Plan:
     preempted: set[Request] = field(default_factory=set)
     reserved: int = 0
 
-    def pick(self, request: Request, count: int, pages: int) -> None:
-        self.counts[request] = count
-        self.pages[request] = pages
-        self.reserved += pages
-        self.budget -= count
+    def pick(self, requests: list[Request], counts: list[int], pages: list[int]) -> None:
+        self.counts.update(zip(requests, counts))
+        self.pages.update(zip(requests, pages))
+        self.reserved += sum(pages)
+        self.budget -= sum(counts)
 
     def drop(self, request: Request) -> None:
         self.preempted.add(request)
@@ -81,9 +83,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work and reserve its KV slots; None when there is nothing to run."""
         plan = _Plan(self.max_num_batched_tokens)
-        for request in sorted(self.running, key=lambda r: not r.is_decode):
-            if plan.budget and request not in plan.preempted and not request.done_sampling:
-                self._make_room(plan, request)
+        running = [r for r in self.running if not r.done_sampling]
+        running = [r for r in running if r.is_decode] + [r for r in running if not r.is_decode]
+        if not self._pick_all(plan, running):
+            for request in running:
+                if plan.budget and request not in plan.preempted:
+                    self._make_room(plan, request)
         while self.waiting and plan.budget and len(self.running) < self.max_num_seqs \
                 and self.cache.num_active < self.cache.max_seqs:
             request = self.waiting[0]
@@ -95,7 +100,7 @@ class Scheduler:
         if not plan.counts:
             return None
         requests, counts = list(plan.counts), list(plan.counts.values())
-        samples = [r.num_computed + n == r.num_tokens for r, n in zip(requests, counts)]
+        samples = [n == r.num_remaining for r, n in zip(requests, counts)]
         return ScheduledBatch(requests, counts, self.cache.step([r.seq_id for r in requests], counts), samples,
                               [self.exact_span(r) for r in requests])
 
@@ -142,13 +147,27 @@ class Scheduler:
             self.prefix_stats.record(len(request.prompt_ids), request.num_computed)
         return True
 
+    def _pick_all(self, plan: _Plan, requests: list[Request]) -> bool:
+        """Pick every request in order, each as many tokens as the budget leaves, if all their
+        pages are free (the common step, in one pass over the cache); otherwise pick none."""
+        remaining = np.fromiter((r.num_remaining for r in requests), np.int64, len(requests))
+        counts = np.clip(plan.budget - (np.cumsum(remaining) - remaining), 0, remaining)
+        picked = [r for r, n in zip(requests, counts.tolist()) if n]
+        counts = counts[counts > 0]
+        pages = self.cache.pages_needed([r.seq_id for r in picked], counts)
+        if pages.sum() > self.cache.free_pages - plan.reserved or \
+                any(n < self.exact_span(r) for r, n in zip(picked, counts.tolist())):
+            return False
+        plan.pick(picked, counts.tolist(), pages.tolist())
+        return True
+
     def _try_pick(self, plan: _Plan, request: Request) -> bool:
         """Pick as many of `request`'s tokens as the budget allows, if their pages are free."""
         count = min(request.num_remaining, plan.budget)
-        pages = self.cache.pages_needed(request.seq_id, count)
+        (pages,) = self.cache.pages_needed([request.seq_id], [count]).tolist()
         if pages > self.cache.free_pages - plan.reserved or count < self.exact_span(request):
             return False
-        plan.pick(request, count, pages)
+        plan.pick([request], [count], [pages])
         return True
 
     def _make_room(self, plan: _Plan, request: Request) -> None:
