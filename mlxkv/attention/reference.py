@@ -118,7 +118,7 @@ def _plan(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> 
     q_lens, ctx, tables, starts = batch.query_lens, batch.context_lens, batch.block_tables, batch.query_starts
     pieces = []
     decode = np.flatnonzero(q_lens == 1)
-    buckets = np.array([int(n).bit_length() for n in -(-ctx[decode] // page_size)])
+    buckets = np.frexp(-(-ctx[decode] // page_size))[1]  # the page count's bit length
     for bucket in np.unique(buckets):
         rows = decode[buckets == bucket]
         pieces.append((starts[rows], 1, ctx[rows], tables[rows]))

@@ -283,13 +283,14 @@ class KVCacheManager:
             table = self._table(seq_id)
             return table.reuse_prefix(tokens, salt) if self.prefix_caching else 0
 
-    def publish(self, seq_id: int, tokens: Sequence[int], num_computed: int) -> None:
-        """Cache the pages filled by the first `num_computed` of the sequence's `tokens`, whose
-        K/V are now evaluated (never before: a page is shared only once it holds its K/V)."""
+    def publish(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], num_computed: Sequence[int]) -> None:
+        """Cache the pages filled by the first `num_computed[i]` of each sequence's `tokens[i]`,
+        whose K/V are now evaluated (never before: a page is shared only once it holds its K/V)."""
         with self._lock:
-            table = self._table(seq_id)
+            tables = [self._table(seq_id) for seq_id in seq_ids]
             if self.prefix_caching:
-                table.publish(tokens, num_computed)
+                for table, ids, count in zip(tables, tokens, num_computed):
+                    table.publish(ids, count)
 
     def step(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""

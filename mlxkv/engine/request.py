@@ -45,6 +45,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_pending: int = field(default=0, init=False)  # outputs still `PENDING` (always the last ones)
     sampler: TokenSampler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -54,24 +55,19 @@ class Request:
     def append_output(self, token: int) -> None:
         self.output_ids.append(token)
         self.all_token_ids.append(token)
+        self.num_pending += token == PENDING
 
     def set_output(self, slot: int, token: int) -> None:
-        """Output number `slot` is `token` (it was `PENDING`)."""
+        """Output number `slot`, the first still `PENDING`, is `token`."""
         self.output_ids[slot] = token
         self.all_token_ids[len(self.prompt_ids) + slot] = token
+        self.num_pending -= 1
 
     def truncate_outputs(self, count: int) -> None:
         """Keep only the first `count` outputs (what later steps computed past them is dropped)."""
+        self.num_pending -= min(self.num_pending, max(0, len(self.output_ids) - count))
         del self.output_ids[count:]
         del self.all_token_ids[len(self.prompt_ids) + count:]
-
-    @property
-    def num_pending(self) -> int:
-        """Outputs still `PENDING` (they are always the last ones)."""
-        count = 0
-        while count < len(self.output_ids) and self.output_ids[-1 - count] == PENDING:
-            count += 1
-        return count
 
     def drop_pending(self) -> None:
         """Forget the outputs still `PENDING`."""
@@ -93,12 +89,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_remaining(self) -> int:
         """Tokens still to run through the model before the next sample."""
-        return self.num_tokens - self.num_computed
+        return len(self.all_token_ids) - self.num_computed
 
     @property
     def is_decode(self) -> bool:

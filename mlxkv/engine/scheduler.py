@@ -102,7 +102,7 @@ class Scheduler:
         requests, counts = list(plan.counts), list(plan.counts.values())
         samples = [n == r.num_remaining for r, n in zip(requests, counts)]
         return ScheduledBatch(requests, counts, self.cache.step([r.seq_id for r in requests], counts), samples,
-                              [self.exact_span(r) for r in requests])
+                              self._exact_spans(requests))
 
     def exact_span(self, request: Request) -> int:
         """How many of `request`'s first tokens its next chunk computes from their own unquantized
@@ -114,13 +114,20 @@ class Scheduler:
         room = self.max_num_batched_tokens - (self.max_num_seqs - 1)
         return max(0, min(len(request.prompt_ids) - 1, room))
 
+    def _exact_spans(self, requests: list[Request]) -> list[int]:
+        """`exact_span` of each request (none with float pages)."""
+        if self.cache.kv_bits is None:
+            return [0] * len(requests)
+        return [self.exact_span(r) for r in requests]
+
     def commit(self, step: ScheduledBatch) -> None:
         """Count `step`'s tokens as computed, now that their K/V are evaluated, and cache the
         pages they filled (requests aborted meanwhile are skipped)."""
-        for request, count in zip(step.requests, step.counts):
-            if request.status is Status.RUNNING:
-                request.num_computed += count
-                self.cache.publish(request.seq_id, request.all_token_ids, request.num_computed)
+        live = [(r, n) for r, n in zip(step.requests, step.counts) if r.status is Status.RUNNING]
+        for request, count in live:
+            request.num_computed += count
+        self.cache.publish([r.seq_id for r, _ in live], [r.all_token_ids for r, _ in live],
+                           [r.num_computed for r, _ in live])
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (done or aborted) and free its pages."""
@@ -156,7 +163,7 @@ class Scheduler:
         counts = counts[counts > 0]
         pages = self.cache.pages_needed([r.seq_id for r in picked], counts)
         if pages.sum() > self.cache.free_pages - plan.reserved or \
-                any(n < self.exact_span(r) for r, n in zip(picked, counts.tolist())):
+                any(n < e for n, e in zip(counts.tolist(), self._exact_spans(picked))):
             return False
         plan.pick(picked, counts.tolist(), pages.tolist())
         return True

@@ -22,7 +22,10 @@ class TextStream:
     def add(self, token: int) -> bool:
         """Add one token; True when a stop string has appeared (the text then ends before it)."""
         self._detokenizer.add_token(token)
-        self._update(self._detokenizer.text)
+        if self._stop:
+            self._update(self._detokenizer.text)
+        else:
+            self.text = self._detokenizer.text
         return self.stopped
 
     def finish(self) -> None:
@@ -34,7 +37,8 @@ class TextStream:
 
     def take_delta(self) -> str:
         """Text not yet handed out that no later token can retract."""
-        end = len(self.text) if self.stopped or self.finished else max(self._sent, len(self.text) - self._undecided())
+        settled = self.stopped or self.finished or not self._longest
+        end = len(self.text) if settled else max(self._sent, len(self.text) - self._undecided())
         delta, self._sent = self.text[self._sent : end], end
         return delta
 

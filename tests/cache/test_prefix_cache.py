@@ -26,7 +26,7 @@ def admit(cache, tokens, salt=None, compute=None):
     hits = cache.reuse_prefix(seq, tokens, salt)
     count = len(tokens) - hits if compute is None else compute
     cache.step([seq], [count])
-    cache.publish(seq, tokens, hits + count)
+    cache.publish([seq], [tokens], [hits + count])
     return seq, hits
 
 
@@ -82,13 +82,13 @@ def test_appending_within_a_page_allocates_nothing_and_a_full_page_is_published(
     (seq,) = cache.claim(1)
     tokens = list(range(6))
     cache.step([seq], [6])
-    cache.publish(seq, tokens, 6)
+    cache.publish([seq], [tokens], [6])
     assert [cache.pool.key(p) for p in cache.pool.pages(seq)] == [keys_of(tokens)[0], None]
     free = cache.free_pages
     for n in (7, 8):
         tokens.append(n)
         cache.step([seq], [1])
-        cache.publish(seq, tokens, len(tokens))
+        cache.publish([seq], [tokens], [len(tokens)])
     assert cache.free_pages == free
     assert cache.pool.key(cache.pool.pages(seq)[1]) == keys_of(tokens)[1]
     tokens.append(9)
@@ -101,12 +101,12 @@ def test_pages_are_published_only_as_far_as_computed():
     (seq,) = cache.claim(1)
     tokens = list(range(10))
     cache.step([seq], [10])
-    cache.publish(seq, tokens, 5)  # the rest of the step is still being computed
+    cache.publish([seq], [tokens], [5])  # the rest of the step is still being computed
     assert [cache.pool.key(p) is not None for p in cache.pool.pages(seq)] == [True, False, False]
     with pytest.raises(ValueError, match="num_computed=11 is outside 5..10"):
-        cache.publish(seq, tokens, 11)
+        cache.publish([seq], [tokens], [11])
     with pytest.raises(ValueError, match="num_computed=4 is outside 5..10"):  # computed tokens never go back
-        cache.publish(seq, tokens, 4)
+        cache.publish([seq], [tokens], [4])
 
 
 def test_freed_pages_stay_cached_and_a_hit_revives_them():
@@ -216,8 +216,8 @@ def test_a_page_computed_twice_is_cached_once():
     (a, b) = cache.claim(2)
     tokens = list(range(8))
     cache.step([a, b], [8, 8])
-    cache.publish(a, tokens, 8)
-    cache.publish(b, tokens, 8)
+    cache.publish([a], [tokens], [8])
+    cache.publish([b], [tokens], [8])
     assert [cache.pool.lookup(k) for k in keys_of(tokens)] == cache.pool.pages(a)
     assert all(cache.pool.key(p) is None for p in cache.pool.pages(b))
     cache.release(b)
@@ -278,7 +278,7 @@ class PrefixMachine(RuleBasedStateMachine):
         new = mx.array(content_values(tokens)[len(tokens) - count :], dtype=mx.float32).reshape(-1, 1, 1)
         self.cache.write(0, batch, new, -new)
         mx.eval(self.cache.storage.tensors)
-        self.cache.publish(seq_id, tokens, len(tokens))
+        self.cache.publish([seq_id], [tokens], [len(tokens)])
 
     @rule(tokens=st.lists(st.integers(1, 2), min_size=1, max_size=9), salt=st.sampled_from([None, "s"]))
     def admit(self, tokens, salt):
