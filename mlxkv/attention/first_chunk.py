@@ -21,12 +21,13 @@ from .reference import PLAIN, Variant, in_packed_order
 
 
 def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array, values: mx.array, k_pool: Pool,
-                          v_pool: Pool, batch: KVBatch, exact: np.ndarray, scale: float,
+                          v_pool: Pool, batch: KVBatch, exact: np.ndarray | None, scale: float,
                           variant: Variant = PLAIN) -> mx.array:
     """`attention` over the pages for the packed batch's tokens, except the first `exact[b]`
     tokens of each row b (a chunk that starts its sequence), which attend causally to each
-    other's `keys` and `values` as computed, through MLX's SDPA as mlx-lm's prefill does."""
-    if not exact.any():
+    other's `keys` and `values` as computed, through MLX's SDPA as mlx-lm's prefill does.
+    `exact` may be None when no row has such tokens."""
+    if exact is None or not exact.any():
         return attention(queries, k_pool, v_pool, batch, scale, variant)
     parts = []
     for row in np.flatnonzero(exact):

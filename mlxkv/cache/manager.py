@@ -53,8 +53,9 @@ class KVBatch:
         return new_positions(self.context_lens, self.query_lens)
 
     @cached_property
-    def slot_mapping_mx(self) -> mx.array:
-        return mx.array(self.slot_mapping)
+    def write_index(self) -> tuple[mx.array, mx.array]:
+        """Each new token's page and offset in it, for the pools' scatter (once for all layers)."""
+        return mx.array(self.slot_mapping // self.block_size), mx.array(self.slot_mapping % self.block_size)
 
     def for_window(self, window: int | None) -> KVBatch:
         """The batch of the layers with this sliding window (their own pages), else this one."""
@@ -330,7 +331,7 @@ class KVCacheManager:
                     "KV tensors; MLX evaluates a lazy graph only on the thread that built it"
                 )
             window, index = self._layer(layer)
-            self._storage(window).write(index, batch.for_window(window).slot_mapping_mx, keys, values)
+            self._storage(window).write(index, batch.for_window(window).write_index, keys, values)
             self._tensor_thread = thread
 
     def fetch(self, seq_ids: Sequence[int]) -> KVBatch:

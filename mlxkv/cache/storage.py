@@ -211,13 +211,12 @@ class KVStorage:
 
         return tokens(pools[0]), tokens(pools[1])
 
-    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `slots`, quantized
-        once here when the pages are."""
+    def write(self, layer: int, where: tuple[mx.array, mx.array], keys: mx.array, values: mx.array) -> None:
+        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `where`, each token's
+        page and offset in it, quantized once here when the pages are."""
+        pages, offsets = where
         for name, array in (("keys", keys), ("values", values)):
-            self._check(name, array, slots.size)
-        pages = slots // self.page_size
-        offsets = slots % self.page_size
+            self._check(name, array, pages.size)
         for pool, new in zip(self.layer(layer), (keys, values)):
             if isinstance(pool, QuantizedPages):
                 parts = mx.quantize(new, group_size=self.group_size, bits=self.bits)

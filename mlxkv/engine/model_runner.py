@@ -23,6 +23,7 @@ class StepContext:
     """Handed to every layer as its `cache`: where this step's tokens go and sit, and how
     many of each row's first tokens attend their own K/V as computed (`exact`).
 
+    `exact` is None when no row has such tokens, as in every step without quantized pages.
     Model code that asks a cache for a mask gets None (the paged attention masks by
     position itself), and one that reads `offset` gets 0 (adapters use each token's own
     position instead)."""
@@ -31,7 +32,7 @@ class StepContext:
     batch: KVBatch
     positions: mx.array
     attention: AttentionFn
-    exact: np.ndarray
+    exact: np.ndarray | None
     offset: int = 0
 
     def make_mask(self, *args, **kwargs) -> None:
@@ -100,7 +101,7 @@ class ModelRunner:
     def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, exact: np.ndarray) -> mx.array:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
         the first `exact[b]` tokens of row b attending their own K/V as computed (lazy)."""
-        context = StepContext(self.cache, kv, mx.array(kv.positions), self.attention, exact)
+        context = StepContext(self.cache, kv, mx.array(kv.positions), self.attention, exact if exact.any() else None)
         return self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))[0]
 
     def head(self, hidden: mx.array) -> mx.array:
