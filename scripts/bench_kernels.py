@@ -59,7 +59,7 @@ def case(attention, batch: int, context: int, args) -> tuple[float, float]:
     k_pool = mx.random.normal((batch * pages_per_seq, kv_heads, bs, d)).astype(dtype)
     v_pool = mx.random.normal((batch * pages_per_seq, kv_heads, bs, d)).astype(dtype)
     ones = np.ones(batch, np.int32)
-    meta = KVBatch(tuple(range(batch)), ones, np.full(batch, context, np.int32), pages, np.zeros(batch, np.int32), bs)
+    meta = KVBatch(tuple(range(batch)), ones, np.full(batch, context, np.int32), pages, bs)
     q = mx.random.normal((batch, q_heads, d)).astype(dtype)
     order = mx.array(pages.reshape(-1))
     k = k_pool[order].reshape(batch, pages_per_seq, kv_heads, bs, d).transpose(0, 2, 1, 3, 4)
@@ -96,8 +96,7 @@ def prefill(args) -> None:
     print(f"{'chunk':>6} {'paged ms':>9} {'SDPA ms':>8} {'paged/SDPA':>11}")
     for length in (1, 2, 4, 8, 16, 32, 64, 128, 512):
         q = mx.random.normal((length, args.q_heads, d)).astype(dtype)
-        batch = KVBatch((0,), np.array([length], np.int32), np.array([context], np.int32), table[None],
-                        np.zeros(length, np.int32), bs)
+        batch = KVBatch((0,), np.array([length], np.int32), np.array([context], np.int32), table[None], bs)
         mx.eval(q, k_pool, v_pool)
         paged = timed(lambda: kernels.paged(q, k_pool, v_pool, batch, d ** -0.5), args.repeats)
         sdpa = timed(lambda: chunk_attention(q, k_pool, v_pool, table, context, d ** -0.5), args.repeats)
@@ -153,7 +152,7 @@ def count(kernels, context: int, group: int, head_dim: int, split: bool, block_s
     pages = -(-context // block_size)
     k_pool, v_pool = (mx.array(rng.standard_normal((pages, 1, block_size, head_dim)), mx.float16) for _ in range(2))
     batch = KVBatch((0,), np.ones(1, np.int32), np.array([context], np.int32),
-                    rng.permutation(pages).astype(np.int32)[None], np.zeros(1, np.int32), block_size)
+                    rng.permutation(pages).astype(np.int32)[None], block_size)
     q = mx.array(rng.standard_normal((1, group, head_dim)), mx.float16)
     with cost_counters() as launches:
         mx.eval(kernels(q, k_pool, v_pool, batch, head_dim ** -0.5, split=split))

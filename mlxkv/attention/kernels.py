@@ -106,7 +106,7 @@ def _check_batch(dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, 
     tables = np.zeros((2, int(pages.max())), np.int32)
     tables[0, : pages[0]] = np.arange(pages[0])[::-1]
     tables[1, : pages[1]] = pages[0] + np.arange(pages[1])
-    batch = KVBatch((0, 1), query_lens, contexts, tables, np.zeros(4, np.int32), block_size)
+    batch = KVBatch((0, 1), query_lens, contexts, tables, block_size)
     keys = mx.random.split(mx.random.key(0), 3)
     shape = (int(pages.sum()), kv_heads, block_size, head_dim)
     k_pool, v_pool = (mx.random.normal(shape, key=k).astype(dtype) for k in keys[:2])

@@ -176,25 +176,3 @@ class BlockTable:
         self.num_tokens = self.num_computed = self.dropped = self.num_pages = 0
         return self.pool.free(self.owner)
 
-
-def new_pages(tables: Sequence[BlockTable], counts: np.ndarray) -> np.ndarray:
-    """`table.pages_needed(count)` for every table and count at once (int64), the length
-    limits checked: what a step's many sequences take without a Python call per table."""
-    lengths = np.fromiter((t.num_tokens for t in tables), np.int64, len(tables)) + counts
-    pages = np.fromiter((t.num_pages for t in tables), np.int64, len(tables))
-    limits = np.fromiter((t.max_tokens for t in tables), np.int64, len(tables))
-    over = np.flatnonzero(lengths > limits)
-    if over.size:
-        table = tables[over[0]]
-        raise SequenceTooLong(table.owner, int(lengths[over[0]]), table.max_tokens)
-    size = tables[0].page_size if tables else 1
-    return np.maximum(0, -(-lengths // size) - pages)
-
-
-def append_all(tables: Sequence[BlockTable], counts: np.ndarray, needed: np.ndarray) -> None:
-    """`table.append(count)` for every table, given what `new_pages` said each needs: only
-    the tables that cross into a new page call the pool, the rest just count their tokens."""
-    for row in np.flatnonzero(needed):
-        tables[row].reserve_pages(int(counts[row]))
-    for table, count in zip(tables, counts.tolist()):
-        table.num_tokens += count

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import KVCacheExhausted, MlxkvError, UnknownSequenceError, positive_int
-from .block_table import BlockTable, append_all, new_pages
+from .block_table import BlockTable
 from .layout import KVLayout, resolve_layout
 from .pool import PagePool
 from .storage import KVStorage, Pool
@@ -22,20 +22,20 @@ class KVBatch:
     """What attention needs for one packed batch of sequences (host arrays are int32).
 
     Row b holds `query_lens[b]` new tokens (0 for a plain `fetch`) packed one after the
-    other, at positions `context_lens[b] - query_lens[b]` ... `context_lens[b] - 1`.
+    other, at positions `context_lens[b] - query_lens[b]` ... `context_lens[b] - 1`; where
+    their K/V go (`slot_mapping`) follows from the block tables.
     """
 
     seq_ids: tuple[int, ...]
     query_lens: np.ndarray
     context_lens: np.ndarray
     block_tables: np.ndarray
-    slot_mapping: np.ndarray
     block_size: int
     by_window: dict[int, KVBatch] | None = None  # the same step in each sliding-window group's pages
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
-        return int(self.slot_mapping.size)
+        return int(self.query_lens.sum())
 
     @property
     def slots(self) -> np.ndarray:
@@ -50,7 +50,15 @@ class KVBatch:
     @cached_property
     def positions(self) -> np.ndarray:
         """The position of every new token, packed like the queries."""
-        return new_positions(self.context_lens, self.query_lens)
+        offsets = np.arange(self.num_tokens) - np.repeat(self.query_starts, self.query_lens)
+        return (np.repeat(self.context_lens - self.query_lens, self.query_lens) + offsets).astype(np.int32)
+
+    @cached_property
+    def slot_mapping(self) -> np.ndarray:
+        """The slot of every new token, packed like the queries: page `block_tables[b][p // size]`, offset `p % size`."""
+        rows = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
+        pages = self.block_tables[rows, self.positions // self.block_size].astype(np.int64)
+        return (pages * self.block_size + self.positions % self.block_size).astype(np.int32)
 
     @cached_property
     def write_index(self) -> tuple[mx.array, mx.array]:
@@ -63,16 +71,13 @@ class KVBatch:
 
     def select(self, rows: np.ndarray) -> KVBatch:
         """The same step for these rows only (their tokens packed in the same order)."""
-        kept = np.isin(np.repeat(np.arange(len(self.query_lens)), self.query_lens), rows)
         return KVBatch(tuple(self.seq_ids[r] for r in rows), self.query_lens[rows], self.context_lens[rows],
-                       self.block_tables[rows], self.slot_mapping[kept], self.block_size)
+                       self.block_tables[rows], self.block_size)
 
     def skip(self, leading: np.ndarray) -> KVBatch:
         """The same step without each row's first `leading[b]` new tokens (its last ones stay)."""
-        offsets = np.arange(self.num_tokens) - np.repeat(self.query_starts, self.query_lens)
-        kept = offsets >= np.repeat(leading, self.query_lens)
         return KVBatch(self.seq_ids, (self.query_lens - leading).astype(np.int32), self.context_lens,
-                       self.block_tables, self.slot_mapping[kept], self.block_size)
+                       self.block_tables, self.block_size)
 
 
 @dataclass(frozen=True)
@@ -130,13 +135,6 @@ def window_pool_pages(window: int, block_size: int, max_seqs: int, step_tokens: 
     """Pages a window group needs so that it never runs out: each sequence's window plus a page
     on either side, and the new tokens of one step of at most `step_tokens`."""
     return max_seqs * (-(-window // block_size) + 2) + -(-step_tokens // block_size)
-
-
-def new_positions(context_lens: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
-    """The positions of each row's last `query_lens[b]` tokens of `context_lens[b]`, packed (int32)."""
-    ends = np.cumsum(query_lens)
-    offsets = np.arange(ends[-1] if len(ends) else 0) - np.repeat(ends - query_lens, query_lens)
-    return (np.repeat(context_lens - query_lens, query_lens) + offsets).astype(np.int32)
 
 
 def _stable_width(pages: int, limit: int) -> int:
@@ -295,30 +293,29 @@ class KVCacheManager:
 
     def step(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""
-        seq_ids = tuple(seq_ids)
-        counts = np.asarray(num_new_tokens, np.int64).reshape(-1)
+        seq_ids, counts = tuple(seq_ids), [int(n) for n in num_new_tokens]
         if len(counts) != len(seq_ids):
             raise ValueError(f"got {len(seq_ids)} seq_ids but {len(counts)} num_new_tokens")
-        if (counts < 0).any():
-            raise ValueError(f"num_new_tokens must be non-negative, got {counts.tolist()}")
+        if any(n < 0 for n in counts):
+            raise ValueError(f"num_new_tokens must be non-negative, got {counts}")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct, got {list(seq_ids)}")
         with self._lock:
             tables = [self._table(seq_id) for seq_id in seq_ids]
-            needed = {None: new_pages(tables, counts)}
-            if needed[None].sum() > self.pool.free_count:
-                raise KVCacheExhausted(int(needed[None].sum()), self.pool.free_count)
+            needed = {None: [table.pages_needed(n) for table, n in zip(tables, counts)]}
+            if sum(needed[None]) > self.pool.free_count:
+                raise KVCacheExhausted(sum(needed[None]), self.pool.free_count)
             rows = {window: [group.tables[seq_id] for seq_id in seq_ids] for window, group in self.windowed.items()}
             for window, group in self.windowed.items():
                 for table in rows[window]:  # what this step's first query no longer sees
                     table.slide(table.num_tokens - window + 1)
-                needed[window] = new_pages(rows[window], counts)
-                if needed[window].sum() > group.pool.free_count:
-                    raise KVCacheExhausted(int(needed[window].sum()), group.pool.free_count,
+                needed[window] = [table.pages_needed(n) for table, n in zip(rows[window], counts)]
+                if sum(needed[window]) > group.pool.free_count:
+                    raise KVCacheExhausted(sum(needed[window]), group.pool.free_count,
                                            f"pages of window-{window} layers")
             for window, group in self.windowed.items():
-                append_all(rows[window], counts, needed[window])
-            append_all(tables, counts, needed[None])
+                _append(rows[window], counts, needed[window])
+            _append(tables, counts, needed[None])
             return self._batches(seq_ids, tables, counts)
 
     def write(self, layer: int, batch: KVBatch, keys: mx.array, values: mx.array) -> None:
@@ -339,7 +336,7 @@ class KVCacheManager:
         seq_ids = tuple(seq_ids)
         with self._lock:
             tables = [self._table(seq_id) for seq_id in seq_ids]
-            return self._batches(seq_ids, tables, np.zeros(len(tables), np.int64))
+            return self._batches(seq_ids, tables, [0] * len(tables))
 
     def release(self, seq_id: int) -> int:
         """Close a sequence and return its pages; returns how many it held."""
@@ -418,10 +415,10 @@ class KVCacheManager:
     def free_pages(self) -> int:
         return self.pool.free_count
 
-    def pages_needed(self, seq_ids: Sequence[int], counts: Sequence[int]) -> np.ndarray:
-        """New pages each sequence would take for its count of more tokens (int64)."""
+    def pages_needed(self, seq_ids: Sequence[int], counts: Sequence[int]) -> list[int]:
+        """New pages each sequence would take for its count of more tokens."""
         with self._lock:
-            return new_pages([self._table(seq_id) for seq_id in seq_ids], np.asarray(counts, np.int64))
+            return [self._table(seq_id).pages_needed(n) for seq_id, n in zip(seq_ids, counts)]
 
     def num_tokens(self, seq_id: int) -> int:
         with self._lock:
@@ -433,24 +430,26 @@ class KVCacheManager:
             raise UnknownSequenceError(seq_id)
         return table
 
-    def _batches(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: np.ndarray) -> KVBatch:
+    def _batches(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int]) -> KVBatch:
         """The batch of `tables` after their last `counts[b]` tokens were appended, with the
         same batch in each window group's pages."""
-        rows = np.fromiter((self._row_of[seq_id] for seq_id in seq_ids), np.intp, len(seq_ids))
-        by_window = {window: self._batch(seq_ids, [group.tables[s] for s in seq_ids], group.rows, rows, counts)
+        rows = [self._row_of[seq_id] for seq_id in seq_ids]
+        query_lens = np.array(counts, np.int32)
+        by_window = {window: self._batch(seq_ids, [group.tables[s] for s in seq_ids], group.rows, rows, query_lens)
                      for window, group in self.windowed.items()}
-        return self._batch(seq_ids, tables, self._rows, rows, counts, by_window or None)
+        return self._batch(seq_ids, tables, self._rows, rows, query_lens, by_window or None)
 
-    def _batch(self, seq_ids: tuple[int, ...], tables: list[BlockTable], matrix: np.ndarray, rows: np.ndarray,
-               counts: np.ndarray, by_window: dict[int, KVBatch] | None = None) -> KVBatch:
-        """One pool's batch: block tables cut from the `rows` of the tables' `matrix`, and each
-        new token's slot read off them, in one vector pass."""
+    def _batch(self, seq_ids: tuple[int, ...], tables: list[BlockTable], matrix: np.ndarray, rows: list[int],
+               query_lens: np.ndarray, by_window: dict[int, KVBatch] | None = None) -> KVBatch:
+        """One pool's batch, its block tables cut from the tables' `rows` of its page `matrix`."""
         width = _stable_width(max((t.num_pages for t in tables), default=1), self.max_pages_per_seq)
-        block_tables = matrix[rows, :width]
-        query_lens = counts.astype(np.int32)
-        context_lens = np.fromiter((t.num_tokens for t in tables), np.int32, len(tables))
-        positions = new_positions(context_lens, query_lens)
-        size = self.block_size
-        pages = block_tables[np.repeat(np.arange(len(tables)), query_lens), positions // size]
-        slots = pages.astype(np.int64) * size + positions % size
-        return KVBatch(seq_ids, query_lens, context_lens, block_tables, slots.astype(np.int32), size, by_window)
+        context_lens = np.array([t.num_tokens for t in tables], np.int32)
+        return KVBatch(seq_ids, query_lens, context_lens, matrix[rows, :width], self.block_size, by_window)
+
+
+def _append(tables: list[BlockTable], counts: list[int], needed: list[int]) -> None:
+    """Append `counts[i]` tokens to `tables[i]`, which `needed[i]` new pages make room for."""
+    for table, count, pages in zip(tables, counts, needed):
+        if pages:
+            table.reserve_pages(count)
+        table.num_tokens += count

@@ -379,9 +379,10 @@ class LLMEngine:
         self.peak_usage = self.cache.usage()
 
     def _track_usage(self) -> None:
-        usage = self.cache.usage()
-        if usage.pages_used >= self.peak_usage.pages_used:
-            self.peak_usage = usage
+        """Keep the usage snapshot of the step holding the most pages (summing tokens over every
+        sequence only when it may be one)."""
+        if self.cache.pool.used_count >= self.peak_usage.pages_used:
+            self.peak_usage = self.cache.usage()
 
 
 def _token_logprobs(sampling: list[Request], tokens: list[int], scored: list[list]) -> list[TokenLogprob | None]:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..cache.manager import KVBatch, KVCacheManager
 from ..cache.prefix_cache import PrefixCacheStats
 from .request import Request, Status
@@ -157,21 +155,24 @@ class Scheduler:
     def _pick_all(self, plan: _Plan, requests: list[Request]) -> bool:
         """Pick every request in order, each as many tokens as the budget leaves, if all their
         pages are free (the common step, in one pass over the cache); otherwise pick none."""
-        remaining = np.fromiter((r.num_remaining for r in requests), np.int64, len(requests))
-        counts = np.clip(plan.budget - (np.cumsum(remaining) - remaining), 0, remaining)
-        picked = [r for r, n in zip(requests, counts.tolist()) if n]
-        counts = counts[counts > 0]
+        picked, counts, left = [], [], plan.budget
+        for request in requests:
+            count = min(request.num_remaining, left)
+            if count:
+                picked.append(request)
+                counts.append(count)
+                left -= count
         pages = self.cache.pages_needed([r.seq_id for r in picked], counts)
-        if pages.sum() > self.cache.free_pages - plan.reserved or \
-                any(n < e for n, e in zip(counts.tolist(), self._exact_spans(picked))):
+        if sum(pages) > self.cache.free_pages - plan.reserved or \
+                any(n < e for n, e in zip(counts, self._exact_spans(picked))):
             return False
-        plan.pick(picked, counts.tolist(), pages.tolist())
+        plan.pick(picked, counts, pages)
         return True
 
     def _try_pick(self, plan: _Plan, request: Request) -> bool:
         """Pick as many of `request`'s tokens as the budget allows, if their pages are free."""
         count = min(request.num_remaining, plan.budget)
-        (pages,) = self.cache.pages_needed([request.seq_id], [count]).tolist()
+        (pages,) = self.cache.pages_needed([request.seq_id], [count])
         if pages > self.cache.free_pages - plan.reserved or count < self.exact_span(request):
             return False
         plan.pick([request], [count], [pages])

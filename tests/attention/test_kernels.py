@@ -120,7 +120,7 @@ def test_split_k_into_512_key_partitions_when_the_gpus_cores_would_idle(cores, c
     monkeypatch.setitem(kernels.direct, False, lambda **kw: [mx.zeros(kw["output_shapes"][0])])
     cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [9, 9], [1, 1])
     long_batch = type(batch)(batch.seq_ids, batch.query_lens, np.array([context, 9], np.int32), batch.block_tables,
-                             batch.slot_mapping, batch.block_size)
+                             batch.block_size)
     kernels(mx.zeros((2, 2, 64)), *cache.kv(0), long_batch)
     assert [call["grid"][2] // 2 for call in calls] == ([] if partitions is None else [partitions])
 
