@@ -52,6 +52,17 @@ def test_lifecycle_writes_through_the_slot_mapping():
     assert cache.pool.free_count == 10
 
 
+def test_a_released_sequences_row_of_the_block_tables_starts_empty_for_the_next():
+    cache = make(max_seqs=2)
+    a, b = cache.claim(2)
+    cache.step([a, b], [9, 9])
+    cache.release(a)
+    (c,) = cache.claim(1)
+    batch = cache.step([c, b], [1, 1])
+    assert batch.block_tables.tolist() == [[6, 0, 0, 0], [3, 4, 5, 0]]
+    assert batch.slot_mapping.tolist() == [24, 21]
+
+
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
 def test_as_tensor_returns_each_sequences_kv_in_order(layout):
     """Sequences written in interleaved chunks over pages taken out of order read back whole."""
