@@ -103,7 +103,7 @@ class _Group:
 
     width: int
     token_ids: np.ndarray
-    queries: mx.array          # `token_ids` as an index
+    queries: mx.array | None   # `token_ids` as an index; None when they are all the batch's tokens in order
     gather: _Gather
     allowed: mx.array          # `[rows, 1, 1, width, keys]`
 
@@ -127,13 +127,14 @@ def _plan(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> 
             n = min(QUERY_TILE, int(q_lens[row]) - lo)
             pieces.append((starts[row:row + 1] + lo, n, np.array([ctx[row] - q_lens[row] + lo + n]),
                            tables[row:row + 1]))
-    groups = [_group(*piece, kv_heads, page_size, window) for piece in pieces]
+    groups = [_group(*piece, kv_heads, page_size, window, batch.num_tokens) for piece in pieces]
     return groups, _unpermutation(np.concatenate([g.token_ids for g in groups]) if groups else np.zeros(0, np.int64))
 
 
 def _group(starts: np.ndarray, width: int, ctx: np.ndarray, tables: np.ndarray, kv_heads: int, page_size: int,
-           window: int | None) -> _Group:
-    """Rows of `width` queries each, from token `starts[i]`, the last one at position `ctx[i] - 1`."""
+           window: int | None, total: int) -> _Group:
+    """Rows of `width` queries each, from token `starts[i]`, the last one at position `ctx[i] - 1`,
+    in a batch of `total` tokens."""
     token_ids = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
     query_pos = (ctx - width)[:, None] + np.arange(width)[None, :]
     first_page = 0 if window is None else max(0, int(query_pos.min()) - window + 1) // page_size
@@ -144,7 +145,9 @@ def _group(starts: np.ndarray, width: int, ctx: np.ndarray, tables: np.ndarray, 
     allowed = key_pos <= query_pos[:, :, None]
     if window is not None:
         allowed &= key_pos > query_pos[:, :, None] - window
-    return _Group(width, token_ids, mx.array(token_ids.astype(np.int32)), gather, mx.array(allowed[:, None, None]))
+    everything = token_ids.size == total and np.array_equal(token_ids, np.arange(total))
+    queries = None if everything else mx.array(token_ids.astype(np.int32))
+    return _Group(width, token_ids, queries, gather, mx.array(allowed[:, None, None]))
 
 
 def _attend(queries: mx.array, k_pool: Pool, v_pool: Pool, group: _Group, scale: float, variant: Variant) -> mx.array:
@@ -156,18 +159,26 @@ def _attend(queries: mx.array, k_pool: Pool, v_pool: Pool, group: _Group, scale:
     q_heads, head_dim = queries.shape[1], queries.shape[2]
     kv_heads = k_pool.shape[1]
     grouped = q_heads // kv_heads
-    q = queries[group.queries].reshape(n, width, kv_heads, grouped, head_dim)
-    q = q.transpose(0, 2, 3, 1, 4).reshape(n, kv_heads, grouped * width, head_dim)
+    q = queries if group.queries is None else queries[group.queries]
+    if width > 1:
+        q = q.reshape(n, width, kv_heads, grouped, head_dim).transpose(0, 2, 3, 1, 4)
+    q = q.reshape(n, kv_heads, grouped * width, head_dim)
     keys, values = _gather_with(k_pool, group.gather), _gather_with(v_pool, group.gather)
     scores = ((q * scale) @ keys.swapaxes(-1, -2)).reshape(n, kv_heads, grouped, width, -1)
     if variant.softcap is not None:
         scores = mx.tanh(scores / variant.softcap) * variant.softcap
     scores = mx.where(group.allowed, scores, -math.inf)
     sinks = None if variant.sinks is None else variant.sinks.astype(mx.float32).reshape(1, kv_heads, grouped, 1, 1)
-    probs = _softmax(scores.astype(mx.float32), sinks).astype(values.dtype)
-    out = probs.reshape(n, kv_heads, grouped * width, -1) @ values
-    out = out.reshape(n, kv_heads, grouped, width, head_dim).transpose(0, 3, 1, 2, 4)
+    probs = _softmax(_as(scores, mx.float32), sinks)
+    out = _as(probs, values.dtype).reshape(n, kv_heads, grouped * width, -1) @ values
+    if width > 1:
+        out = out.reshape(n, kv_heads, grouped, width, head_dim).transpose(0, 3, 1, 2, 4)
     return out.reshape(n * width, q_heads, head_dim)
+
+
+def _as(array: mx.array, dtype: mx.Dtype) -> mx.array:
+    """`array` in `dtype`, without a copy when it already is (`astype` always makes one)."""
+    return array if array.dtype == dtype else array.astype(dtype)
 
 
 def reference_attention(queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KVBatch,

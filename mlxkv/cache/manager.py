@@ -55,7 +55,8 @@ class KVBatch:
 
     @cached_property
     def slot_mapping(self) -> np.ndarray:
-        """The slot of every new token, packed like the queries: page `block_tables[b][p // size]`, offset `p % size`."""
+        """The slot of every new token, packed like the queries: position p of row b sits in page
+        `block_tables[b][p // block_size]` at offset `p % block_size`."""
         rows = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
         pages = self.block_tables[rows, self.positions // self.block_size].astype(np.int64)
         return (pages * self.block_size + self.positions % self.block_size).astype(np.int32)
