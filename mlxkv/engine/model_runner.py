@@ -96,6 +96,8 @@ class ModelRunner:
         `token_ids`; None if no row samples (lazy either way)."""
         hidden = self.hidden(token_ids, step.kv, np.asarray(step.exact, np.int32))
         rows = (np.cumsum(step.counts) - 1)[np.asarray(step.samples, dtype=bool)]
+        if rows.size == hidden.shape[0]:  # every token samples (all decode rows): no gather
+            return self.head(hidden)
         return self.head(hidden[mx.array(rows.astype(np.int32))]) if rows.size else None
 
     def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, exact: np.ndarray) -> mx.array:

@@ -46,8 +46,8 @@ class Adapter:
                                  ((queries, self.heads), (keys, self.kv_heads), (values, self.kv_heads)))
         if hasattr(attn, "q_norm") and not full_width:
             queries, keys = attn.q_norm(queries), attn.k_norm(keys)
-        queries = attn.rope(queries[:, :, None], offset=positions)[:, :, 0]
-        keys = attn.rope(keys[:, :, None], offset=positions)[:, :, 0]
+        queries = attn.rope(queries[:, :, None], offset=positions).squeeze(2)
+        keys = attn.rope(keys[:, :, None], offset=positions).squeeze(2)
         return queries, keys, values
 
 
