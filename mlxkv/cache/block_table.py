@@ -27,6 +27,7 @@ class BlockTable:
         """`row`: where to keep the page row (a zeroed int32 row of a matrix holding many
         tables, so that a batch's tables are one slice of it), else an array of its own."""
         self.pool = pool
+        self.page_size = pool.page_size
         self.owner = owner
         self.max_tokens = max_tokens
         self.num_tokens = 0
@@ -37,10 +38,6 @@ class BlockTable:
         self.dropped = 0  # leading pages given back by `slide`
         self.tail: list[int] = []  # those of them in a partly filled last page
         self.root = root_key(None)  # the parent of page 0's key: set by the salt of `reuse_prefix`
-
-    @property
-    def page_size(self) -> int:
-        return self.pool.page_size
 
     @property
     def pages(self) -> list[int]:
