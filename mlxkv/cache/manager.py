@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -61,10 +61,10 @@ class KVBatch:
         pages = self.block_tables[rows, self.positions // self.block_size].astype(np.int64)
         return (pages * self.block_size + self.positions % self.block_size).astype(np.int32)
 
-    @cached_property
-    def write_index(self) -> tuple[mx.array, mx.array]:
-        """Each new token's page and offset in it, for the pools' scatter (once for all layers)."""
-        return mx.array(self.slot_mapping // self.block_size), mx.array(self.slot_mapping % self.block_size)
+    def pool_rows(self, kv_heads: int) -> mx.array:
+        """Where each new token's K/V go in a pool seen as `[pages * kv_heads * block_size, row]`:
+        one row per token and KV head, token-major (made once per step for all layers)."""
+        return _pool_rows(self, kv_heads)
 
     def for_window(self, window: int | None) -> KVBatch:
         """The batch of the layers with this sliding window (their own pages), else this one."""
@@ -79,6 +79,14 @@ class KVBatch:
         """The same step without each row's first `leading[b]` new tokens (its last ones stay)."""
         return KVBatch(self.seq_ids, (self.query_lens - leading).astype(np.int32), self.context_lens,
                        self.block_tables, self.block_size)
+
+
+@lru_cache(maxsize=8)
+def _pool_rows(batch: KVBatch, kv_heads: int) -> mx.array:
+    slots = batch.slot_mapping.astype(np.int64)
+    pages, offsets = slots // batch.block_size, slots % batch.block_size
+    rows = (pages[:, None] * kv_heads + np.arange(kv_heads)) * batch.block_size + offsets[:, None]
+    return mx.array(rows.reshape(-1).astype(np.int32))
 
 
 @dataclass(frozen=True)
@@ -329,7 +337,8 @@ class KVCacheManager:
                     "KV tensors; MLX evaluates a lazy graph only on the thread that built it"
                 )
             window, index = self._layer(layer)
-            self._storage(window).write(index, batch.for_window(window).write_index, keys, values)
+            storage = self._storage(window)
+            storage.write(index, batch.for_window(window).pool_rows(storage.num_kv_heads), keys, values)
             self._tensor_thread = thread
 
     def fetch(self, seq_ids: Sequence[int]) -> KVBatch:

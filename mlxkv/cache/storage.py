@@ -113,6 +113,16 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return next(name for name, value in DTYPES.items() if value == dtype)
 
 
+def _scatter_rows(pool: mx.array, rows: mx.array, new: mx.array) -> mx.array:
+    """`pool` with `new`'s rows written at `rows` of its flat `[pages * kv_heads * page_size, row]`
+    view: one scatter with no index arithmetic in the graph (indexing `pool[pages, :, offsets]`
+    builds thirteen nodes to this five). The old pool must be dropped by its holder, so that
+    the scatter can write into its buffer in place."""
+    flat = pool.reshape(-1, pool.shape[-1])
+    flat[rows] = new.reshape(-1, new.shape[-1])
+    return flat.reshape(pool.shape)
+
+
 def _arrays(pool: Pool) -> tuple[mx.array, ...]:
     return pool.parts if isinstance(pool, QuantizedPages) else (pool,)
 
@@ -121,8 +131,8 @@ class KVStorage:
     """Flat per-layer pools written by in-place scatter.
 
     Each pool is one MLX array (three for quantized pages) that nothing else keeps alive,
-    so `pool[pages, :, offsets] = new` donates the old buffer and writes in place instead
-    of copying the pool (see the design notes on buffer donation). Pages are head-major so
+    so a write, which replaces it by its scattered successor, donates the old buffer and
+    writes in place instead of copying the pool (see the design notes on buffer donation). Pages are head-major so
     a kernel reads one KV head's tokens of a page as one contiguous run. The contiguous
     layout is the same storage with one page of `max_seq_len` tokens per sequence.
 
@@ -211,19 +221,21 @@ class KVStorage:
 
         return tokens(pools[0]), tokens(pools[1])
 
-    def write(self, layer: int, where: tuple[mx.array, mx.array], keys: mx.array, values: mx.array) -> None:
-        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `where`, each token's
-        page and offset in it, quantized once here when the pages are."""
-        pages, offsets = where
+    def write(self, layer: int, rows: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `rows` of the pools seen
+        as `[pages * kv_heads * page_size, row]` (`KVBatch.pool_rows`), quantized once here when
+        the pages are."""
         for name, array in (("keys", keys), ("values", values)):
-            self._check(name, array, pages.size)
-        for pool, new in zip(self.layer(layer), (keys, values)):
-            if isinstance(pool, QuantizedPages):
-                parts = mx.quantize(new, group_size=self.group_size, bits=self.bits)
-                for part, rows in zip(pool.parts, parts):
-                    part[pages, :, offsets] = rows
-            else:
-                pool[pages, :, offsets] = new
+            self._check(name, array, rows.size // self.num_kv_heads)
+        self.keys[layer] = self._scattered(self.keys[layer], rows, keys)
+        self.values[layer] = self._scattered(self.values[layer], rows, values)
+
+    def _scattered(self, pool: Pool, rows: mx.array, new: mx.array) -> Pool:
+        if isinstance(pool, QuantizedPages):
+            parts = mx.quantize(new, group_size=self.group_size, bits=self.bits)
+            return QuantizedPages(*(_scatter_rows(part, rows, data) for part, data in zip(pool.parts, parts)),
+                                  self.bits, self.group_size)
+        return _scatter_rows(pool, rows, new)
 
     def _check(self, name: str, array: mx.array, tokens: int) -> None:
         expected = (tokens, self.num_kv_heads, self.head_dim)
