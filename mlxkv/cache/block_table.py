@@ -172,4 +172,3 @@ class BlockTable:
         self.keys, self.tail = [], []
         self.num_tokens = self.num_computed = self.dropped = self.num_pages = 0
         return self.pool.free(self.owner)
-

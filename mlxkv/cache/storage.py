@@ -132,9 +132,10 @@ class KVStorage:
 
     Each pool is one MLX array (three for quantized pages) that nothing else keeps alive,
     so a write, which replaces it by its scattered successor, donates the old buffer and
-    writes in place instead of copying the pool (see the design notes on buffer donation). Pages are head-major so
-    a kernel reads one KV head's tokens of a page as one contiguous run. The contiguous
-    layout is the same storage with one page of `max_seq_len` tokens per sequence.
+    writes in place instead of copying the pool (see the design notes on buffer donation).
+    Pages are head-major so a kernel reads one KV head's tokens of a page as one contiguous
+    run. The contiguous layout is the same storage with one page of `max_seq_len` tokens
+    per sequence.
 
     With `bits` (8 or 4) a token's K and V rows are quantized once, when written, in
     groups of `group_size` along `head_dim`; attention reads the packed pages.
