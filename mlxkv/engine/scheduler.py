@@ -83,7 +83,7 @@ class Scheduler:
         plan = _Plan(self.max_num_batched_tokens)
         running = [r for r in self.running if not r.done_sampling]
         running = [r for r in running if r.is_decode] + [r for r in running if not r.is_decode]
-        if not self._pick_all(plan, running):
+        if not self._pick(plan, running):
             for request in running:
                 if plan.budget and request not in plan.preempted:
                     self._make_room(plan, request)
@@ -143,7 +143,7 @@ class Scheduler:
         their pages are free; otherwise leave everything as it was."""
         (request.seq_id,) = self.cache.claim(1)
         request.num_computed = self.cache.reuse_prefix(request.seq_id, request.all_token_ids, request.cache_salt)
-        if not self._try_pick(plan, request):
+        if not self._pick(plan, [request]):
             self.cache.release(request.seq_id)
             request.seq_id, request.num_computed = None, 0
             return False
@@ -152,9 +152,10 @@ class Scheduler:
             self.prefix_stats.record(len(request.prompt_ids), request.num_computed)
         return True
 
-    def _pick_all(self, plan: _Plan, requests: list[Request]) -> bool:
-        """Pick every request in order, each as many tokens as the budget leaves, if all their
-        pages are free (the common step, in one pass over the cache); otherwise pick none."""
+    def _pick(self, plan: _Plan, requests: list[Request]) -> bool:
+        """Pick `requests` in order, each as many tokens as the budget leaves, if all their pages
+        are free and each takes its exact span (one pass over the cache for the lot); otherwise
+        pick none."""
         picked, counts, left = [], [], plan.budget
         for request in requests:
             count = min(request.num_remaining, left)
@@ -169,18 +170,9 @@ class Scheduler:
         plan.pick(picked, counts, pages)
         return True
 
-    def _try_pick(self, plan: _Plan, request: Request) -> bool:
-        """Pick as many of `request`'s tokens as the budget allows, if their pages are free."""
-        count = min(request.num_remaining, plan.budget)
-        (pages,) = self.cache.pages_needed([request.seq_id], [count])
-        if pages > self.cache.free_pages - plan.reserved or count < self.exact_span(request):
-            return False
-        plan.pick([request], [count], [pages])
-        return True
-
     def _make_room(self, plan: _Plan, request: Request) -> None:
         """Pick `request`, preempting the newest running requests until it fits (maybe itself)."""
-        while not self._try_pick(plan, request):
+        while not self._pick(plan, [request]):
             victim = self._preempt_newest()
             plan.drop(victim)
             if victim is request:
