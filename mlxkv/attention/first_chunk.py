@@ -17,7 +17,7 @@ import numpy as np
 
 from ..cache.manager import KVBatch
 from ..cache.storage import Pool
-from .reference import PLAIN, Variant, in_packed_order
+from .reference import PLAIN, Variant, in_packed_order, visible
 
 
 def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array, values: mx.array, k_pool: Pool,
@@ -45,13 +45,11 @@ def _own_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, variant:
     """Causal attention of one chunk over its own K/V (`[1, heads, tokens, head_dim]`), as the
     mlx-lm model computes it: MLX's SDPA with the window's mask and the sinks, or written out
     with the soft-cap before the mask (Gemma 2)."""
-    pos = mx.arange(q.shape[2])
-    mask = pos[:, None] >= pos[None]
-    if variant.window is not None:
-        mask = mask & (pos[:, None] < pos[None] + variant.window)
+    pos = np.arange(q.shape[2])
+    plain = variant.window is None and variant.softcap is None
+    mask = "causal" if plain else mx.array(visible(pos[:, None], pos[None], variant.window))
     if variant.softcap is None:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask if variant.window else "causal",
-                                                    sinks=variant.sinks)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=variant.sinks)
     group = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, group, axis=1), mx.repeat(v, group, axis=1)
     scores = mx.tanh(((q * scale) @ k.swapaxes(-1, -2)) / variant.softcap) * variant.softcap

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..cache.manager import KVBatch
 from ..cache.storage import Pool
-from .reference import PLAIN, Variant, gather_kv, in_packed_order
+from .reference import PLAIN, Variant, gather_kv, in_packed_order, visible
 
 PREFILL_FROM = 8  # query tokens from which a chunk runs on SDPA; a Mac measures it: scripts/bench_kernels.py --prefill
 
@@ -32,9 +32,8 @@ def chunk_attention(queries: mx.array, k_pool: Pool, v_pool: Pool, table: np.nda
                     for pool in (k_pool, v_pool))
     mask = "causal"
     if variant.window is not None:
-        query_pos = np.arange(context - tokens, context)[:, None]
-        key_pos = np.arange(first, context)[None, :]
-        mask = mx.array((key_pos <= query_pos) & (key_pos > query_pos - variant.window))
+        mask = mx.array(visible(np.arange(context - tokens, context)[:, None], np.arange(first, context)[None, :],
+                                variant.window))
     out = mx.fast.scaled_dot_product_attention(queries.swapaxes(0, 1)[None], keys, values, scale=scale, mask=mask,
                                                sinks=variant.sinks)
     return out[0].swapaxes(0, 1)

@@ -96,6 +96,14 @@ class Variant:
 PLAIN = Variant()
 
 
+def visible(query_pos: np.ndarray, key_pos: np.ndarray, window: int | None) -> np.ndarray:
+    """Which keys each query sees (broadcast): causally, and within `window` positions when given."""
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    return allowed
+
+
 @dataclass(frozen=True)
 class _Group:
     """Rows of a batch attended together, `width` queries each: which queries, which pages,
@@ -141,10 +149,7 @@ def _group(starts: np.ndarray, width: int, ctx: np.ndarray, tables: np.ndarray, 
     length = int(ctx.max()) - first_page * page_size
     gather = _Gather.of(tables[:, first_page:], length, kv_heads, page_size)
     keys = length if gather.page is not None else gather.indices.shape[-1] * page_size
-    key_pos = first_page * page_size + np.arange(keys)[None, None, :]
-    allowed = key_pos <= query_pos[:, :, None]
-    if window is not None:
-        allowed &= key_pos > query_pos[:, :, None] - window
+    allowed = visible(query_pos[:, :, None], first_page * page_size + np.arange(keys)[None, None, :], window)
     everything = token_ids.size == total and np.array_equal(token_ids, np.arange(total))
     queries = None if everything else mx.array(token_ids.astype(np.int32))
     return _Group(width, token_ids, queries, gather, mx.array(allowed[:, None, None]))
@@ -194,16 +199,18 @@ def reference_attention(queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KV
     if scale is None:
         scale = 1.0 / math.sqrt(queries.shape[-1])
     groups, unpermute = _plan(batch, k_pool.shape[1], k_pool.shape[2], variant.window)
-    parts = [_attend(queries, k_pool, v_pool, group, scale, variant) for group in groups]
-    out = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-    return out if unpermute is None else out[unpermute]
+    return _joined([_attend(queries, k_pool, v_pool, group, scale, variant) for group in groups], unpermute)
 
 
 def in_packed_order(parts: list[tuple[mx.array, np.ndarray]]) -> mx.array:
     """Outputs computed for groups of a batch's tokens, `(out, the token ids of its rows)`, as
     one array in the packed order of the tokens."""
-    out = parts[0][0] if len(parts) == 1 else mx.concatenate([p[0] for p in parts])
-    unpermute = _unpermutation(np.concatenate([p[1] for p in parts]))
+    return _joined([p[0] for p in parts], _unpermutation(np.concatenate([p[1] for p in parts])))
+
+
+def _joined(outs: list[mx.array], unpermute: mx.array | None) -> mx.array:
+    """`outs` concatenated, then put back in packed order by `unpermute` (None: they are)."""
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     return out if unpermute is None else out[unpermute]
 
 
