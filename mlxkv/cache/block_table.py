@@ -63,17 +63,24 @@ class BlockTable:
 
     def reserve_pages(self, count: int) -> None:
         """Make room for `count` more tokens without appending them (all or nothing)."""
-        needed = self.pages_needed(count)
-        if needed:
-            self.row[self.num_pages:self.num_pages + needed] = self.pool.alloc(self.owner, needed)
-            self.num_pages += needed
+        self._grow(self.pages_needed(count))
 
     def append(self, count: int) -> np.ndarray:
         """Append `count` tokens, growing from the pool; returns their slots (int32)."""
-        self.reserve_pages(count)
         start = self.num_tokens
-        self.num_tokens += count
+        self.extend(count, self.pages_needed(count))
         return self.slots(start, self.num_tokens)
+
+    def extend(self, count: int, new_pages: int) -> None:
+        """Append `count` tokens taking the `new_pages` that `pages_needed(count)` gave (a caller
+        appending to many tables checks them all first, for all or nothing)."""
+        self._grow(new_pages)
+        self.num_tokens += count
+
+    def _grow(self, new_pages: int) -> None:
+        if new_pages:
+            self.row[self.num_pages:self.num_pages + new_pages] = self.pool.alloc(self.owner, new_pages)
+            self.num_pages += new_pages
 
     def slide(self, first_token: int) -> int:
         """Give back the pages holding only tokens before `first_token`, which no query will

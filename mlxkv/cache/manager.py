@@ -322,9 +322,9 @@ class KVCacheManager:
                 if sum(needed[window]) > group.pool.free_count:
                     raise KVCacheExhausted(sum(needed[window]), group.pool.free_count,
                                            f"pages of window-{window} layers")
-            for window, group in self.windowed.items():
-                _append(rows[window], counts, needed[window])
-            _append(tables, counts, needed[None])
+            for window, group_tables in [*rows.items(), (None, tables)]:
+                for table, count, pages in zip(group_tables, counts, needed[window]):
+                    table.extend(count, pages)
             return self._batches(seq_ids, tables, counts)
 
     def write(self, layer: int, batch: KVBatch, keys: mx.array, values: mx.array) -> None:
@@ -455,11 +455,3 @@ class KVCacheManager:
         width = _stable_width(max((t.num_pages for t in tables), default=1), self.max_pages_per_seq)
         context_lens = np.array([t.num_tokens for t in tables], np.int32)
         return KVBatch(seq_ids, query_lens, context_lens, matrix[rows, :width], self.block_size, by_window)
-
-
-def _append(tables: list[BlockTable], counts: list[int], needed: list[int]) -> None:
-    """Append `counts[i]` tokens to `tables[i]`, which `needed[i]` new pages make room for."""
-    for table, count, pages in zip(tables, counts, needed):
-        if pages:
-            table.reserve_pages(count)
-        table.num_tokens += count
