@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -87,6 +88,14 @@ def launch_shape(group: int, head_dim: int, block_size: int) -> LaunchShape:
     if shape.threadgroup_memory > THREADGROUP_MEMORY:
         raise ValueError(f"head_dim={head_dim} is too large for the Metal kernels' threadgroup memory")
     return shape
+
+
+@lru_cache(maxsize=8)
+def _batch_inputs(batch: KVBatch) -> tuple[mx.array, mx.array, mx.array]:
+    """The kernels' per-step inputs: block tables, each token's row and position (made once per
+    step for all layers)."""
+    rows = np.repeat(np.arange(len(batch.query_lens), dtype=np.int32), batch.query_lens)
+    return mx.array(batch.block_tables), mx.array(rows), mx.array(batch.positions)
 
 
 def gpu_cores() -> int:
@@ -164,16 +173,14 @@ class PagedAttentionKernels:
         group = q_heads // k_pool.shape[1]
         shape = launch_shape(group, head_dim, k_pool.shape[2])
         tiles = q_heads // shape.heads
-        rows = np.repeat(np.arange(len(batch.query_lens), dtype=np.int32), batch.query_lens)
         longest = int(batch.context_lens.max()) if tokens else 0
         if split is None:
             split = tokens * tiles < THREADGROUPS_PER_CORE * self.cores and longest > PARTITION
         quantized = isinstance(k_pool, QuantizedPages)
         kv = [*k_pool.parts, *v_pool.parts] if quantized else [k_pool, v_pool]
         sinks = mx.zeros((1,), mx.float32) if variant.sinks is None else variant.sinks.astype(mx.float32)
-        args = [queries, *kv, mx.array(batch.block_tables), mx.array(rows), mx.array(batch.positions),
-                mx.array(scale, mx.float32), mx.array(variant.window or 0, mx.int32),
-                mx.array(variant.softcap or 0.0, mx.float32), sinks]
+        args = [queries, *kv, *_batch_inputs(batch), mx.array(scale, mx.float32),
+                mx.array(variant.window or 0, mx.int32), mx.array(variant.softcap or 0.0, mx.float32), sinks]
         template = [("T", queries.dtype), ("D", head_dim), ("BS", k_pool.shape[2]), ("G", group), *shape.template(),
                     ("WINDOWED", variant.window is not None),
                     ("SOFTCAP", variant.softcap is not None), ("SINKS", variant.sinks is not None)]

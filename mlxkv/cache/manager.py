@@ -71,14 +71,28 @@ class KVBatch:
         return (self.by_window or {}).get(window, self)
 
     def select(self, rows: np.ndarray) -> KVBatch:
-        """The same step for these rows only (their tokens packed in the same order)."""
-        return KVBatch(tuple(self.seq_ids[r] for r in rows), self.query_lens[rows], self.context_lens[rows],
-                       self.block_tables[rows], self.block_size)
+        """The same step for these rows only (their tokens packed in the same order). Asked
+        again for the same rows (by the next layer) it is the same batch, so what attention
+        derives from a batch once per step is not made again per layer."""
+        return _selected(self, tuple(np.asarray(rows).tolist()))
 
     def skip(self, leading: np.ndarray) -> KVBatch:
-        """The same step without each row's first `leading[b]` new tokens (its last ones stay)."""
-        return KVBatch(self.seq_ids, (self.query_lens - leading).astype(np.int32), self.context_lens,
-                       self.block_tables, self.block_size)
+        """The same step without each row's first `leading[b]` new tokens (its last ones stay);
+        the same batch for the same `leading`, as `select`."""
+        return _skipped(self, tuple(np.asarray(leading).tolist()))
+
+
+@lru_cache(maxsize=8)
+def _selected(batch: KVBatch, rows: tuple[int, ...]) -> KVBatch:
+    index = np.array(rows, np.int64)
+    return KVBatch(tuple(batch.seq_ids[r] for r in rows), batch.query_lens[index], batch.context_lens[index],
+                   batch.block_tables[index], batch.block_size)
+
+
+@lru_cache(maxsize=8)
+def _skipped(batch: KVBatch, leading: tuple[int, ...]) -> KVBatch:
+    return KVBatch(batch.seq_ids, (batch.query_lens - np.array(leading)).astype(np.int32), batch.context_lens,
+                   batch.block_tables, batch.block_size)
 
 
 @lru_cache(maxsize=8)
