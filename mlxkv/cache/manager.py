@@ -316,11 +316,12 @@ class KVCacheManager:
 
     def step(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""
-        seq_ids, counts = tuple(seq_ids), [int(n) for n in num_new_tokens]
+        seq_ids, counts = tuple(seq_ids), list(num_new_tokens)
         if len(counts) != len(seq_ids):
             raise ValueError(f"got {len(seq_ids)} seq_ids but {len(counts)} num_new_tokens")
-        if any(n < 0 for n in counts):
-            raise ValueError(f"num_new_tokens must be non-negative, got {counts}")
+        if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0 for n in counts):
+            raise ValueError(f"num_new_tokens must be non-negative integers, got {counts}")
+        counts = [int(n) for n in counts]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct, got {list(seq_ids)}")
         with self._lock:
