@@ -188,8 +188,12 @@ def test_a_streaming_client_that_goes_away_is_aborted_at_once(server):
 
 def test_a_waiting_client_that_goes_away_is_aborted_at_once(server):
     before = settled(server)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json={"prompt": "The class", "max_tokens": 200}, timeout=0.3)
+    try:
+        response = httpx.post(f"{server}/v1/completions", json={"prompt": "The class", "max_tokens": 200}, timeout=0.3)
+    except httpx.ReadTimeout:
+        pass
+    else:  # it happened once in CI, unexplained: say what came back
+        pytest.fail(f"a response came back within 0.3 s: {response.status_code} {response.text[:300]!r}")
     generated = settled(server) - before
     assert generated < 150, f"{generated} of 200 tokens generated for a client that left after 0.3 s"
 
