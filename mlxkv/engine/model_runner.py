@@ -13,6 +13,7 @@ from ..attention.first_chunk import first_chunk_attention
 from ..attention.reference import Variant, reference_attention
 from ..cache.manager import KVBatch, KVCacheManager
 from ..models.adapters import Adapter, adapter_for
+from ..models.rotary import Positions
 from .scheduler import ScheduledBatch
 
 AttentionFn = Callable[[mx.array, mx.array, mx.array, KVBatch, float], mx.array]
@@ -30,7 +31,7 @@ class StepContext:
 
     cache: KVCacheManager
     batch: KVBatch
-    positions: mx.array
+    positions: Positions
     attention: AttentionFn
     exact: np.ndarray | None
     offset: int = 0
@@ -103,7 +104,7 @@ class ModelRunner:
     def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, exact: np.ndarray) -> mx.array:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
         the first `exact[b]` tokens of row b attending their own K/V as computed (lazy)."""
-        context = StepContext(self.cache, kv, mx.array(kv.positions), self.attention, exact if exact.any() else None)
+        context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, exact if exact.any() else None)
         return self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))[0]
 
     def head(self, hidden: mx.array) -> mx.array:

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..attention.reference import Variant
+from .rotary import Positions, Rotation
 
 
 def _first(module: object, *names: str) -> object:
@@ -29,12 +30,13 @@ class Adapter:
         self.scale = float(_first(attn, "scale", "sm_scale"))
         self.variant = Variant(window=window, softcap=getattr(attn, "attn_logit_softcapping", None),
                                sinks=getattr(attn, "sinks", None))
+        self._rotations: dict[tuple, Rotation | None] = {}
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         attn = self.attn
         return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
-    def __call__(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def __call__(self, x: mx.array, positions: Positions) -> tuple[mx.array, mx.array, mx.array]:
         """Queries `[tokens, heads, head_dim]`, keys and values `[tokens, kv_heads, head_dim]` of
         the packed tokens `x` (`[1, tokens, hidden]`), at `positions`."""
         attn, tokens = self.attn, x.shape[1]
@@ -46,9 +48,18 @@ class Adapter:
                                  ((queries, self.heads), (keys, self.kv_heads), (values, self.kv_heads)))
         if hasattr(attn, "q_norm") and not full_width:
             queries, keys = attn.q_norm(queries), attn.k_norm(keys)
-        queries = attn.rope(queries[:, :, None], offset=positions).squeeze(2)
-        keys = attn.rope(keys[:, :, None], offset=positions).squeeze(2)
-        return queries, keys, values
+        return self._rotated(queries, positions), self._rotated(keys, positions), values
+
+    def _rotated(self, x: mx.array, positions: Positions) -> mx.array:
+        """`x` (`[tokens, heads, head_dim]`) through the layer's RoPE: by the step's shared tables
+        where they equal it (see `rotary`), else by the module with one offset per token."""
+        key = (x.dtype, x.shape[-1], mx.default_device() == mx.cpu)
+        if key not in self._rotations:
+            self._rotations[key] = Rotation.of(self.attn.rope, x.shape[-1], x.dtype)
+        rotation = self._rotations[key]
+        if rotation is None:
+            return self.attn.rope(x[:, :, None], offset=positions.array).squeeze(2)
+        return positions.rotate(rotation, x)
 
 
 class FusedAdapter(Adapter):
@@ -69,9 +80,9 @@ class Ministral3Adapter(Adapter):
         self.beta = rope["llama_4_scaling_beta"]
         self.original = rope["original_max_position_embeddings"]
 
-    def __call__(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def __call__(self, x: mx.array, positions: Positions) -> tuple[mx.array, mx.array, mx.array]:
         queries, keys, values = super().__call__(x, positions)
-        factor = 1 + self.beta * mx.log(1 + mx.floor(positions / self.original))
+        factor = 1 + self.beta * mx.log(1 + mx.floor(positions.array / self.original))
         return queries * factor[:, None, None].astype(queries.dtype), keys, values
 
 
