@@ -5,6 +5,10 @@ the shipped demo model and on a random ~100M-parameter float32 Llama (both engin
 weights once). The two alternate, run after run, and the medians of their generation tokens per
 second (after the first token) give `single_stream_ratio=<mlxkv/mlx-lm>` per model.
 
+Then, per model, the two engines' decode steps interleaved one by one (unpipelined: each
+step built, then evaluated), which pairs them within milliseconds of each other on a noisy
+machine and splits each step into evaluation and host work.
+
 Part two: host milliseconds per engine step (the step's wall time but the time blocked in MLX's
 evaluation) at 16, 64, 256 and 1,024 running decodes on a tiny model. Measured with unpipelined
 steps: on a CPU the device's threads share the cores with the host, which would blur the split.
@@ -20,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 from harness import DEFAULT_MODEL, blas_in_use, load_bench_model
 from mlx_lm import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from mlxkv import LLM, SamplingParams
@@ -65,6 +70,47 @@ def single_stream(name: str, model, tokenizer, args) -> float:
     return ratio
 
 
+def mlx_lm_steps(model, prompt: list[int]):
+    """mlx-lm's decode loop, one step per `next`: (step seconds, of them waiting for evaluation)."""
+    cache = make_prompt_cache(model)
+    token = mx.argmax(model(mx.array(prompt)[None], cache=cache)[:, -1], axis=-1)
+    while True:
+        start = time.perf_counter()
+        token = mx.argmax(model(token[:, None], cache=cache)[:, -1], axis=-1)
+        built = time.perf_counter()
+        mx.eval(token)
+        yield time.perf_counter() - start, time.perf_counter() - built
+
+
+def mlxkv_steps(model, tokenizer, prompt: list[int], steps: int):
+    """mlxkv's unpipelined engine, one step per `next`, as `mlx_lm_steps`."""
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, pipeline=False))
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+    engine.step()
+    while True:
+        start = time.perf_counter()
+        engine.step()
+        yield time.perf_counter() - start, engine.last_step_wait
+
+
+def interleaved_steps(name: str, model, tokenizer, steps: int) -> None:
+    """Median step, evaluation and host ms of each engine, stepping them alternately."""
+    prompt = tokenizer.encode(PROMPT)
+    engines = {"mlx-lm": mlx_lm_steps(model, prompt), "mlxkv": mlxkv_steps(model, tokenizer, prompt, steps)}
+    times = {engine: [] for engine in engines}
+    for steps_of in engines.values():  # warm up
+        next(steps_of)
+    for _ in range(steps):
+        for engine, steps_of in engines.items():
+            times[engine].append(next(steps_of))
+    medians = {engine: [1e3 * statistics.median(x) for x in ([s for s, _ in t], [w for _, w in t],
+                                                              [s - w for s, w in t])]
+               for engine, t in times.items()}
+    print(f"{name}, {steps} interleaved steps (ms: step / evaluation / host): "
+          + ", ".join(f"{engine} {m[0]:.2f} / {m[1]:.2f} / {m[2]:.2f}" for engine, m in medians.items()))
+    print(f"step_ratio[{name}]={medians['mlx-lm'][0] / medians['mlxkv'][0]:.3f}")
+
+
 def host_per_step(model, tokenizer, sequences: int, steps: int) -> tuple[float, float]:
     """(host ms, step ms) per decode step, median over `steps`, with `sequences` running."""
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=sequences, max_num_batched_tokens=4 * sequences,
@@ -94,8 +140,9 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"BLAS: {blas_in_use()}; MLX {mx.__version__}, device {mx.default_device()}")
-    single_stream("demo", *load(None), args)
-    single_stream("llama-100m", *load_bench_model(args.model), args)
+    for name, (model, tokenizer) in (("demo", load(None)), ("llama-100m", load_bench_model(args.model))):
+        single_stream(name, model, tokenizer, args)
+        interleaved_steps(name, model, tokenizer, args.tokens)
     if not (args.tiny / "config.json").exists():
         make_checkpoint(args.tiny, "llama", "float32")
     tiny, tokenizer = load(args.tiny)
