@@ -79,7 +79,8 @@ def mlx_lm_steps(model, prompt: list[int]):
         token = mx.argmax(model(token[:, None], cache=cache)[:, -1], axis=-1)
         built = time.perf_counter()
         mx.eval(token)
-        yield time.perf_counter() - start, time.perf_counter() - built
+        done = time.perf_counter()
+        yield done - start, done - built
 
 
 def mlxkv_steps(model, tokenizer, prompt: list[int], steps: int):
@@ -140,7 +141,8 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"BLAS: {blas_in_use()}; MLX {mx.__version__}, device {mx.default_device()}")
-    for name, (model, tokenizer) in (("demo", load(None)), ("llama-100m", load_bench_model(args.model))):
+    for name, loader in (("demo", lambda: load(None)), ("llama-100m", lambda: load_bench_model(args.model))):
+        model, tokenizer = loader()  # one model in memory at a time
         single_stream(name, model, tokenizer, args)
         interleaved_steps(name, model, tokenizer, args.tokens)
     if not (args.tiny / "config.json").exists():

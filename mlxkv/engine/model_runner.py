@@ -104,7 +104,8 @@ class ModelRunner:
     def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, exact: np.ndarray) -> mx.array:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
         the first `exact[b]` tokens of row b attending their own K/V as computed (lazy)."""
-        context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, exact if exact.any() else None)
+        context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention,
+                              exact if exact.any() else None)
         return self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))[0]
 
     def head(self, hidden: mx.array) -> mx.array:
