@@ -20,7 +20,8 @@ class BlockTable:
     The table grows from the pool as tokens are appended, up to `max_tokens`. With prefix
     caching it starts from the cached pages of its prefix (`reuse_prefix`), publishes each
     page its tokens fill (`publish`; `keys[i]` is the content key of full page i) and, on
-    `release`, its partly filled last page.
+    `release`, its partly filled last page, whose tokens it reads then from the token list
+    last handed to it.
     """
 
     def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int, row: np.ndarray | None = None) -> None:
@@ -36,7 +37,7 @@ class BlockTable:
         self.keys: list[bytes] = []
         self.num_computed = 0  # tokens whose K/V are stored, as last published
         self.dropped = 0  # leading pages given back by `slide`
-        self.tail: list[int] = []  # those of them in a partly filled last page
+        self.tokens: Sequence[int] = ()  # the sequence's tokens, the first `num_computed` stored
         self.root = root_key(None)  # the parent of page 0's key: set by the salt of `reuse_prefix`
 
     @property
@@ -147,12 +148,13 @@ class BlockTable:
                     self.num_pages += 1
                     self.num_tokens = min(start + count, last)
                 break
-        self.num_computed, self.tail = self.num_tokens, list(tokens[start : self.num_tokens])
+        self.num_computed, self.tokens = self.num_tokens, tokens
         return self.num_tokens
 
     def publish(self, tokens: Sequence[int], num_computed: int) -> None:
         """Offer every page filled by the first `num_computed` of `tokens` (K/V now stored) to
-        the cache, and remember the tokens of a partly filled last page for `release`."""
+        the cache, and keep `tokens` (not a copy: the caller leaves those first ones as they
+        are) for `release` to cache a partly filled last page. O(1) unless a page filled."""
         high = min(self.num_tokens, len(tokens))
         if not self.num_computed <= num_computed <= high:
             raise ValueError(f"num_computed={num_computed} is outside {self.num_computed}..{high}")
@@ -160,7 +162,7 @@ class BlockTable:
         for index in range(len(self.keys), num_computed // size):
             self.keys.append(page_key(self._parent, tokens[index * size : (index + 1) * size]))
             self.pool.publish(int(self.row[index]), self.keys[-1])
-        self.num_computed, self.tail = num_computed, list(tokens[num_computed // size * size : num_computed])
+        self.num_computed, self.tokens = num_computed, tokens
 
     @property
     def _parent(self) -> bytes:
@@ -172,10 +174,11 @@ class BlockTable:
         last page is cached too, under a key for every prefix of the tokens it holds, so that
         a sequence continuing this one (the next chat turn) or starting like it (the same
         prompt again) computes only what is new."""
-        parent = self._parent
-        for count in range(len(self.tail), 0, -1):  # every prefix: a sequence may share only the start
-            self.pool.publish(int(self.row[len(self.keys)]), page_key(parent, self.tail[:count]))
+        parent, start = self._parent, len(self.keys) * self.page_size
+        tail = self.tokens[start : self.num_computed]  # the tokens stored in a partly filled last page
+        for count in range(len(tail), 0, -1):  # every prefix: a sequence may share only the start
+            self.pool.publish(int(self.row[len(self.keys)]), page_key(parent, tail[:count]))
         self.row[: self.num_pages] = 0
-        self.keys, self.tail = [], []
+        self.keys, self.tokens = [], ()
         self.num_tokens = self.num_computed = self.dropped = self.num_pages = 0
         return self.pool.free(self.owner)
