@@ -160,6 +160,17 @@ def window_pool_pages(window: int, block_size: int, max_seqs: int, step_tokens: 
     return max_seqs * (-(-window // block_size) + 2) + -(-step_tokens // block_size)
 
 
+def _counts(num_new_tokens: Sequence[int]) -> list[int]:
+    """`num_new_tokens` as a list of ints, checked in one vector pass: non-negative integers."""
+    try:
+        counts = np.asarray(num_new_tokens)
+    except (TypeError, ValueError):  # ragged
+        counts = np.asarray(None)
+    if counts.size and (counts.ndim != 1 or counts.dtype.kind not in "iu" or counts.min() < 0):
+        raise ValueError(f"num_new_tokens must be non-negative integers, got {list(num_new_tokens)}")
+    return counts.tolist()
+
+
 def _stable_width(pages: int, limit: int) -> int:
     """Pad block tables to the next power of two so kernels see few distinct shapes."""
     return min(limit, 1 << max(0, pages - 1).bit_length())
@@ -309,23 +320,20 @@ class KVCacheManager:
         """Cache the pages filled by the first `num_computed[i]` of each sequence's `tokens[i]`,
         whose K/V are now evaluated (never before: a page is shared only once it holds its K/V)."""
         with self._lock:
-            tables = [self._table(seq_id) for seq_id in seq_ids]
+            tables = self._tables_of(seq_ids)
             if self.prefix_caching:
                 for table, ids, count in zip(tables, tokens, num_computed):
                     table.publish(ids, count)
 
     def step(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""
-        seq_ids, counts = tuple(seq_ids), list(num_new_tokens)
+        seq_ids, counts = tuple(seq_ids), _counts(num_new_tokens)
         if len(counts) != len(seq_ids):
             raise ValueError(f"got {len(seq_ids)} seq_ids but {len(counts)} num_new_tokens")
-        if any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0 for n in counts):
-            raise ValueError(f"num_new_tokens must be non-negative integers, got {counts}")
-        counts = [int(n) for n in counts]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct, got {list(seq_ids)}")
         with self._lock:
-            tables = [self._table(seq_id) for seq_id in seq_ids]
+            tables = self._tables_of(seq_ids)
             needed = {None: [table.pages_needed(n) for table, n in zip(tables, counts)]}
             if sum(needed[None]) > self.pool.free_count:
                 raise KVCacheExhausted(sum(needed[None]), self.pool.free_count)
@@ -360,7 +368,7 @@ class KVCacheManager:
         """Block tables and context lengths of live sequences, for attention."""
         seq_ids = tuple(seq_ids)
         with self._lock:
-            tables = [self._table(seq_id) for seq_id in seq_ids]
+            tables = self._tables_of(seq_ids)
             return self._batches(seq_ids, tables, [0] * len(tables))
 
     def release(self, seq_id: int) -> int:
@@ -443,7 +451,7 @@ class KVCacheManager:
     def pages_needed(self, seq_ids: Sequence[int], counts: Sequence[int]) -> list[int]:
         """New pages each sequence would take for its count of more tokens."""
         with self._lock:
-            return [self._table(seq_id).pages_needed(n) for seq_id, n in zip(seq_ids, counts)]
+            return [table.pages_needed(n) for table, n in zip(self._tables_of(seq_ids), counts)]
 
     def num_tokens(self, seq_id: int) -> int:
         with self._lock:
@@ -454,6 +462,13 @@ class KVCacheManager:
         if table is None:
             raise UnknownSequenceError(seq_id)
         return table
+
+    def _tables_of(self, seq_ids: Sequence[int]) -> list[BlockTable]:
+        """The tables of live sequences (one lookup pass, as a step asks for hundreds)."""
+        tables = [self._tables.get(seq_id) for seq_id in seq_ids]
+        if None in tables:
+            raise UnknownSequenceError(seq_ids[tables.index(None)])
+        return tables
 
     def _batches(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int]) -> KVBatch:
         """The batch of `tables` after their last `counts[b]` tokens were appended, with the

@@ -82,7 +82,9 @@ class Scheduler:
         """Pick the next step's work and reserve its KV slots; None when there is nothing to run."""
         plan = _Plan(self.max_num_batched_tokens)
         running = [r for r in self.running if not r.done_sampling]
-        running = [r for r in running if r.is_decode] + [r for r in running if not r.is_decode]
+        decode = [r for r in running if r.is_decode]
+        if len(decode) < len(running):  # prefill chunks after every decode
+            running = decode + [r for r in running if not r.is_decode]
         if not self._pick(plan, running):
             for request in running:
                 if plan.budget and request not in plan.preempted:
