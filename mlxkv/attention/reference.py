@@ -127,7 +127,7 @@ def _plan(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> 
     pieces = []
     decode = np.flatnonzero(q_lens == 1)
     buckets = np.frexp(-(-ctx[decode] // page_size))[1]  # the page count's bit length
-    for bucket in np.unique(buckets):
+    for bucket in sorted(set(buckets.tolist())):
         rows = decode[buckets == bucket]
         pieces.append((starts[rows], 1, ctx[rows], tables[rows]))
     for row in np.flatnonzero(q_lens > 1):

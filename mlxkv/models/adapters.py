@@ -31,6 +31,7 @@ class Adapter:
         self.variant = Variant(window=window, softcap=getattr(attn, "attn_logit_softcapping", None),
                                sinks=getattr(attn, "sinks", None))
         self._rotations: dict[tuple, Rotation | None] = {}
+        self._norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         attn = self.attn
@@ -39,24 +40,25 @@ class Adapter:
     def __call__(self, x: mx.array, positions: Positions) -> tuple[mx.array, mx.array, mx.array]:
         """Queries `[tokens, heads, head_dim]`, keys and values `[tokens, kv_heads, head_dim]` of
         the packed tokens `x` (`[1, tokens, hidden]`), at `positions`."""
-        attn, tokens = self.attn, x.shape[1]
+        tokens, norms = x.shape[1], self._norms
         queries, keys, values = self.project(x)
-        full_width = hasattr(attn, "q_norm") and attn.q_norm.weight.shape[0] == queries.shape[-1]
+        full_width = norms is not None and norms[0].weight.shape[0] == queries.shape[-1]
         if full_width:
-            queries, keys = attn.q_norm(queries), attn.k_norm(keys)
-        queries, keys, values = (a.reshape(tokens, n, -1) for a, n in
-                                 ((queries, self.heads), (keys, self.kv_heads), (values, self.kv_heads)))
-        if hasattr(attn, "q_norm") and not full_width:
-            queries, keys = attn.q_norm(queries), attn.k_norm(keys)
-        return self._rotated(queries, positions), self._rotated(keys, positions), values
+            queries, keys = norms[0](queries), norms[1](keys)
+        queries = queries.reshape(tokens, self.heads, -1)
+        keys, values = keys.reshape(tokens, self.kv_heads, -1), values.reshape(tokens, self.kv_heads, -1)
+        if norms is not None and not full_width:
+            queries, keys = norms[0](queries), norms[1](keys)
+        on_cpu = mx.default_device() == mx.cpu
+        return self._rotated(queries, positions, on_cpu), self._rotated(keys, positions, on_cpu), values
 
-    def _rotated(self, x: mx.array, positions: Positions) -> mx.array:
+    def _rotated(self, x: mx.array, positions: Positions, on_cpu: bool) -> mx.array:
         """`x` (`[tokens, heads, head_dim]`) through the layer's RoPE: by the step's shared tables
         where they equal it (see `rotary`), else by the module with one offset per token."""
-        key = (x.dtype, x.shape[-1], mx.default_device() == mx.cpu)
-        if key not in self._rotations:
-            self._rotations[key] = Rotation.of(self.attn.rope, x.shape[-1], x.dtype)
-        rotation = self._rotations[key]
+        key = (x.dtype, x.shape[-1], on_cpu)
+        rotation = self._rotations.get(key, False)
+        if rotation is False:
+            rotation = self._rotations[key] = Rotation.of(self.attn.rope, x.shape[-1], x.dtype)
         if rotation is None:
             return self.attn.rope(x[:, :, None], offset=positions.array).squeeze(2)
         return positions.rotate(rotation, x)
