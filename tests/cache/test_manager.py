@@ -208,7 +208,7 @@ def test_bad_arguments_are_named():
         cache.step([a], [1, 2])
     with pytest.raises(ValueError, match="seq_ids must be distinct"):
         cache.step([a, a], [1, 2])
-    for bad in ("x", 1.5, True, -1):
+    for bad in ("x", 1.5, True, -1, [1]):
         with pytest.raises(ValueError, match=r"num_new_tokens must be non-negative integers, got \["):
             cache.step([a], [bad])
     assert cache.num_tokens(a) == 0

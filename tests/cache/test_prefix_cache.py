@@ -146,6 +146,15 @@ def test_a_partial_page_goes_to_the_first_sequence_that_starts_like_it():
     assert admit(cache, list(range(6)) + [70])[1] == 4  # the page is taken: only the full one is left
 
 
+def test_release_caches_the_computed_tokens_of_the_list_last_published():
+    cache = make()
+    tokens = list(range(6))
+    a, _ = admit(cache, tokens)  # pages [0..3] and [4, 5]: the second one partly filled
+    tokens += [70, 71]  # the sequence's list grows after the publish, which kept it (no copy)
+    cache.release(a)
+    assert admit(cache, tokens + [9])[1] == 6  # the partial page holds 4, 5 as published, not 70, 71
+
+
 def test_eviction_takes_empty_pages_first_then_least_recently_used_cached_ones():
     cache = make(num_blocks=6)
     old, _ = admit(cache, list(range(8)))  # 2 pages
