@@ -164,9 +164,9 @@ def _counts(num_new_tokens: Sequence[int]) -> list[int]:
     """`num_new_tokens` as a list of ints, checked in one vector pass: non-negative integers."""
     try:
         counts = np.asarray(num_new_tokens)
-    except (TypeError, ValueError):  # ragged
-        counts = np.asarray(None)
-    if counts.size and (counts.ndim != 1 or counts.dtype.kind not in "iu" or counts.min() < 0):
+    except (TypeError, ValueError):  # ragged nesting
+        counts = None
+    if counts is None or counts.size and (counts.ndim != 1 or counts.dtype.kind not in "iu" or counts.min() < 0):
         raise ValueError(f"num_new_tokens must be non-negative integers, got {list(num_new_tokens)}")
     return counts.tolist()
 
