@@ -49,17 +49,24 @@ class KVBatch:
 
     @cached_property
     def positions(self) -> np.ndarray:
-        """The position of every new token, packed like the queries."""
-        offsets = np.arange(self.num_tokens) - np.repeat(self.query_starts, self.query_lens)
-        return (np.repeat(self.context_lens - self.query_lens, self.query_lens) + offsets).astype(np.int32)
+        """The position of every new token, packed like the queries: token i of the batch, in
+        row b, is at `context_lens[b] - query_lens[b] + (i - query_starts[b])`."""
+        first = self.context_lens - self.query_lens - self.query_starts
+        return (np.repeat(first, self.query_lens) + np.arange(self.num_tokens)).astype(np.int32)
+
+    @cached_property
+    def token_pages(self) -> tuple[np.ndarray, np.ndarray]:
+        """The page (int64) and the offset in it of every new token, packed like the queries:
+        position p of row b sits in page `block_tables[b][p // block_size]` at `p % block_size`."""
+        rows = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
+        pages, offsets = np.divmod(self.positions, self.block_size)
+        return self.block_tables[rows, pages].astype(np.int64), offsets
 
     @cached_property
     def slot_mapping(self) -> np.ndarray:
-        """The slot of every new token, packed like the queries: position p of row b sits in page
-        `block_tables[b][p // block_size]` at offset `p % block_size`."""
-        rows = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
-        pages = self.block_tables[rows, self.positions // self.block_size].astype(np.int64)
-        return (pages * self.block_size + self.positions % self.block_size).astype(np.int32)
+        """The slot of every new token, packed like the queries (`page * block_size + offset`)."""
+        pages, offsets = self.token_pages
+        return (pages * self.block_size + offsets).astype(np.int32)
 
     def pool_rows(self, kv_heads: int) -> mx.array:
         """Where each new token's K/V go in a pool seen as `[pages * kv_heads * block_size, row]`:
@@ -97,8 +104,7 @@ def _skipped(batch: KVBatch, leading: tuple[int, ...]) -> KVBatch:
 
 @lru_cache(maxsize=8)
 def _pool_rows(batch: KVBatch, kv_heads: int) -> mx.array:
-    slots = batch.slot_mapping.astype(np.int64)
-    pages, offsets = slots // batch.block_size, slots % batch.block_size
+    pages, offsets = batch.token_pages
     rows = (pages[:, None] * kv_heads + np.arange(kv_heads)) * batch.block_size + offsets[:, None]
     return mx.array(rows.reshape(-1).astype(np.int32))
 
