@@ -94,8 +94,7 @@ def launch_shape(group: int, head_dim: int, block_size: int) -> LaunchShape:
 def _batch_inputs(batch: KVBatch) -> tuple[mx.array, mx.array, mx.array]:
     """The kernels' per-step inputs: block tables, each token's row and position (made once per
     step for all layers)."""
-    rows = np.repeat(np.arange(len(batch.query_lens), dtype=np.int32), batch.query_lens)
-    return mx.array(batch.block_tables), mx.array(rows), mx.array(batch.positions)
+    return mx.array(batch.block_tables), mx.array(batch.token_rows), mx.array(batch.positions)
 
 
 def gpu_cores() -> int:

@@ -54,7 +54,7 @@ def with_chunks_on_sdpa(attention: Callable, queries: mx.array, k_pool: Pool, v_
                                       int(batch.context_lens[row]), scale, variant), np.arange(lo, hi)))
     rest = np.setdiff1d(np.arange(len(batch.query_lens)), chunks)
     if rest.size:
-        tokens = np.flatnonzero(~np.isin(np.repeat(np.arange(len(batch.query_lens)), batch.query_lens), chunks))
+        tokens = np.flatnonzero(~np.isin(batch.token_rows, chunks))
         parts.append((attention(queries[mx.array(tokens.astype(np.int32))], k_pool, v_pool, batch.select(rest),
                                 scale, variant), tokens))
     return in_packed_order(parts)

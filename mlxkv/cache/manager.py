@@ -55,12 +55,16 @@ class KVBatch:
         return (np.repeat(first, self.query_lens) + np.arange(self.num_tokens)).astype(np.int32)
 
     @cached_property
+    def token_rows(self) -> np.ndarray:
+        """The row of every new token (int32), packed like the queries."""
+        return np.repeat(np.arange(len(self.query_lens), dtype=np.int32), self.query_lens)
+
+    @cached_property
     def token_pages(self) -> tuple[np.ndarray, np.ndarray]:
         """The page (int64) and the offset in it of every new token, packed like the queries:
         position p of row b sits in page `block_tables[b][p // block_size]` at `p % block_size`."""
-        rows = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
         pages, offsets = np.divmod(self.positions, self.block_size)
-        return self.block_tables[rows, pages].astype(np.int64), offsets
+        return self.block_tables[self.token_rows, pages].astype(np.int64), offsets
 
     @cached_property
     def slot_mapping(self) -> np.ndarray:

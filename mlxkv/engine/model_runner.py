@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -95,17 +95,17 @@ class ModelRunner:
     def forward(self, step: ScheduledBatch, token_ids: mx.array) -> mx.array | None:
         """Logits `[rows that sample, vocab]` for `step`, whose packed input tokens are
         `token_ids`; None if no row samples (lazy either way)."""
-        hidden = self.hidden(token_ids, step.kv, np.asarray(step.exact, np.int32) if any(step.exact) else None)
+        hidden = self.hidden(token_ids, step.kv, step.exact)
         if len(step.samples) == hidden.shape[0] and all(step.samples):  # all decode rows: every token samples
             return self.head(hidden)
         rows = (np.cumsum(step.counts) - 1)[np.asarray(step.samples, dtype=bool)]
         return self.head(hidden[mx.array(rows.astype(np.int32))]) if rows.size else None
 
-    def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, exact: np.ndarray | None) -> mx.array:
+    def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, exact: Sequence[int]) -> mx.array:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
-        the first `exact[b]` tokens of row b attending their own K/V as computed (lazy; None: none do)."""
-        context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention,
-                              exact if exact is not None and exact.any() else None)
+        the first `exact[b]` tokens of row b attending their own K/V as computed (lazy)."""
+        exact = np.asarray(exact, np.int32) if any(exact) else None  # a scan, not an array, in the common case
+        context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, exact)
         return self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))[0]
 
     def head(self, hidden: mx.array) -> mx.array:
