@@ -24,6 +24,9 @@ class BlockTable:
     last handed to it.
     """
 
+    __slots__ = ("pool", "page_size", "owner", "max_tokens", "num_tokens", "row", "num_pages", "keys",
+                 "num_computed", "dropped", "tokens", "root")
+
     def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int, row: np.ndarray | None = None) -> None:
         """`row`: where to keep the page row (a zeroed int32 row of a matrix holding many
         tables, so that a batch's tables are one slice of it), else an array of its own."""

@@ -18,7 +18,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One prompt being completed.
 

@@ -10,6 +10,8 @@ class TextStream:
     `take_delta` until later tokens settle it, so a stop string is never streamed.
     """
 
+    __slots__ = ("_detokenizer", "_stop", "_longest", "text", "_sent", "stopped", "finished")
+
     def __init__(self, detokenizer, stop: tuple[str, ...]) -> None:
         self._detokenizer = detokenizer
         self._stop = stop
@@ -22,7 +24,10 @@ class TextStream:
     def add(self, token: int) -> bool:
         """Add one token; True when a stop string has appeared (the text then ends before it)."""
         self._detokenizer.add_token(token)
-        self._update(self._detokenizer.text)
+        if self._stop:
+            self._update(self._detokenizer.text)
+        else:
+            self.text = self._detokenizer.text
         return self.stopped
 
     def finish(self) -> None:
@@ -34,7 +39,8 @@ class TextStream:
 
     def take_delta(self) -> str:
         """Text not yet handed out that no later token can retract."""
-        end = len(self.text) if self.stopped or self.finished else max(self._sent, len(self.text) - self._undecided())
+        settled = self.stopped or self.finished or not self._stop
+        end = len(self.text) if settled else max(self._sent, len(self.text) - self._undecided())
         delta, self._sent = self.text[self._sent : end], end
         return delta
 
@@ -46,9 +52,6 @@ class TextStream:
         return 0
 
     def _update(self, text: str) -> None:
-        if not self._stop:
-            self.text = text
-            return
         search_from = max(0, len(self.text) - self._longest)
         hits = [i for s in self._stop if (i := text.find(s, search_from)) >= 0]
         if hits:
