@@ -81,10 +81,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work and reserve its KV slots; None when there is nothing to run."""
         plan = _Plan(self.max_num_batched_tokens)
-        running = [r for r in self.running if not r.done_sampling]
-        decode = [r for r in running if r.is_decode]
-        if len(decode) < len(running):  # prefill chunks after every decode
-            running = decode + [r for r in running if not r.is_decode]
+        decode, prefill = [], []
+        for request in self.running:
+            if not request.done_sampling:
+                (decode if request.is_decode else prefill).append(request)
+        running = decode + prefill  # prefill chunks after every decode
         if not self._pick(plan, running):
             for request in running:
                 if plan.budget and request not in plan.preempted:
@@ -123,11 +124,14 @@ class Scheduler:
     def commit(self, step: ScheduledBatch) -> None:
         """Count `step`'s tokens as computed, now that their K/V are evaluated, and cache the
         pages they filled (requests aborted meanwhile are skipped)."""
-        live = [(r, n) for r, n in zip(step.requests, step.counts) if r.status is Status.RUNNING]
-        for request, count in live:
-            request.num_computed += count
-        self.cache.publish([r.seq_id for r, _ in live], [r.all_token_ids for r, _ in live],
-                           [r.num_computed for r, _ in live])
+        seq_ids, tokens, computed = [], [], []
+        for request, count in zip(step.requests, step.counts):
+            if request.status is Status.RUNNING:
+                request.num_computed += count
+                seq_ids.append(request.seq_id)
+                tokens.append(request.all_token_ids)
+                computed.append(request.num_computed)
+        self.cache.publish(seq_ids, tokens, computed)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (done or aborted) and free its pages."""
