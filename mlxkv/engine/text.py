@@ -24,10 +24,7 @@ class TextStream:
     def add(self, token: int) -> bool:
         """Add one token; True when a stop string has appeared (the text then ends before it)."""
         self._detokenizer.add_token(token)
-        if self._stop:
-            self._update(self._detokenizer.text)
-        else:
-            self.text = self._detokenizer.text
+        self._update(self._detokenizer.text)
         return self.stopped
 
     def finish(self) -> None:
@@ -39,8 +36,7 @@ class TextStream:
 
     def take_delta(self) -> str:
         """Text not yet handed out that no later token can retract."""
-        settled = self.stopped or self.finished or not self._stop
-        end = len(self.text) if settled else max(self._sent, len(self.text) - self._undecided())
+        end = len(self.text) if self.stopped or self.finished else max(self._sent, len(self.text) - self._undecided())
         delta, self._sent = self.text[self._sent : end], end
         return delta
 
@@ -52,6 +48,9 @@ class TextStream:
         return 0
 
     def _update(self, text: str) -> None:
+        if not self._stop:
+            self.text = text
+            return
         search_from = max(0, len(self.text) - self._longest)
         hits = [i for s in self._stop if (i := text.find(s, search_from)) >= 0]
         if hits:
