@@ -1,8 +1,9 @@
 """Runs Metal kernel bodies on the CPU, behind the call signature of `mx.fast.metal_kernel`.
 
 `metal_kernel(...)` returns a kernel that, when called like an MLX one, writes the function
-signature MLX would write for that call (same substring rules), compiles the unmodified body
-as C++20 against `metal/sim/runtime.h` with the machine's compiler, and runs it in a child
+signature MLX would write for that call (same substring rules), type-checks the unmodified body
+as Metal's C++14 with distinct address spaces, builds it as C++20 against `metal/sim/runtime.h`
+with clang++ 17 or newer (see `compiler`), and runs it in a child
 process with threadgroup semantics: every thread of a group is live at once (a fiber),
 barriers wait for the whole group at one call site, SIMD-group functions exchange values
 among 32 lanes, threadgroup memory is shared by the group and starts as NaN. Buffers sit
@@ -18,14 +19,18 @@ barriers, threadgroup memory and threads. Those are the inputs of a cost model, 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -277,7 +282,7 @@ def _to_mx(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
 
 
 METAL_DIALECT = "c++14"  # MSL 3.0-3.2, the versions MLX compiles for, are based on C++14
-CHECK_FLAGS = [f"-std={METAL_DIALECT}", "-fsyntax-only", "-pedantic", "-Werror", "-DSIM_ADDRESS_SPACES"]
+CHECK_FLAGS = [f"-std={METAL_DIALECT}", "-pedantic", "-Werror", "-DSIM_ADDRESS_SPACES"]
 BUILD_FLAGS = ["-std=c++20", "-O0", "-w"]  # -O1 runs no faster on these small launches and builds 3x slower
 # Every load and store hooked; -O1 keeps locals in registers, off the hooks.
 COUNT_FLAGS = ["-O1", "-DSIM_COUNT", "-fsanitize-coverage=func,trace-loads,trace-stores"]
@@ -306,14 +311,52 @@ def _outside_metal(sources: dict[str, str]) -> str | None:
     return None
 
 
-def _compiler() -> str:
-    """clang++ 17 or newer: the type check needs its address-space attribute and arithmetic `__bf16`."""
-    names = [os.environ.get("MLXKV_SIM_CXX")] + [f"clang++-{v}" for v in range(30, 16, -1)] + ["clang++"]
-    for name in names:
-        if name and shutil.which(name):
-            return name
+@dataclass(frozen=True)
+class Compiler:
+    """A clang++ of version 17 or newer, as the command that runs it."""
+
+    command: tuple[str, ...]
+    syntax_only: bool = True  # False: its driver writes an object file even to check a unit (zig's does)
+
+    @property
+    def name(self) -> str:
+        return " ".join(self.command)
+
+    def check_only(self, scratch: Path) -> list[str]:
+        """The flags that type-check a unit without building it."""
+        return ["-fsyntax-only"] if self.syntax_only else ["-c", "-o", str(scratch)]
+
+
+ZIG = Compiler((sys.executable, "-m", "ziglang", "c++", "-Wno-unused-command-line-argument"), syntax_only=False)
+
+
+def _clang_major(command: str) -> int:
+    """The major version of the clang++ `command`, or 0 if it is not one."""
+    try:
+        out = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except OSError:
+        return 0
+    found = re.search(r"clang version (\d+)", out)
+    return int(found.group(1)) if found else 0
+
+
+@lru_cache(maxsize=1)
+def compiler() -> Compiler:
+    """`MLXKV_SIM_CXX`, else the newest clang++-N on the PATH, else the clang the `ziglang` wheel bundles
+    (the `test` extra installs it), else a plain clang++ of version 17 or newer."""
+    chosen = os.environ.get("MLXKV_SIM_CXX")
+    if chosen:
+        return Compiler(tuple(shlex.split(chosen)))
+    versioned = [f"clang++-{v}" for v in range(30, 16, -1) if shutil.which(f"clang++-{v}")]
+    if versioned:
+        return Compiler((versioned[0],))
+    if importlib.util.find_spec("ziglang") is not None:
+        return ZIG
+    if shutil.which("clang++") and _clang_major("clang++") >= 17:
+        return Compiler(("clang++",))
     raise SimulatorError("the Metal simulator needs clang++ 17 or newer, which type-checks address spaces as "
-                         "Metal's compiler does (Debian: apt-get install clang-19), or MLXKV_SIM_CXX set to one")
+                         "Metal's compiler does: pip install ziglang (the test extra brings it), a clang++-17 "
+                         "or newer on the PATH, or MLXKV_SIM_CXX naming one")
 
 
 def _metal_words(text: str) -> str:
@@ -370,18 +413,18 @@ def _runtime_copy() -> Path:
     return copy
 
 
-def _precompiled_runtime(compiler: str, flags: list[str]) -> Path:
+def _precompiled_runtime(cxx: Compiler, flags: list[str]) -> Path:
     """The runtime copy built once as a precompiled header for `flags`: parsing it and the
     standard headers it includes is most of the time a kernel takes to compile."""
     runtime = _runtime_copy()
-    key = hashlib.sha256("\n".join([runtime.name, str(runtime.stat().st_mtime_ns), compiler, *flags]).encode())
+    key = hashlib.sha256("\n".join([runtime.name, str(runtime.stat().st_mtime_ns), cxx.name, *flags]).encode())
     key = key.hexdigest()[:24]
     pch = CACHE / f"{runtime.stem}-{key}.pch"
     if not pch.exists():
         wrapper = pch.with_suffix(".h")  # included, so that the runtime stays a system header
         wrapper.write_text(f'#include "{runtime}"\n')
         partial = pch.with_suffix(f".{os.getpid()}.tmp")
-        built = subprocess.run([compiler, *flags, "-x", "c++-header", str(wrapper), "-o", str(partial)],
+        built = subprocess.run([*cxx.command, *flags, "-x", "c++-header", str(wrapper), "-o", str(partial)],
                                capture_output=True, text=True)
         if built.returncode != 0:
             raise SimulatorError("the simulator's runtime does not compile:\n" + built.stderr[:3000])
@@ -392,27 +435,29 @@ def _precompiled_runtime(compiler: str, flags: list[str]) -> Path:
 def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], counting: bool = False) -> Path:
     """Type-check `unit` in Metal's dialect with its address spaces, then build it to run
     (with the cost counters when `counting`)."""
-    compiler = _compiler()
+    cxx = compiler()
     outside = _outside_metal(sources)
     if outside:
         raise SimulatorError("kernel does not compile as Metal: " + outside)
     build_flags = BUILD_FLAGS + COUNT_FLAGS if counting else BUILD_FLAGS
-    key = hashlib.sha256("\n".join([unit, compiler, *CHECK_FLAGS, *build_flags]).encode())  # the unit names the runtime
+    key = hashlib.sha256("\n".join([unit, cxx.name, *CHECK_FLAGS, *build_flags]).encode())  # the unit names the runtime
     binary = CACHE / key.hexdigest()[:24]
     if binary.exists():
         return binary
     CACHE.mkdir(parents=True, exist_ok=True)
     source = binary.with_suffix(".cpp")
     source.write_text(unit)
-    check_pch = _precompiled_runtime(compiler, CHECK_FLAGS[:1] + CHECK_FLAGS[2:])
-    checked = subprocess.run([compiler, *CHECK_FLAGS, "-include-pch", str(check_pch), str(source)],
-                             capture_output=True, text=True)
+    check_pch = _precompiled_runtime(cxx, CHECK_FLAGS)
+    scratch = binary.with_suffix(f".{os.getpid()}.o")
+    checked = subprocess.run([*cxx.command, *CHECK_FLAGS, *cxx.check_only(scratch), "-include-pch", str(check_pch),
+                              str(source)], capture_output=True, text=True)
+    scratch.unlink(missing_ok=True)
     if checked.returncode != 0:
         raise SimulatorError("kernel does not compile as Metal (address spaces, C++14, pedantic):\n"
                              + _metal_words("\n".join(checked.stderr.splitlines()[:30]))
                              + _explain(checked.stderr, sources, constant_inputs))
     partial = binary.with_suffix(f".{os.getpid()}.tmp")
-    built = subprocess.run([compiler, *build_flags, "-include-pch", str(_precompiled_runtime(compiler, build_flags)),
+    built = subprocess.run([*cxx.command, *build_flags, "-include-pch", str(_precompiled_runtime(cxx, build_flags)),
                             "-o", str(partial), str(source)], capture_output=True, text=True)
     if built.returncode != 0:
         raise SimulatorError("kernel does not compile:\n" + "\n".join(built.stderr.splitlines()[:30]))

@@ -10,7 +10,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("chromedriver") is None,
-                                reason="needs Chromium and chromedriver (.ci/run installs Debian's)")
+                                reason="needs Chromium and chromedriver: apt-get install chromium chromium-driver (.ci/run does)")
 
 
 @pytest.fixture(scope="module")
