@@ -1,3 +1,3 @@
 // K/V readers of the attention kernels for float pages (put before their bodies).
-const auto k_rows = dense_rows<D>(k_pool);
-const auto v_rows = dense_rows<D>(v_pool);
+const auto k_rows = dense_rows<D>(k_pages);
+const auto v_rows = dense_rows<D>(v_pages);

@@ -1,7 +1,7 @@
 // Paged attention shared by the kernels in this folder. One threadgroup serves one query
 // token and the HG query heads of one KV head. Its SIMD groups form HS = HG / H head sets
 // of H query heads each (at most 4 at head_dim 128: more spill registers) times KS key
-// splits; a SIMD group walks tiles of KT keys of one page (one block-table lookup a tile),
+// splits; a SIMD group walks tiles of KT keys of one page (one page-table lookup a tile),
 // each lane holding EPL consecutive head dimensions and reading them with vector loads.
 // The head sets of one key split read the same rows at the same time, so a K/V byte comes
 // from device memory once per threadgroup and from the core's cache after that.
@@ -11,10 +11,10 @@
 // online softmax is lane-parallel: one exp2 per score, one per head for the rescale. Scores
 // are in log2 units (log2(e) is folded into the scale) and kept in float32.
 //
-// Pools are [pages, kv_heads, BS, D]; key j of a sequence lives in page
-// block_table[j / BS] at offset j % BS. Float pools are read through DenseRows, quantized
+// K and V pages are [pages, kv_heads, PS, D]; key j of a sequence lives in page
+// page_table[j / PS] at offset j % PS. Float pages are read through DenseRows, quantized
 // ones (mx.quantize's affine format) through QuantizedRows, which dequantize a lane's values
-// from one load of packed words and one scale and bias. Pools are always `device` buffers
+// from one load of packed words and one scale and bias. K/V pages are always `device` buffers
 // (MLX passes only inputs under 8 elements as `constant`); other helpers take kernel inputs
 // through template pointer types, since Metal converts neither space to the other.
 // Rules for the simulator as for the GPU: SIMD functions and barriers sit in uniform
@@ -22,14 +22,14 @@
 
 static constant constexpr const float LOG2_E = 1.4426950408889634f;
 
-// Index of key j's row for one KV head, counting rows of D values. 64-bit: a pool passes
+// Index of key j's row for one KV head, counting rows of D values. 64-bit: one layer's pages pass
 // 2^31 elements at 4 GiB of float16 per layer.
-template <int BS>
+template <int PS>
 int64_t kv_row(int page, int kv_heads, int kv_head, int j) {
-  return (int64_t(page) * kv_heads + kv_head) * BS + j % BS;
+  return (int64_t(page) * kv_heads + kv_head) * PS + j % PS;
 }
 
-// How N (1, 2 or 4) consecutive values of a T pool are loaded, one vector load, as floats.
+// How N (1, 2 or 4) consecutive values of T pages are loaded, one vector load, as floats.
 // bfloat16 is loaded as its bits, which every Metal version can put in a vector.
 template <typename T>
 struct Bits {
@@ -59,14 +59,14 @@ struct Chunk<T, 1> {
   }
 };
 
-// Lane `lane`'s EPL values (dims lane * EPL ...) of row `row` of a float pool [.., D]: vector
+// Lane `lane`'s EPL values (dims lane * EPL ...) of row `row` of float pages [.., D]: vector
 // loads when D is a multiple of 32, else guarded single loads.
 template <int D, typename T>
 struct DenseRows {
-  const device T* pool;
+  const device T* pages;
   template <int EPL>
   void load(int64_t row, uint lane, thread float* out) const {
-    const device T* p = pool + row * D + lane * EPL;
+    const device T* p = pages + row * D + lane * EPL;
     if (D % 32 == 0) {
       constexpr int C = EPL % 4 == 0 ? 4 : EPL % 2 == 0 ? 2 : 1;
       for (int c = 0; c < EPL; c += C) {
@@ -80,7 +80,7 @@ struct DenseRows {
   }
 };
 
-// Lane `lane`'s EPL values of row `row` of a quantized pool: BITS-bit integers packed lowest
+// Lane `lane`'s EPL values of row `row` of quantized pages: BITS-bit integers packed lowest
 // bits first into 32-bit words [.., D * BITS / 32], and per group of GS values a scale and a
 // bias [.., D / GS]: value = scale * q + bias. When a lane's values fill whole words or share
 // one, and one group, they come from one load of words and one scale and bias; otherwise
@@ -134,8 +134,8 @@ struct QuantizedRows {
 };
 
 template <int D, typename T>
-DenseRows<D, T> dense_rows(const device T* pool) {
-  return DenseRows<D, T>{pool};
+DenseRows<D, T> dense_rows(const device T* pages) {
+  return DenseRows<D, T>{pages};
 }
 
 template <int D, int BITS, int GS, typename S>
@@ -175,12 +175,12 @@ float reduce_scatter(thread float* v, uint lane) {
 // Online softmax over keys [first, last) for the H query heads q_base/D .. + H - 1 of one KV
 // head, taking every KS-th tile of KT keys from tile `split` on. Scores are capped to
 // softcap * tanh(score / softcap) when SOFTCAP (Gemma 2).
-template <int D, int BS, int H, int KT, int KS, bool SOFTCAP, typename Q, typename K, typename V, typename Table>
-SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table block_table, int q_base, int kv_heads,
+template <int D, int PS, int H, int KT, int KS, bool SOFTCAP, typename Q, typename K, typename V, typename Table>
+SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table page_table, int q_base, int kv_heads,
                                     int kv_head, int first, int last, float scale, float softcap, int split,
                                     uint lane) {
   constexpr int EPL = (D + 31) / 32;
-  constexpr int TILES_PER_PAGE = (BS + KT - 1) / KT;
+  constexpr int TILES_PER_PAGE = (PS + KT - 1) / KT;
   const float q_scale = SOFTCAP ? scale : scale * LOG2_E;
   float q[H][EPL];
   SoftmaxState<H, EPL> st;
@@ -194,22 +194,22 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
   st.m = -INFINITY;
   st.l = 0.0f;
   const int my_head = int(lane) / KT;  // lane e sums entry e = head * KT + key of each tile
-  const int tile_first = (first / BS) * TILES_PER_PAGE + (first % BS) / KT;
-  const int tile_last = last > first ? ((last - 1) / BS) * TILES_PER_PAGE + ((last - 1) % BS) / KT : tile_first - 1;
+  const int tile_first = (first / PS) * TILES_PER_PAGE + (first % PS) / KT;
+  const int tile_last = last > first ? ((last - 1) / PS) * TILES_PER_PAGE + ((last - 1) % PS) / KT : tile_first - 1;
   for (int t = tile_first + split; t <= tile_last; t += KS) {
     const int page = t / TILES_PER_PAGE;
     const int offset = (t % TILES_PER_PAGE) * KT;
-    const int key0 = page * BS + offset;
-    const int physical = block_table[page];
+    const int key0 = page * PS + offset;
+    const int physical = page_table[page];
     float part[32];
     for (int e = 0; e < 32; e++) {
       part[e] = 0.0f;
     }
     for (int k = 0; k < KT; k++) {
       const int j = key0 + k;
-      if (j >= first && j < last && offset + k < BS) {
+      if (j >= first && j < last && offset + k < PS) {
         float kv[EPL];
-        k_rows.template load<EPL>(kv_row<BS>(physical, kv_heads, kv_head, j), lane, kv);
+        k_rows.template load<EPL>(kv_row<PS>(physical, kv_heads, kv_head, j), lane, kv);
         for (int h = 0; h < H; h++) {
           float dot = 0.0f;
           for (int i = 0; i < EPL; i++) {
@@ -221,7 +221,7 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
     }
     float s = reduce_scatter<32>(part, lane);
     const int j = key0 + int(lane) % KT;
-    const bool valid = my_head < H && j >= first && j < last && offset + int(lane) % KT < BS;
+    const bool valid = my_head < H && j >= first && j < last && offset + int(lane) % KT < PS;
     if (SOFTCAP) {
       s = softcap * metal::tanh(s / softcap) * LOG2_E;
     }
@@ -247,8 +247,8 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
       for (int i = 0; i < EPL; i++) {
         kv[i] = 0.0f;
       }
-      if (jk >= first && jk < last && offset + k < BS) {
-        v_rows.template load<EPL>(kv_row<BS>(physical, kv_heads, kv_head, jk), lane, kv);
+      if (jk >= first && jk < last && offset + k < PS) {
+        v_rows.template load<EPL>(kv_row<PS>(physical, kv_heads, kv_head, jk), lane, kv);
       }
       for (int h = 0; h < H; h++) {
         const float pk = simd_shuffle(p, ushort(h * KT + k));
@@ -328,17 +328,17 @@ struct Merged {
 // returns the merged state of its head set (what other SIMD groups return is not used).
 // tg_ml holds (KS - 1) * HG * 2 floats and tg_acc (KS - 1) * HG * D: what the merge needs,
 // not a copy of every SIMD group's state.
-template <int D, int BS, int HG, int H, int KT, int KS, bool SOFTCAP, typename Q, typename K, typename V,
+template <int D, int PS, int HG, int H, int KT, int KS, bool SOFTCAP, typename Q, typename K, typename V,
           typename Table>
-Merged<H, (D + 31) / 32> attend_and_merge(Q queries, K k_rows, V v_rows, Table block_table, int q_base, int kv_heads,
+Merged<H, (D + 31) / 32> attend_and_merge(Q queries, K k_rows, V v_rows, Table page_table, int q_base, int kv_heads,
                                           int kv_head, int first, int last, float scale, float softcap,
                                           threadgroup float* tg_ml, threadgroup float* tg_acc, uint sg, uint lane) {
   constexpr int EPL = (D + 31) / 32;
   constexpr int HS = HG / H;
   const int head_set = int(sg) % HS;
   const int split = int(sg) / HS;
-  const SoftmaxState<H, EPL> st = attend_keys<D, BS, H, KT, KS, SOFTCAP>(
-      queries, k_rows, v_rows, block_table, q_base + head_set * H * D, kv_heads, kv_head, first, last, scale,
+  const SoftmaxState<H, EPL> st = attend_keys<D, PS, H, KT, KS, SOFTCAP>(
+      queries, k_rows, v_rows, page_table, q_base + head_set * H * D, kv_heads, kv_head, first, last, scale,
       softcap, split, lane);
   Merged<H, EPL> out;
   for (int h = 0; h < H; h++) {
@@ -353,15 +353,15 @@ Merged<H, (D + 31) / 32> attend_and_merge(Q queries, K k_rows, V v_rows, Table b
   if (KS > 1) {
     if (split > 0) {
       for (int h = 0; h < H; h++) {
-        const int slot = (split - 1) * HG + head_set * H + h;
+        const int entry = (split - 1) * HG + head_set * H + h;
         if (lane == 0) {
-          tg_ml[slot * 2] = out.m[h][0];
-          tg_ml[slot * 2 + 1] = out.l[h][0];
+          tg_ml[entry * 2] = out.m[h][0];
+          tg_ml[entry * 2 + 1] = out.l[h][0];
         }
         for (int i = 0; i < EPL; i++) {
           const int d = int(lane) * EPL + i;
           if (d < D) {
-            tg_acc[slot * D + d] = out.acc[h][i];
+            tg_acc[entry * D + d] = out.acc[h][i];
           }
         }
       }

@@ -7,12 +7,12 @@ constexpr int EPL = (D + 31) / 32;
 const int tile = int(threadgroup_position_in_grid.y);
 const int token = int(threadgroup_position_in_grid.z);
 const int q_heads = queries_shape[1];
-const int width = block_tables_shape[1];
+const int width = page_tables_shape[1];
 const uint sg = simdgroup_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
-const Merged<H, EPL> r = attend_and_merge<D, BS, HG, H, KT, KS, SOFTCAP>(
-    queries, k_rows, v_rows, block_tables + token_rows[token] * width, (token * q_heads + tile * HG) * D,
-    k_pool_shape[1], tile / (G / HG), first_key<WINDOWED>(token_pos[token], window), token_pos[token] + 1, scale,
+const Merged<H, EPL> r = attend_and_merge<D, PS, HG, H, KT, KS, SOFTCAP>(
+    queries, k_rows, v_rows, page_tables + token_rows[token] * width, (token * q_heads + tile * HG) * D,
+    k_pages_shape[1], tile / (G / HG), first_key<WINDOWED>(token_pos[token], window), token_pos[token] + 1, scale,
     softcap, tg_ml, tg_acc, sg, lane);
 if (int(sg) < HG / H) {
   for (int h = 0; h < H; h++) {

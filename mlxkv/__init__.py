@@ -1,23 +1,16 @@
 """mlxkv: paged KV cache and continuous batching for LLM inference with MLX.
 
 The package is layered, each layer importing only those below it:
-`cache` (pages, block tables, K/V storage) < `attention` (reference path, Metal kernels)
-< `engine` (requests, scheduler, model runner, sampling) < `entrypoints` (`LLM`, CLI);
-`models` (loading) sits beside the engine, `config` and `errors` are shared.
+`cache` (pages, page tables, K/V storage) < `attention` (reference path, Metal kernels)
+< `engine` (requests, scheduler, model runner, sampling) < `entrypoints` (`LLM`, CLI, server);
+`models` (loading) sits beside the engine; `settings`, `config` and `errors` are shared.
 """
 
 from .attention import reference_attention
-from .cache import (
-    BlockTable,
-    KVBatch,
-    KVCacheManager,
-    KVLayout,
-    PagePool,
-    resolve_layout,
-)
+from .cache import KVBatch, KVCacheManager, KVLayout, KVUsage, PagePool, PageTable, resolve_layout
 from .config import EngineConfig
-from .engine import AsyncLLM, LLMEngine, RequestOutput
-from .engine.sampling import SamplingParams
+from .deprecation import module_getattr
+from .engine import AsyncLLM, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from .entrypoints import LLM, Completion
 from .errors import (
     KVCacheExhausted,
@@ -31,26 +24,30 @@ from .errors import (
 from .models import load
 
 __all__ = [
+    "LLM",
     "AsyncLLM",
-    "BlockTable",
     "Completion",
     "EngineConfig",
+    "EngineStats",
     "KVBatch",
     "KVCacheExhausted",
     "KVCacheManager",
     "KVLayout",
-    "LLM",
+    "KVUsage",
     "LLMEngine",
     "MlxkvError",
     "ModelLoadError",
     "PagePool",
+    "PageTable",
+    "RequestFailed",
     "RequestOutput",
     "RequestTooLong",
     "SamplingParams",
     "SequenceTooLong",
-    "RequestFailed",
     "UnknownSequenceError",
     "load",
     "reference_attention",
     "resolve_layout",
 ]
+
+__getattr__ = module_getattr(__name__, {"BlockTable": ("PageTable", PageTable)})

@@ -5,15 +5,8 @@ class MlxkvError(Exception):
     """Base class of mlxkv's own errors."""
 
 
-def positive_int(name: str, value: object) -> int:
-    """`value` if it is an integer >= 1, else a ValueError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 class KVCacheExhausted(MlxkvError):
-    """Not enough free KV pages (or sequence slots) for a request; nothing was changed."""
+    """Not enough free KV pages (or room for another sequence) for a request; nothing was changed."""
 
     def __init__(self, requested: int, free: int, what: str = "pages") -> None:
         super().__init__(f"KV cache exhausted: asked for {requested} {what}, {free} free")
@@ -33,9 +26,7 @@ class SequenceTooLong(MlxkvError, ValueError):
     """A sequence would outgrow the most tokens one sequence may hold."""
 
     def __init__(self, seq_id: object, length: int, limit: int) -> None:
-        super().__init__(
-            f"sequence {seq_id!r} would hold {length} tokens, more than max_seq_len={limit}"
-        )
+        super().__init__(f"sequence {seq_id!r} would hold {length} tokens, more than max_model_len={limit}")
         self.seq_id = seq_id
         self.length = length
         self.limit = limit

@@ -115,7 +115,7 @@ def interleaved_steps(name: str, model, tokenizer, steps: int) -> None:
 def host_per_step(model, tokenizer, sequences: int, steps: int) -> tuple[float, float]:
     """(host ms, step ms) per decode step, median over `steps`, with `sequences` running."""
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=sequences, max_num_batched_tokens=4 * sequences,
-                                                      max_model_len=256, num_blocks=sequences * 8 + 64,
+                                                      max_model_len=256, num_pages=sequences * 8 + 64,
                                                       pipeline=False))
     for i in range(sequences):
         engine.add_request([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=200, ignore_eos=True))

@@ -52,24 +52,24 @@ def timed(fn, repeats: int) -> float:
 def case(attention, batch: int, context: int, args) -> tuple[float, float]:
     """(paged seconds, SDPA seconds) for one decode step of `batch` sequences of `context` tokens."""
     rng = np.random.default_rng(0)
-    bs, kv_heads, q_heads, d = args.block_size, args.kv_heads, args.q_heads, args.head_dim
+    bs, kv_heads, q_heads, d = args.page_size, args.kv_heads, args.q_heads, args.head_dim
     dtype = getattr(mx, args.dtype)
     pages_per_seq = -(-context // bs)
     pages = rng.permutation(batch * pages_per_seq).astype(np.int32).reshape(batch, pages_per_seq)
-    k_pool = mx.random.normal((batch * pages_per_seq, kv_heads, bs, d)).astype(dtype)
-    v_pool = mx.random.normal((batch * pages_per_seq, kv_heads, bs, d)).astype(dtype)
+    k_pages = mx.random.normal((batch * pages_per_seq, kv_heads, bs, d)).astype(dtype)
+    v_pages = mx.random.normal((batch * pages_per_seq, kv_heads, bs, d)).astype(dtype)
     ones = np.ones(batch, np.int32)
     meta = KVBatch(tuple(range(batch)), ones, np.full(batch, context, np.int32), pages, bs)
     q = mx.random.normal((batch, q_heads, d)).astype(dtype)
     order = mx.array(pages.reshape(-1))
-    k = k_pool[order].reshape(batch, pages_per_seq, kv_heads, bs, d).transpose(0, 2, 1, 3, 4)
+    k = k_pages[order].reshape(batch, pages_per_seq, kv_heads, bs, d).transpose(0, 2, 1, 3, 4)
     k = k.reshape(batch, kv_heads, pages_per_seq * bs, d)[:, :, :context]
-    v = v_pool[order].reshape(batch, pages_per_seq, kv_heads, bs, d).transpose(0, 2, 1, 3, 4)
+    v = v_pages[order].reshape(batch, pages_per_seq, kv_heads, bs, d).transpose(0, 2, 1, 3, 4)
     v = v.reshape(batch, kv_heads, pages_per_seq * bs, d)[:, :, :context]
     scale = d ** -0.5
     if args.kv_bits:
         quantized = dict(group_size=args.kv_group_size, bits=args.kv_bits)
-        k_pool, v_pool = (QuantizedPages.quantize(pool, args.kv_bits, args.kv_group_size) for pool in (k_pool, v_pool))
+        k_pages, v_pages = (QuantizedPages.quantize(pool, args.kv_bits, args.kv_group_size) for pool in (k_pages, v_pages))
         k, v = mx.quantize(k, **quantized), mx.quantize(v, **quantized)
 
         def baseline():
@@ -77,8 +77,8 @@ def case(attention, batch: int, context: int, args) -> tuple[float, float]:
     else:
         def baseline():
             return mx.fast.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale)
-    mx.eval(q, k, v, [getattr(pool, "parts", pool) for pool in (k_pool, v_pool)])
-    paged = timed(lambda: attention(q, k_pool, v_pool, meta, scale), args.repeats)
+    mx.eval(q, k, v, [getattr(pool, "parts", pool) for pool in (k_pages, v_pages)])
+    paged = timed(lambda: attention(q, k_pages, v_pages, meta, scale), args.repeats)
     return paged, timed(baseline, args.repeats)
 
 
@@ -88,18 +88,18 @@ def prefill(args) -> None:
         print("--prefill times the Metal kernel against SDPA, which needs a Mac (no Metal on this machine)")
         return
     kernels, dtype = PagedAttentionKernels(), getattr(mx, args.dtype)
-    context, bs, d = args.contexts[0], args.block_size, args.head_dim
+    context, bs, d = args.contexts[0], args.page_size, args.head_dim
     pages = -(-context // bs)
-    k_pool, v_pool = (mx.random.normal((pages, args.kv_heads, bs, d)).astype(dtype) for _ in range(2))
+    k_pages, v_pages = (mx.random.normal((pages, args.kv_heads, bs, d)).astype(dtype) for _ in range(2))
     table = np.random.default_rng(0).permutation(pages).astype(np.int32)
     print(f"prefill chunks at context {context}, {args.q_heads}/{args.kv_heads} heads, head_dim {d}, {args.dtype}")
     print(f"{'chunk':>6} {'paged ms':>9} {'SDPA ms':>8} {'paged/SDPA':>11}")
     for length in (1, 2, 4, 8, 16, 32, 64, 128, 512):
         q = mx.random.normal((length, args.q_heads, d)).astype(dtype)
         batch = KVBatch((0,), np.array([length], np.int32), np.array([context], np.int32), table[None], bs)
-        mx.eval(q, k_pool, v_pool)
-        paged = timed(lambda: kernels.paged(q, k_pool, v_pool, batch, d ** -0.5), args.repeats)
-        sdpa = timed(lambda: chunk_attention(q, k_pool, v_pool, table, context, d ** -0.5), args.repeats)
+        mx.eval(q, k_pages, v_pages)
+        paged = timed(lambda: kernels.paged(q, k_pages, v_pages, batch, d ** -0.5), args.repeats)
+        sdpa = timed(lambda: chunk_attention(q, k_pages, v_pages, table, context, d ** -0.5), args.repeats)
         print(f"{length:>6} {paged * 1e3:>9.3f} {sdpa * 1e3:>8.3f} {paged / sdpa:>11.2f}")
 
 
@@ -144,18 +144,18 @@ def baseline_kernels(rev: str):
     return module
 
 
-def count(kernels, context: int, group: int, head_dim: int, split: bool, block_size: int = 16) -> list:
+def count(kernels, context: int, group: int, head_dim: int, split: bool, page_size: int = 16) -> list:
     """The counted launches of one decode row of one KV head (a threadgroup's work is the same
     for every sequence and KV head, so per K/V byte this is the whole batch's)."""
     from mlxkv.attention.simulator import cost_counters
     rng = np.random.default_rng(0)
-    pages = -(-context // block_size)
-    k_pool, v_pool = (mx.array(rng.standard_normal((pages, 1, block_size, head_dim)), mx.float16) for _ in range(2))
+    pages = -(-context // page_size)
+    k_pages, v_pages = (mx.array(rng.standard_normal((pages, 1, page_size, head_dim)), mx.float16) for _ in range(2))
     batch = KVBatch((0,), np.ones(1, np.int32), np.array([context], np.int32),
-                    rng.permutation(pages).astype(np.int32)[None], block_size)
+                    rng.permutation(pages).astype(np.int32)[None], page_size)
     q = mx.array(rng.standard_normal((1, group, head_dim)), mx.float16)
     with cost_counters() as launches:
-        mx.eval(kernels(q, k_pool, v_pool, batch, head_dim ** -0.5, split=split))
+        mx.eval(kernels(q, k_pages, v_pages, batch, head_dim ** -0.5, split=split))
     return launches
 
 
@@ -263,7 +263,7 @@ def main() -> None:
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--kv-bits", type=int, choices=[8, 4], default=None, help="quantized K/V [default: floats]")
     parser.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
@@ -286,7 +286,7 @@ def main() -> None:
     else:
         attention, what = reference_attention, "the pure-MLX reference path (no Metal on this machine)"
     print(f"paged: {what}; device {mx.default_device()}, MLX {mx.__version__}, {args.dtype}, "
-          f"{args.q_heads}/{args.kv_heads} heads, head_dim {args.head_dim}, block {args.block_size}, "
+          f"{args.q_heads}/{args.kv_heads} heads, head_dim {args.head_dim}, block {args.page_size}, "
           + (f"{args.kv_bits}-bit K/V in groups of {args.kv_group_size} (baseline: mlx-lm's quantized attention)"
              if args.kv_bits else "float K/V (baseline: MLX's SDPA)"))
     print(f"{'batch':>6} {'context':>8} {'paged GB/s':>11} {'base GB/s':>10} {'paged/base time':>16}")

@@ -39,7 +39,7 @@ def mlxkv_chat(model, tokenizer, turns: list[list[int]], reply_len: int, caching
     """TTFT per turn; each turn's prompt is the whole conversation so far plus the new message."""
     length = sum(map(len, turns)) + reply_len * len(turns)
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=length,
-                                                      enable_prefix_caching=caching))
+                                                      prefix_caching=caching))
     conversation, ttft, cached, replies = [], [], [], []
     for message in turns:
         request = engine.add_request(conversation + message, SamplingParams(max_tokens=reply_len, ignore_eos=True))
@@ -71,7 +71,7 @@ def mlx_lm_chat(model, turns: list[list[int]], reply_len: int) -> dict:
 def shared_prefix(model, tokenizer, prompts: list[list[int]], output_len: int, caching: bool,
                   max_num_seqs: int) -> dict:
     """Every prompt at once; output throughput and mean TTFT from the common start."""
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=max_num_seqs, enable_prefix_caching=caching,
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=max_num_seqs, prefix_caching=caching,
                                                       max_model_len=max(map(len, prompts)) + output_len))
     start = time.perf_counter()
     requests = [engine.add_request(p, SamplingParams(max_tokens=output_len, ignore_eos=True)) for p in prompts]
@@ -80,7 +80,7 @@ def shared_prefix(model, tokenizer, prompts: list[list[int]], output_len: int, c
     wall = time.perf_counter() - start
     return {"tok/s": sum(len(r.output_ids) for r in requests) / wall,
             "TTFT mean s": float(np.mean([r.first_token_time - start for r in requests])),
-            "wall s": wall, "prompt tokens reused": float(engine.prefix_stats.cached_tokens),
+            "wall s": wall, "prompt tokens reused": float(engine.stats().prefix_cache.cached_tokens),
             "outputs": [r.output_ids for r in requests]}
 
 

@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=None, help="arrivals per second [default: all at once]")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="concurrent sequences, both engines")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--kv-fraction", type=float, default=0.5,
                         help="mlxkv's KV pool as a fraction of mlx-lm's peak KV bytes")
     parser.add_argument("--kv-bits", type=int, nargs="*", choices=[8, 4], default=[8, 4],
@@ -109,7 +109,7 @@ def main() -> None:
     bytes_per_token = model_kv_bytes_per_token(model)
     run_mlx_lm(model, warm, 2, bytes_per_token)
     reference = run_mlx_lm(model, workload, args.max_num_seqs, bytes_per_token)
-    small = EngineConfig(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+    small = EngineConfig(page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          kv_cache_memory=max(1, int(args.kv_fraction * reference.peak_allocated)),
                          max_model_len=args.prompt_len[1] + args.output_len[1])

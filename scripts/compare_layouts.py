@@ -59,10 +59,10 @@ def make_workload(args, vocab_size: int, max_len: int) -> Workload:
     return Workload(prompts, output.tolist(), [0.0] * n)
 
 
-def page_floor(run: Run, block_size: int) -> float:
+def page_floor(run: Run, page_size: int) -> float:
     """The waste no paged cache can avoid, time-weighted: the unfilled part of each live
     sequence's last page, from the requests' own lengths (not from the cache)."""
-    unfilled = run.weighted(lambda s: sum(-(-n // block_size) * block_size - n for n in s.lengths))
+    unfilled = run.weighted(lambda s: sum(-(-n // page_size) * page_size - n for n in s.lengths))
     return unfilled / max(unfilled + run.weighted("tokens"), 1e-9)
 
 
@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", choices=("longtail", "uniform", "fixed"), default="longtail")
     parser.add_argument("--prompt-len", type=int, default=160, help="median (longtail), mean (uniform) or value")
     parser.add_argument("--output-len", type=int, default=120, help="median (longtail), mean (uniform) or value")
-    parser.add_argument("--max-seq-len", type=int, default=None, help="contiguous slot [default: the model's]")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="most tokens per sequence, the contiguous layout's page [default: the model's context]")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="concurrent sequences, every run")
     parser.add_argument("--kv-budget", default="256MiB")
     parser.add_argument("--seed", type=int, default=0)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
 
     budget = parse_memory(args.kv_budget)
     model, tokenizer = mlx_lm_load(str(args.model))
-    max_len = args.max_seq_len or model.args.max_position_embeddings
+    max_len = args.max_model_len or model.args.max_position_embeddings
     workload = make_workload(args, model.args.vocab_size, max_len)
     bytes_per_token = model_kv_bytes_per_token(model)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -144,10 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, Run] = {}
     common = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len)
     for block in BLOCK_SIZES:
-        config = EngineConfig(kv_layout="paged", block_size=block, **common)
+        config = EngineConfig(kv_layout="paged", page_size=block, **common)
         runs[f"mlxkv paged (block {block})"] = run_mlxkv(model, tokenizer, workload, config, f"paged {block}")[0]
     for bits in KV_BITS:
-        config = EngineConfig(kv_layout="paged", block_size=16, kv_bits=bits, **common)
+        config = EngineConfig(kv_layout="paged", page_size=16, kv_bits=bits, **common)
         runs[f"mlxkv paged {bits}-bit (block 16)"] = run_mlxkv(model, tokenizer, workload, config, f"{bits}-bit")[0]
     config = EngineConfig(kv_layout="contiguous", **common)
     runs["mlxkv contiguous"] = run_mlxkv(model, tokenizer, workload, config, "contiguous")[0]

@@ -125,9 +125,9 @@ def _arrived(pending: list[int], workload: Workload, start: float) -> tuple[list
     return [i for i, d in zip(pending, due) if d], [i for i, d in zip(pending, due) if not d]
 
 
-def run_mlx_lm(model, workload: Workload, max_seqs: int, bytes_per_token: int) -> Run:
+def run_mlx_lm(model, workload: Workload, max_num_seqs: int, bytes_per_token: int) -> Run:
     """mlx-lm's BatchGenerator: continuous batching over a dense, left-padded cache."""
-    gen = BatchGenerator(model, completion_batch_size=max_seqs, prefill_batch_size=min(8, max_seqs))
+    gen = BatchGenerator(model, completion_batch_size=max_num_seqs, prefill_batch_size=min(8, max_num_seqs))
     run = Run("mlx-lm BatchGenerator", bytes_per_token)
     pending, live = list(range(workload.size)), {}
     mx.reset_peak_memory()

@@ -26,9 +26,9 @@ import numpy as np
 from harness import blas_in_use
 from mlx_lm import load as mlx_lm_load
 
-from mlxkv.attention.kernels import select_attention
-from mlxkv.cache.manager import KVCacheManager
-from mlxkv.engine.model_runner import ModelRunner, kv_shape
+from mlxkv import KVCacheManager
+from mlxkv.attention import AttentionSpec, choose_attention
+from mlxkv.engine.model_runner import ModelRunner, kv_shape, layer_variants
 from mlxkv.models.loading import DEMO_MODEL
 
 MODULES = ("argparse", "bisect", "csv", "datetime", "difflib", "fractions", "functools", "heapq", "itertools",
@@ -62,14 +62,20 @@ class Scores:
     count: int = 0
 
 
-def score(model, windows: list[np.ndarray], group_size: int, block_size: int, chunk: int) -> dict:
+def score(model, windows: list[np.ndarray], group_size: int, page_size: int, chunk: int) -> dict:
     """Run every window through one paged cache per KV format in step; compare each format's
     next-token distributions with the float pages' at every position."""
     layers, kv_heads, head_dim, dtype = kv_shape(model)
-    attention = select_attention()
-    runners = {bits: ModelRunner(model, KVCacheManager(
-        layers, kv_heads, head_dim, max_seqs=1, max_seq_len=max(map(len, windows)), block_size=block_size,
-        dtype=dtype, prefix_caching=False, kv_bits=bits, kv_group_size=group_size), attention) for bits in FORMATS}
+
+    def runner(bits: int | None) -> ModelRunner:
+        spec = AttentionSpec(dtype, model.args.num_attention_heads, kv_heads, head_dim, page_size, bits, group_size,
+                             layer_variants(model))
+        cache = KVCacheManager(layers, kv_heads, head_dim, max_num_seqs=1, max_model_len=max(map(len, windows)),
+                               page_size=page_size, dtype=dtype, prefix_caching=False, kv_bits=bits,
+                               kv_group_size=group_size)
+        return ModelRunner(model, cache, choose_attention(None, spec))
+
+    runners = {bits: runner(bits) for bits in FORMATS}
     scores = {bits: Scores() for bits in FORMATS}
     for tokens in windows:
         seqs = {bits: runner.cache.claim(1)[0] for bits, runner in runners.items()}
@@ -78,7 +84,7 @@ def score(model, windows: list[np.ndarray], group_size: int, block_size: int, ch
             targets = mx.array(tokens[lo + 1:lo + 1 + len(ids)])
             logprobs = {}
             for bits, runner in runners.items():
-                logits = runner.head(runner.hidden(ids, runner.cache.step([seqs[bits]], [len(ids)]),
+                logits = runner.head(runner.hidden(ids, runner.cache.append([seqs[bits]], [len(ids)]),
                                                    np.zeros(1, np.int32))).astype(mx.float32)
                 logprobs[bits] = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             reference = logprobs[None]
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="tokens per window [default: 128, the context the demo model was trained on]")
     parser.add_argument("--max-tokens", type=int, default=16384, help="most tokens of each text to score")
     parser.add_argument("--chunk", type=int, default=128, help="tokens computed per step")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
     args = parser.parse_args(argv)
 
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     ratios = {}
     for name, text in texts.items():
         windows = windows_of(tokenizer, text, args.window, args.max_tokens)
-        scores = score(model, windows, args.kv_group_size, args.block_size, args.chunk)
+        scores = score(model, windows, args.kv_group_size, args.page_size, args.chunk)
         print(f"\n{name} text: {sum(map(len, windows))} tokens in {len(windows)} windows of up to {args.window}"
               + (f" (docstrings of {len(MODULES)} standard-library modules)" if name == "held-out" else
                  " (the language reference the demo model learnt)"))

@@ -25,26 +25,26 @@ def scramble_free_pages(cache, rng):
         cache.pool.free(("scramble", int(page)))
 
 
-def packed_step(layout, block_size, kv_heads, head_dim, dtype, contexts, query_lens, seed=0, max_seq_len=128,
+def packed_step(layout, page_size, kv_heads, head_dim, dtype, contexts, query_lens, seed=0, max_model_len=128,
                 kv_bits=None, kv_group_size=64):
     """A cache filled in interleaved chunks (pages out of order), then one packed step."""
     rng = np.random.default_rng(seed)
-    cache = KVCacheManager(1, kv_heads, head_dim, max_seqs=len(contexts) + 3, max_seq_len=max_seq_len,
-                           layout=layout, block_size=block_size, dtype=dtype, kv_bits=kv_bits,
+    cache = KVCacheManager(1, kv_heads, head_dim, max_num_seqs=len(contexts) + 3, max_model_len=max_model_len,
+                           layout=layout, page_size=page_size, dtype=dtype, kv_bits=kv_bits,
                            kv_group_size=kv_group_size)
     if layout == "paged":
         scramble_free_pages(cache, rng)
     ids = cache.claim(len(contexts))
 
     def add(seq_ids, counts):
-        batch = cache.step(seq_ids, counts)
+        batch = cache.append(seq_ids, counts)
         shape = (sum(counts), kv_heads, head_dim)
         cache.write(0, batch, mx.array(rng.standard_normal(shape), dtype), mx.array(rng.standard_normal(shape), dtype))
         return batch
 
     left = {s: c - q for s, c, q in zip(ids, contexts, query_lens)}
     while any(left.values()):
-        chunk = {s: min(n, int(rng.integers(1, 2 * block_size))) for s, n in left.items() if n}
+        chunk = {s: min(n, int(rng.integers(1, 2 * page_size))) for s, n in left.items() if n}
         add(list(chunk), list(chunk.values()))
         left = {s: left[s] - chunk.get(s, 0) for s in left}
     return cache, add(ids, query_lens)

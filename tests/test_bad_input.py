@@ -20,7 +20,7 @@ NORMAL = [5, 6, 7, 8]
 def setup(checkpoint):
     path = checkpoint("llama-fp32")
     loaded = load(path)
-    llm = LLM(loaded, block_size=4, max_model_len=64)
+    llm = LLM(loaded, page_size=4, max_model_len=64)
     return llm, loaded, mlx_lm_greedy(path, NORMAL, max_tokens=8)
 
 
@@ -33,8 +33,8 @@ API = [
     (lambda llm, m: SamplingParams(top_p=0), ValueError, r"top_p must be a number in \(0, 1\], got 0"),
     (lambda llm, m: SamplingParams(top_k=-1), ValueError, "top_k must be an integer >= 0"),
     (lambda llm, m: SamplingParams(min_p=1), ValueError, r"min_p must be a number in \[0, 1\), got 1"),
-    (lambda llm, m: SamplingParams(max_tokens=0), ValueError, "max_tokens must be an integer >= 1, got 0"),
-    (lambda llm, m: SamplingParams(max_tokens=True), ValueError, "max_tokens must be an integer >= 1, got True"),
+    (lambda llm, m: SamplingParams(max_tokens=0), ValueError, "max_tokens must be a positive integer, got 0"),
+    (lambda llm, m: SamplingParams(max_tokens=True), ValueError, "max_tokens must be a positive integer, got True"),
     (lambda llm, m: SamplingParams(stop=5), ValueError, "stop must be a non-empty string or a list of them, got 5"),
     (lambda llm, m: SamplingParams(stop=[""]), ValueError, r"stop must be .* got \(''?,\)"),
     (lambda llm, m: SamplingParams(ignore_eos="no"), ValueError, "ignore_eos must be True or False, got 'no'"),
@@ -59,23 +59,23 @@ API = [
     (lambda llm, m: llm.engine.add_request([1], request_id=1.5), TypeError,
      "request_id must be a string or an integer, got float"),
     (lambda llm, m: LLM(m, kv_layout="dense"), ValueError, "kv_layout='dense' is not a KV layout"),
-    (lambda llm, m: LLM(m, block_size=None), ValueError, "block_size must be a positive integer, got None"),
+    (lambda llm, m: LLM(m, page_size=None), ValueError, "page_size must be a positive integer, got None"),
     (lambda llm, m: LLM(m, max_num_seqs=-1), ValueError, "max_num_seqs must be a positive integer, got -1"),
-    (lambda llm, m: LLM(m, num_blocks=0), ValueError, "num_blocks must be a positive integer, got 0"),
-    (lambda llm, m: LLM(m, max_model_len=2.5), ValueError, "max_model_len must be a positive integer, got 2.5"),
+    (lambda llm, m: LLM(m, num_pages=0), ValueError, "num_pages must be a positive integer or None, got 0"),
+    (lambda llm, m: LLM(m, max_model_len=2.5), ValueError, "max_model_len must be a positive integer or None, got 2.5"),
     (lambda llm, m: LLM(m, attention=5), ValueError, "attention must be 'metal', 'reference' or None, got 5"),
-    (lambda llm, m: LLM(m, attention="cuda"), ValueError, "attention='cuda' is not an attention backend"),
+    (lambda llm, m: LLM(m, attention="cuda"), ValueError, "attention must be 'metal', 'reference' or None, got 'cuda'"),
     (lambda llm, m: LLM(m, kv_cache_memory="0.5"), ValueError, r"kv_cache_memory must be a size .* got '0.5'"),
     (lambda llm, m: LLM(m, kv_cache_memory="999999GB"), ValueError,
      r"kv_cache_memory=999999.0 GB asks for 999999.0 GB of KV cache, but at most [\d.]+ GB fits"),
-    (lambda llm, m: LLM(m, num_blocks=10**12), ValueError, "num_blocks=1000000000000 asks for .* of KV cache"),
+    (lambda llm, m: LLM(m, num_pages=10**12), ValueError, "num_pages=1000000000000 asks for .* of KV cache"),
     (lambda llm, m: LLM(m, kv_cache_fraction=2), ValueError, r"kv_cache_fraction must be a number in \(0, 1\]"),
-    (lambda llm, m: LLM(m, enable_prefix_caching="yes"), ValueError,
-     "enable_prefix_caching must be True or False, got 'yes'"),
+    (lambda llm, m: LLM(m, prefix_caching="yes"), ValueError,
+     "prefix_caching must be True or False, got 'yes'"),
     (lambda llm, m: llm.generate(NORMAL, cache_salt=""), ValueError, "cache_salt must be None or a non-empty string"),
     (lambda llm, m: llm.stream(NORMAL, cache_salt=7), ValueError, "cache_salt must be None or a non-empty string, got 7"),
-    (lambda llm, m: LLM(m, kv_layout="contiguous", num_blocks=4), ValueError,
-     "num_blocks applies to the paged layout"),
+    (lambda llm, m: LLM(m, kv_layout="contiguous", num_pages=4), ValueError,
+     "num_pages applies to the paged layout"),
     (lambda llm, m: LLM(5), ModelLoadError, "model must be a checkpoint directory or a Hugging Face repo id, got int"),
     (lambda llm, m: LLM("/nonexistent/model"), ModelLoadError, "model path '/nonexistent/model' does not exist"),
 ]
@@ -100,10 +100,10 @@ CLI = [
     (["--kv-cache-memory", "lots"], None, "kv_cache_memory must be a size such as 2GB"),
     (["--kv-cache-memory", "0.5"], None, r"kv_cache_memory must be a size .* got '0.5'"),
     (["--kv-cache-memory", "999999GB"], None, "kv_cache_memory=999999.0 GB asks for 999999.0 GB of KV cache"),
-    (["--num-blocks", "100000000"], None, "num_blocks=100000000 asks for .* of KV cache, but at most"),
-    (["--block-size", "0"], None, "block_size must be a positive integer, got 0"),
+    (["--num-pages", "100000000"], None, "num_pages=100000000 asks for .* of KV cache, but at most"),
+    (["--page-size", "0"], None, "page_size must be a positive integer, got 0"),
     (["--max-num-seqs", "0"], None, "max_num_seqs must be a positive integer, got 0"),
-    (["--num-blocks", "2", "--block-size", "4", "-m", "100"], None, "prompt of .* tokens plus max_tokens=100"),
+    (["--num-pages", "2", "--page-size", "4", "-m", "100"], None, "prompt of .* tokens plus max_tokens=100"),
     (["--prompt", "-"], b"caf\xe9\xff", r"the prompt on stdin is not UTF-8 text \(invalid continuation byte"),
     (["--model", "/nonexistent/model"], None, "model path '/nonexistent/model' does not exist"),
 ]

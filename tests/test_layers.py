@@ -7,7 +7,7 @@ import mlxkv
 
 # Lowest first. `models` (loading) sits beside the engine, below it: the engine runs models,
 # loading never runs the engine. `config` sizes the cache for the engine.
-LAYERS = ["errors", "cache", "attention", "models", "config", "engine", "entrypoints"]
+LAYERS = ["errors", "settings", "deprecation", "cache", "attention", "models", "config", "engine", "entrypoints"]
 TOP = len(LAYERS)  # mlxkv/__init__.py and __main__.py may import anything
 PACKAGE = Path(mlxkv.__file__).parent
 

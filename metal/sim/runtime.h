@@ -217,7 +217,7 @@ struct State {
   jmp_buf scheduler;
   uint3 group{};
   std::vector<unsigned char> arena;
-  std::vector<long> slots;
+  std::vector<long> array_offsets;  // each threadgroup array's offset in the arena, -1 until declared
   std::vector<TgArray> arrays;  // this threadgroup's arrays, in declaration order
   size_t arena_used = 0;
 };
@@ -324,17 +324,17 @@ constexpr size_t kThreadgroupMemory = 32 * 1024;
 }
 
 template <class A>
-A& tg_alloc(int slot, const char* name) {
+A& tg_alloc(int index, const char* name) {
   State& s = state();
-  if (slot >= int(s.slots.size())) s.slots.resize(slot + 1, -1);
-  if (s.slots[slot] < 0) {
+  if (index >= int(s.array_offsets.size())) s.array_offsets.resize(index + 1, -1);
+  if (s.array_offsets[index] < 0) {
     size_t offset = (s.arena_used + alignof(A) - 1) / alignof(A) * alignof(A);
     s.arrays.push_back({name, sizeof(A)});
     if (offset + sizeof(A) > s.arena.size()) too_much_threadgroup_memory(offset + sizeof(A));
-    s.slots[slot] = long(offset);
+    s.array_offsets[index] = long(offset);
     s.arena_used = offset + sizeof(A);
   }
-  return *(A*)(s.arena.data() + s.slots[slot]);
+  return *(A*)(s.arena.data() + s.array_offsets[index]);
 }
 
 // ---- buffers between guard pages -----------------------------------------------------
@@ -566,7 +566,7 @@ inline void run_threadgroup(uint3 group, bool reverse) {
   State& s = state();
   s.group = group;
   std::fill(s.arena.begin(), s.arena.end(), 0xff);
-  s.slots.assign(s.slots.size(), -1);
+  s.array_offsets.assign(s.array_offsets.size(), -1);
   s.arrays.clear();
   s.arena_used = 0;
   g_epoch++;
@@ -699,7 +699,7 @@ inline std::vector<unsigned char> read_file(const std::string& path, size_t byte
   return data;
 }
 
-inline int launch(int argc, char** argv, void** slots, Body body) {
+inline int launch(int argc, char** argv, void** buffer_data, Body body) {
   if (argc != 2 && argc != 3) fail("usage: kernel MANIFEST [COUNTERS]");
   FILE* manifest = std::fopen(argv[1], "r");
   if (!manifest) fail(std::string("cannot open ") + argv[1]);
@@ -719,7 +719,7 @@ inline int launch(int argc, char** argv, void** slots, Body body) {
     Buffer& b = make_buffer(name, bytes, item);
     auto data = read_file(path, bytes);
     std::memcpy(b.data, data.data(), bytes);
-    slots[i] = b.data;
+    buffer_data[i] = b.data;
     if (argc == 3) count_buffer(b);
     if (is_output) outputs.push_back({&b, path});
   }

@@ -1,11 +1,16 @@
 """Attention over the paged KV cache: the pure-MLX reference path and the Metal kernels.
 
-`reference` runs everywhere and is the kernels' oracle; `kernels` launches the sources in
-the top-level `metal/` through `mx.fast.metal_kernel`; `simulator` runs those same kernel
-bodies on a CPU for the tests. Imports only the cache layer.
+`variant` says how a layer attends; `reference` runs everywhere and is the kernels' oracle;
+`prefill` runs long chunks on MLX's SDPA and `first_chunk` a prompt's own-K/V span; `kernels`
+launches the sources in the top-level `metal/` through `mx.fast.metal_kernel`; `backend` picks
+one for a model; `simulator` runs the kernel bodies on a CPU for the tests. Imports only the
+cache layer.
 """
 
-from .kernels import PagedAttentionKernels, select_attention
+from .backend import AttentionSpec, choose_attention
+from .kernels import PagedAttentionKernels
 from .reference import gather_kv, reference_attention
+from .variant import PLAIN, Variant
 
-__all__ = ["PagedAttentionKernels", "gather_kv", "reference_attention", "select_attention"]
+__all__ = ["PLAIN", "AttentionSpec", "PagedAttentionKernels", "Variant", "choose_attention", "gather_kv",
+           "reference_attention"]

@@ -1,11 +1,10 @@
-"""Attention in which a sequence's first prefill chunk reads its own K/V as computed.
+"""Attention in which a prompt's first chunk attends its own K/V as computed, not the pages.
 
 With quantized pages this is mlx-lm's order (`generate_step` with `kv_bits`): the prompt's
-first chunk, all of it but the last token, attends its own unquantized K/V; the cache is
-then quantized, and every later token (the prompt's last, later chunks, generated tokens)
-attends the quantized cache. The exact span is scheduled whole in one step (see
-`Scheduler.exact_span`), so which tokens read exact K/V depends on the prompt alone, not on
-what else shares the step.
+first chunk, all of it but the last token, attends its own unquantized K/V; every later token
+(the prompt's last, later chunks, generated tokens) attends the quantized pages. That own-K/V
+span is scheduled whole in one step (`Scheduler.own_kv_span`), so which tokens read
+unquantized K/V depends on the prompt alone, not on what else shares the step.
 """
 
 from __future__ import annotations
@@ -15,28 +14,29 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..cache.manager import KVBatch
-from ..cache.storage import Pool
-from .reference import PLAIN, Variant, in_packed_order, visible
+from ..cache.batch import KVBatch
+from ..cache.storage import Pages
+from .reference import in_packed_order
+from .variant import PLAIN, Variant, visible
 
 
-def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array, values: mx.array, k_pool: Pool,
-                          v_pool: Pool, batch: KVBatch, exact: np.ndarray | None, scale: float,
+def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array, values: mx.array, k_pages: Pages,
+                          v_pages: Pages, batch: KVBatch, own_kv: np.ndarray | None, scale: float,
                           variant: Variant = PLAIN) -> mx.array:
-    """`attention` over the pages for the packed batch's tokens, except the first `exact[b]`
+    """`attention` over the pages for the packed batch's tokens, except the first `own_kv[b]`
     tokens of each row b (a chunk that starts its sequence), which attend causally to each
     other's `keys` and `values` as computed, through MLX's SDPA as mlx-lm's prefill does.
-    `exact` may be None when no row has such tokens."""
-    if exact is None or not exact.any():
-        return attention(queries, k_pool, v_pool, batch, scale, variant)
+    `own_kv` is None when no row has such tokens."""
+    if own_kv is None or not own_kv.any():
+        return attention(queries, k_pages, v_pages, batch, scale, variant)
     parts = []
-    for row in np.flatnonzero(exact):
-        lo, n = int(batch.query_starts[row]), int(exact[row])
+    for row in np.flatnonzero(own_kv):
+        lo, n = int(batch.query_starts[row]), int(own_kv[row])
         q, k, v = (x[lo:lo + n].swapaxes(0, 1)[None] for x in (queries, keys, values))
         parts.append((_own_attention(q, k, v, scale, variant)[0].swapaxes(0, 1), np.arange(lo, lo + n)))
     rest = np.setdiff1d(np.arange(batch.num_tokens), np.concatenate([p[1] for p in parts]))
     if rest.size:
-        parts.append((attention(queries[mx.array(rest.astype(np.int32))], k_pool, v_pool, batch.skip(exact), scale,
+        parts.append((attention(queries[mx.array(rest.astype(np.int32))], k_pages, v_pages, batch.skip(own_kv), scale,
                                 variant), rest))
     return in_packed_order(parts)
 

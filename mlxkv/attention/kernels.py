@@ -3,14 +3,13 @@
 Decode rows and short prefill chunks run on the paged kernel, one threadgroup per query token
 and KV head, split into 512-key partitions when a step would leave the GPU's cores idle; chunks
 of `PREFILL_FROM` tokens or more run on MLX's SDPA over their gathered pages (`prefill.py`). The
-contiguous layout runs through the same kernels: its storage is one page of `max_seq_len`
-tokens per sequence, so the block table has one column and the kernel's indexing is unchanged.
+contiguous layout runs through the same kernels: its storage is one page of `max_model_len`
+tokens per sequence, so the page table has one column and the kernel's indexing is unchanged.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -19,15 +18,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..cache.manager import KVBatch
-from ..cache.storage import Pool, QuantizedPages
+from ..cache.batch import KVBatch
+from ..cache.storage import Pages, QuantizedPages
 from .prefill import PREFILL_FROM, with_chunks_on_sdpa
-from .reference import PLAIN, Variant, reference_attention
+from .reference import reference_attention
+from .variant import PLAIN, Variant
 
 _PACKAGED = Path(__file__).parents[1] / "metal"  # inside the wheel
 METAL_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).parents[2] / "metal"
 
-ENV_VAR = "MLXKV_ATTENTION"
 SIMDGROUPS = 4          # SIMD groups a threadgroup aims for (128 threads): more key splits when fewer head sets
 THREADGROUP_MEMORY = 32 * 1024  # bytes of threadgroup memory an Apple GPU gives a threadgroup
 PARTITION = 512         # keys per split-K partition
@@ -35,8 +34,8 @@ THREADGROUPS_PER_CORE = 4  # split-K when a decode step would give the GPU's cor
 # GPU cores by the last letter of MLX's architecture name (applegpu_g14c: an M2 Max): phone, base,
 # Pro, Max, Ultra chips. The smallest of each class, so that a split is never missed for want of cores.
 GPU_CORES = {"p": 4, "g": 8, "s": 14, "c": 24, "d": 48}
-KV_INPUTS = {False: ["k_pool", "v_pool"],  # float pages; quantized ones pass their three arrays each
-             True: ["k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases"]}
+KV_INPUTS = {False: ["k_pages", "v_pages"],  # float pages; quantized ones pass their three arrays each
+             True: ["k_pages", "k_scales", "k_biases", "v_pages", "v_scales", "v_biases"]}
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}  # largest |kernel - reference|
 
 Factory = Callable[..., Callable]
@@ -68,8 +67,8 @@ class LaunchShape:
                 ("KS", self.splits), ("NSG", self.simdgroups)]
 
 
-def launch_shape(group: int, head_dim: int, block_size: int) -> LaunchShape:
-    """The threadgroup shape for GQA `group` at `head_dim` over pages of `block_size` keys.
+def launch_shape(group: int, head_dim: int, page_size: int) -> LaunchShape:
+    """The threadgroup shape for GQA `group` at `head_dim` over pages of `page_size` keys.
 
     A SIMD group takes as many of the group's heads as its registers hold without spilling
     (4 at head_dim 128, as MLX found for its SDPA; 8 at 64, 2 at 256), the rest go to other
@@ -83,7 +82,7 @@ def launch_shape(group: int, head_dim: int, block_size: int) -> LaunchShape:
     head_sets = group // per_simdgroup
     if head_sets > 32:
         raise ValueError(f"a GQA group of {group} heads at head_dim={head_dim} needs more than 1,024 threads")
-    keys_per_tile = min(32 // (1 << (per_simdgroup - 1).bit_length()), 1 << (block_size.bit_length() - 1))
+    keys_per_tile = min(32 // (1 << (per_simdgroup - 1).bit_length()), 1 << (page_size.bit_length() - 1))
     shape = LaunchShape(group, per_simdgroup, keys_per_tile, max(1, SIMDGROUPS // head_sets), head_dim)
     if shape.threadgroup_memory > THREADGROUP_MEMORY:
         raise ValueError(f"head_dim={head_dim} is too large for the Metal kernels' threadgroup memory")
@@ -92,9 +91,9 @@ def launch_shape(group: int, head_dim: int, block_size: int) -> LaunchShape:
 
 @lru_cache(maxsize=8)
 def _batch_inputs(batch: KVBatch) -> tuple[mx.array, mx.array, mx.array]:
-    """The kernels' per-step inputs: block tables, each token's row and position (made once per
+    """The kernels' per-step inputs: page tables, each token's row and position (made once per
     step for all layers)."""
-    return mx.array(batch.block_tables), mx.array(batch.token_rows), mx.array(batch.positions)
+    return mx.array(batch.page_tables), mx.array(batch.token_rows), mx.array(batch.positions)
 
 
 def gpu_cores() -> int:
@@ -105,27 +104,27 @@ def gpu_cores() -> int:
     return GPU_CORES.get(str(info.get("architecture", "g"))[-1:], GPU_CORES["g"])
 
 
-def _check_batch(dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int,
+def _check_batch(dtype: mx.Dtype, head_dim: int, page_size: int, q_heads: int, kv_heads: int,
                  kv_bits: int | None, kv_group_size: int):
     """A small batch for the start-up check: a decode row over two split-K partitions, pages
-    out of order, and a 3-token prefill chunk whose block table fits MLX's `constant` space."""
+    out of order, and a 3-token prefill chunk whose page table fits MLX's `constant` space."""
     contexts, query_lens = np.array([PARTITION + 3, 5], np.int32), np.array([1, 3], np.int32)
-    pages = -(-contexts // block_size)
+    pages = -(-contexts // page_size)
     tables = np.zeros((2, int(pages.max())), np.int32)
     tables[0, : pages[0]] = np.arange(pages[0])[::-1]
     tables[1, : pages[1]] = pages[0] + np.arange(pages[1])
-    batch = KVBatch((0, 1), query_lens, contexts, tables, block_size)
+    batch = KVBatch((0, 1), query_lens, contexts, tables, page_size)
     keys = mx.random.split(mx.random.key(0), 3)
-    shape = (int(pages.sum()), kv_heads, block_size, head_dim)
-    k_pool, v_pool = (mx.random.normal(shape, key=k).astype(dtype) for k in keys[:2])
+    shape = (int(pages.sum()), kv_heads, page_size, head_dim)
+    k_pages, v_pages = (mx.random.normal(shape, key=k).astype(dtype) for k in keys[:2])
     if kv_bits is not None:
-        k_pool, v_pool = (QuantizedPages.quantize(pool, kv_bits, kv_group_size) for pool in (k_pool, v_pool))
+        k_pages, v_pages = (QuantizedPages.quantize(array, kv_bits, kv_group_size) for array in (k_pages, v_pages))
     queries = mx.random.normal((4, q_heads, head_dim), key=keys[2]).astype(dtype)
-    return queries, k_pool, v_pool, batch
+    return queries, k_pages, v_pages, batch
 
 
 class PagedAttentionKernels:
-    """Paged attention for packed batches, reading K/V through the block tables in Metal.
+    """Paged attention for packed batches, reading K/V through the page tables in Metal.
 
     `metal_kernel` is `mx.fast.metal_kernel`, or anything with its signature (the
     project's CPU simulator in tests). Each attention kernel comes in a float-page and a
@@ -150,41 +149,41 @@ class PagedAttentionKernels:
 
         self.direct, self.partitioned = {}, {}
         for quantized, kv in KV_INPUTS.items():
-            inputs = ["queries", *kv, "block_tables", "token_rows", "token_pos", "scale", "window", "softcap", "sinks"]
+            inputs = ["queries", *kv, "page_tables", "token_rows", "token_pos", "scale", "window", "softcap", "sinks"]
             self.direct[quantized] = build("paged_attention", inputs, ["out"], quantized)
             self.partitioned[quantized] = build("paged_attention_partitioned", inputs + ["partitions"],
                                                 ["partial_acc", "partial_ml"], quantized)
         self.reduce = build("paged_attention_reduce", ["partial_acc", "partial_ml", "sinks"], ["out"])
 
-    def __call__(self, queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KVBatch,
+    def __call__(self, queries: mx.array, k_pages: Pages, v_pages: Pages, batch: KVBatch,
                  scale: float | None = None, variant: Variant = PLAIN, split: bool | None = None) -> mx.array:
         """Same contract as `reference_attention`: chunks of `prefill_from` tokens or more on
         MLX's SDPA, the other rows on the paged kernel (`split` forces its split-K on or off)."""
         scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
-        return with_chunks_on_sdpa(lambda *args: self.paged(*args, split=split), queries, k_pool, v_pool, batch, scale,
+        return with_chunks_on_sdpa(lambda *args: self.paged(*args, split=split), queries, k_pages, v_pages, batch, scale,
                                    variant, self.prefill_from)
 
-    def paged(self, queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KVBatch, scale: float,
+    def paged(self, queries: mx.array, k_pages: Pages, v_pages: Pages, batch: KVBatch, scale: float,
               variant: Variant = PLAIN, split: bool | None = None) -> mx.array:
         """The paged kernel for every row. Each of `variant`'s window, soft-cap and sinks is a
         template switch, so plain attention pays for none of them."""
         tokens, q_heads, head_dim = queries.shape
-        group = q_heads // k_pool.shape[1]
-        shape = launch_shape(group, head_dim, k_pool.shape[2])
+        group = q_heads // k_pages.shape[1]
+        shape = launch_shape(group, head_dim, k_pages.shape[2])
         tiles = q_heads // shape.heads
         longest = int(batch.context_lens.max()) if tokens else 0
         if split is None:
             split = tokens * tiles < THREADGROUPS_PER_CORE * self.cores and longest > PARTITION
-        quantized = isinstance(k_pool, QuantizedPages)
-        kv = [*k_pool.parts, *v_pool.parts] if quantized else [k_pool, v_pool]
+        quantized = isinstance(k_pages, QuantizedPages)
+        kv = [*k_pages.parts, *v_pages.parts] if quantized else [k_pages, v_pages]
         sinks = mx.zeros((1,), mx.float32) if variant.sinks is None else variant.sinks.astype(mx.float32)
         args = [queries, *kv, *_batch_inputs(batch), mx.array(scale, mx.float32),
                 mx.array(variant.window or 0, mx.int32), mx.array(variant.softcap or 0.0, mx.float32), sinks]
-        template = [("T", queries.dtype), ("D", head_dim), ("BS", k_pool.shape[2]), ("G", group), *shape.template(),
+        template = [("T", queries.dtype), ("D", head_dim), ("PS", k_pages.shape[2]), ("G", group), *shape.template(),
                     ("WINDOWED", variant.window is not None),
                     ("SOFTCAP", variant.softcap is not None), ("SINKS", variant.sinks is not None)]
         if quantized:
-            template += [("BITS", k_pool.bits), ("GS", k_pool.group_size)]
+            template += [("BITS", k_pages.bits), ("GS", k_pages.group_size)]
         threads = 32 * shape.simdgroups
         launch = dict(threadgroup=(threads, 1, 1), verbose=self.verbose)
         if not split:
@@ -199,7 +198,7 @@ class PagedAttentionKernels:
         return self.reduce(inputs=[acc, ml, sinks], template=template, grid=(threads, tiles, tokens),
                            output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
 
-    def warm(self, dtype: mx.Dtype, head_dim: int, block_size: int, q_heads: int, kv_heads: int,
+    def warm(self, dtype: mx.Dtype, head_dim: int, page_size: int, q_heads: int, kv_heads: int,
              kv_bits: int | None = None, kv_group_size: int = 64, variants: Sequence[Variant] = (PLAIN,)) -> str | None:
         """Compile both paths for one model's shapes, pages and attention variants (one check per
         template: window, soft-cap and sinks each on or off) and check them against the reference.
@@ -208,14 +207,14 @@ class PagedAttentionKernels:
         and why (it did not compile or run, or its numbers differ), so the caller can fall
         back to the reference path instead of crashing or writing wrong text.
         """
-        queries, k_pool, v_pool, batch = _check_batch(dtype, head_dim, block_size, q_heads, kv_heads, kv_bits,
+        queries, k_pages, v_pages, batch = _check_batch(dtype, head_dim, page_size, q_heads, kv_heads, kv_bits,
                                                       kv_group_size)
         templates = {(v.window is None, v.softcap is None, v.sinks is None): v for v in variants}
         for variant in templates.values():
-            expected = reference_attention(queries, k_pool, v_pool, batch, None, variant).astype(mx.float32)
+            expected = reference_attention(queries, k_pages, v_pages, batch, None, variant).astype(mx.float32)
             for split, name in ((False, "paged_attention"), (True, "paged_attention_partitioned + _reduce")):
                 try:
-                    out = self(queries, k_pool, v_pool, batch, None, variant, split=split)
+                    out = self(queries, k_pages, v_pages, batch, None, variant, split=split)
                     diff = mx.abs(out.astype(mx.float32) - expected).max().item()
                 except Exception as exc:  # a compile error from Metal's compiler, or any launch failure
                     return f"{name} failed to compile or run: {str(exc).strip().splitlines()[0]}"
@@ -223,17 +222,3 @@ class PagedAttentionKernels:
                     return (f"{name} differs from the reference attention by up to {diff:.3g} "
                             f"(tolerance {TOLERANCE[dtype]})")
         return None
-
-
-def select_attention(choice: str | None = None) -> Callable:
-    """The attention the engine runs: `choice`, else `MLXKV_ATTENTION`, else Metal where available."""
-    source, value = ("attention", choice) if choice is not None else (ENV_VAR, os.environ.get(ENV_VAR))
-    value = (value or ("metal" if mx.metal.is_available() else "reference")).strip().lower()
-    if value == "reference":
-        return reference_attention
-    if value != "metal":
-        raise ValueError(f"{source}={value!r} is not an attention backend; expected 'metal' or 'reference'")
-    if not mx.metal.is_available():
-        raise ValueError(f"{source}='metal' but Metal is not available on this machine "
-                         "(mx.metal.is_available() is False); use 'reference'")
-    return PagedAttentionKernels()

@@ -9,30 +9,29 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from ..cache.manager import KVBatch
-from ..cache.storage import Pool, QuantizedPages
+from ..cache.batch import KVBatch
+from ..cache.storage import Pages, QuantizedPages
+from .variant import PLAIN, Variant, visible
 
 QUERY_TILE = 512
 LOG2_E = math.log2(math.e)
 
 
-def gather_kv(pool: Pool, block_tables: np.ndarray, length: int) -> mx.array:
+def gather_kv(pages: Pages, page_tables: np.ndarray, length: int) -> mx.array:
     """The first `length` tokens of each row's pages as `[rows, kv_heads, tokens, head_dim]`.
 
-    Tokens past a row's own context are whatever the pages hold; callers mask them.
-    Quantized pages are gathered packed and dequantized after the gather. Measured on the
-    CPU against `mx.quantized_matmul` over the gathered packed rows: ten times as fast in
-    float16 and bfloat16, whose quantized matmul has no fast CPU path; in float32 from
-    twice as fast (one sequence, 8-bit) to half as fast (16 sequences, 4-bit).
+    Tokens past a row's own context are whatever the pages hold; callers mask them. Quantized
+    pages are gathered packed and dequantized after the gather (on the CPU the faster than
+    `mx.quantized_matmul` in half precision: docs/quantized-kv.md).
     """
-    return _gather_with(pool, _Gather.of(block_tables, length, pool.shape[1], pool.shape[2]))
+    return _gather_with(pages, _Gather.of(page_tables, length, pages.shape[1], pages.shape[2]))
 
 
 @dataclass(frozen=True)
 class _Gather:
-    """Which pages `gather_kv` takes: one page sliced (no whole-slot read for the contiguous
-    layout) or several gathered head-major in one `take` (which yields the head-major result
-    directly instead of gathering and then transposing)."""
+    """Which pages `gather_kv` takes: one page sliced (the contiguous layout's page is read only
+    as far as the context goes) or several gathered head-major in one `take` (which yields the
+    head-major result directly instead of gathering and then transposing)."""
 
     rows: int
     length: int
@@ -40,36 +39,33 @@ class _Gather:
     indices: mx.array | None   # several: `[rows, kv_heads, pages]` into `[pages * kv_heads, ...]`
 
     @classmethod
-    def of(cls, block_tables: np.ndarray, length: int, kv_heads: int, page_size: int) -> _Gather:
+    def of(cls, page_tables: np.ndarray, length: int, kv_heads: int, page_size: int) -> _Gather:
         pages = -(-length // page_size)
         if pages == 1:
-            return cls(len(block_tables), length, mx.array(block_tables[:, 0]), None)
-        rows = block_tables[:, None, :pages] * kv_heads + np.arange(kv_heads, dtype=np.int32)[None, :, None]
-        return cls(len(block_tables), length, None, mx.array(rows))
+            return cls(len(page_tables), length, mx.array(page_tables[:, 0]), None)
+        rows = page_tables[:, None, :pages] * kv_heads + np.arange(kv_heads, dtype=np.int32)[None, :, None]
+        return cls(len(page_tables), length, None, mx.array(rows))
 
 
-def _gather_with(pool: Pool, where: _Gather) -> mx.array:
-    if isinstance(pool, QuantizedPages):
-        return pool.dequantize(tuple(_take(part, where) for part in pool.parts))
-    return _take(pool, where)
+def _gather_with(pages: Pages, where: _Gather) -> mx.array:
+    if isinstance(pages, QuantizedPages):
+        return pages.dequantize(tuple(_take(part, where) for part in pages.parts))
+    return _take(pages, where)
 
 
-def _take(pool: mx.array, where: _Gather) -> mx.array:
-    num_pages, kv_heads, page_size, row = pool.shape
+def _take(pages: mx.array, where: _Gather) -> mx.array:
+    num_pages, kv_heads, page_size, row = pages.shape
     if where.page is not None:
-        return mx.take(pool[:, :, :where.length], where.page, axis=0)
-    gathered = mx.take(pool.reshape(num_pages * kv_heads, page_size, row), where.indices, axis=0)
+        return mx.take(pages[:, :, :where.length], where.page, axis=0)
+    gathered = mx.take(pages.reshape(num_pages * kv_heads, page_size, row), where.indices, axis=0)
     return gathered.reshape(where.rows, kv_heads, where.indices.shape[-1] * page_size, row)
 
 
 def _softmax(scores: mx.array, sinks: mx.array | None = None) -> mx.array:
     """`mx.softmax` over the last axis, with `exp(x)` computed as `2 ** (x * log2(e))`;
     `sinks` (broadcast against `scores[..., :1]`) are extra logits that take their share of
-    the weight and give nothing back (GPT-OSS's attention sinks).
-
-    Equal up to rounding, and the same trick as flash attention's exp2: on the CPU, MLX's
-    `power(2, x)` runs about three times as fast as its `exp`, which is most of the cost
-    of attending over a long context there."""
+    the weight and give nothing back (GPT-OSS's attention sinks)."""
+    # why: on the CPU MLX's power(2, x) is several times as fast as its exp (docs/benchmarks.md)
     top = mx.max(scores, axis=-1, keepdims=True)
     if sinks is not None:
         top = mx.maximum(top, sinks)
@@ -78,30 +74,6 @@ def _softmax(scores: mx.array, sinks: mx.array | None = None) -> mx.array:
     if sinks is not None:
         total = total + mx.power(2.0, (sinks - top) * LOG2_E)
     return weights / total
-
-
-@dataclass(frozen=True)
-class Variant:
-    """How one layer's attention departs from plain causal softmax attention.
-
-    `window`: a query at position p sees keys p - window < j <= p (sliding-window layers);
-    `softcap`: scores become softcap * tanh(score / softcap) (Gemma 2); `sinks`: one logit
-    per query head that joins every softmax (GPT-OSS)."""
-
-    window: int | None = None
-    softcap: float | None = None
-    sinks: mx.array | None = None
-
-
-PLAIN = Variant()
-
-
-def visible(query_pos: np.ndarray, key_pos: np.ndarray, window: int | None) -> np.ndarray:
-    """Which keys each query sees (broadcast): causally, and within `window` positions when given."""
-    allowed = key_pos <= query_pos
-    if window is not None:
-        allowed &= key_pos > query_pos - window
-    return allowed
 
 
 @dataclass(frozen=True)
@@ -123,7 +95,7 @@ def _plan(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> 
     Decode rows go together in buckets of similar length (page counts within a power of two),
     so a short context does not copy the batch's longest; each prefill chunk goes on its own in
     tiles of at most `QUERY_TILE` queries, which bounds the score matrix whatever its length."""
-    q_lens, ctx, tables, starts = batch.query_lens, batch.context_lens, batch.block_tables, batch.query_starts
+    q_lens, ctx, tables, starts = batch.query_lens, batch.context_lens, batch.page_tables, batch.query_starts
     pieces = []
     decode = np.flatnonzero(q_lens == 1)
     buckets = np.frexp(-(-ctx[decode] // page_size))[1]  # the page count's bit length
@@ -155,20 +127,18 @@ def _group(starts: np.ndarray, width: int, ctx: np.ndarray, tables: np.ndarray, 
     return _Group(width, token_ids, queries, gather, mx.array(allowed[:, None, None]))
 
 
-def _attend(queries: mx.array, k_pool: Pool, v_pool: Pool, group: _Group, scale: float, variant: Variant) -> mx.array:
-    """Attention for one group of rows (its queries in packed order), written out rather than
-    through MLX's SDPA: with `_softmax`'s `power(2, x)` it is the faster on the CPU (SDPA,
-    which uses `exp`, took 12% longer to prefill 2,000 tokens of the ~100M Llama and decoded
-    14% slower at that context, though it builds a dozen fewer graph nodes per layer)."""
+def _attend(queries: mx.array, k_pages: Pages, v_pages: Pages, group: _Group, scale: float, variant: Variant) -> mx.array:
+    """Attention for one group of rows (its queries in packed order)."""
+    # why: written out rather than through MLX's SDPA, whose exp is the slower on the CPU (docs/benchmarks.md)
     n, width = group.gather.rows, group.width
     q_heads, head_dim = queries.shape[1], queries.shape[2]
-    kv_heads = k_pool.shape[1]
+    kv_heads = k_pages.shape[1]
     grouped = q_heads // kv_heads
     q = queries if group.queries is None else queries[group.queries]
     if width > 1:
         q = q.reshape(n, width, kv_heads, grouped, head_dim).transpose(0, 2, 3, 1, 4)
     q = q.reshape(n, kv_heads, grouped * width, head_dim)
-    keys, values = _gather_with(k_pool, group.gather), _gather_with(v_pool, group.gather)
+    keys, values = _gather_with(k_pages, group.gather), _gather_with(v_pages, group.gather)
     scores = ((q * scale) @ keys.swapaxes(-1, -2)).reshape(n, kv_heads, grouped, width, -1)
     if variant.softcap is not None:
         scores = mx.tanh(scores / variant.softcap) * variant.softcap
@@ -186,20 +156,20 @@ def _as(array: mx.array, dtype: mx.Dtype) -> mx.array:
     return array if array.dtype == dtype else array.astype(dtype)
 
 
-def reference_attention(queries: mx.array, k_pool: Pool, v_pool: Pool, batch: KVBatch,
+def reference_attention(queries: mx.array, k_pages: Pages, v_pages: Pages, batch: KVBatch,
                         scale: float | None = None, variant: Variant = PLAIN) -> mx.array:
     """Attention for a packed batch of decode rows and prefill chunks, with GQA.
 
     `queries` is `[tokens, q_heads, head_dim]`, packed row after row as in `batch`; each
     new token attends causally to its sequence's cached tokens and the chunk's earlier
-    tokens, which must already be written to the pools (float or quantized), as `variant`
+    tokens, which must already be written to the pages (float or quantized), as `variant`
     says (a sliding window reads only the pages the window reaches). Rows are split as
     `_plan` says, once per batch for all layers. Returns `[tokens, q_heads, head_dim]`.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(queries.shape[-1])
-    groups, unpermute = _plan(batch, k_pool.shape[1], k_pool.shape[2], variant.window)
-    return _joined([_attend(queries, k_pool, v_pool, group, scale, variant) for group in groups], unpermute)
+    groups, unpermute = _plan(batch, k_pages.shape[1], k_pages.shape[2], variant.window)
+    return _joined([_attend(queries, k_pages, v_pages, group, scale, variant) for group in groups], unpermute)
 
 
 def in_packed_order(parts: list[tuple[mx.array, np.ndarray]]) -> mx.array:

@@ -215,12 +215,12 @@ class SimKernel:
         if unsupported:
             raise SimulatorError(f"the simulator does not provide the attributes {unsupported}")
         decl, args = _template_text(template)
-        slots = iter(range(10**6))
+        arrays = iter(range(10**6))
 
         def rewrite(text: str) -> str:
             return THREADGROUP_DECL.sub(
                 lambda m: f'auto& {m.group(2)} = sim::tg_alloc<threadgroup {m.group(1)}{m.group(3)}>'
-                          f'({next(slots)}, "{m.group(2)}");', text)
+                          f'({next(arrays)}, "{m.group(2)}");', text)
 
         buffers = [p for p in params if p.data is not None]
         casts = []

@@ -1,18 +1,23 @@
-"""The KV cache: host-side page pool and block tables, and the K/V tensors they index.
+"""The KV cache: host-side page pool and page tables, and the K/V tensors they index.
 
 Read bottom-up: `pool` (which pages are free, who holds each, which free ones are still
-cached) -> `prefix_cache` (content keys of full pages) -> `block_table` (one sequence's
-logical-to-physical map, started from its cached prefix) -> `storage` (the per-layer K/V
-pools) -> `manager` (the sequence lifecycle over both layouts, chosen in `layout`).
-Imports only `errors`.
+cached) -> `prefix_cache` (content keys of full pages) -> `page_table` (one sequence's
+logical-to-physical pages, started from its cached prefix) -> `storage` (every layer's K and V
+pages) -> `batch` (one step's sequences, as attention reads them) -> `manager` (the sequence
+lifecycle over both layouts, chosen in `layout`), which reports its `usage`.
 """
 
-from .block_table import BlockTable
+from ..deprecation import module_getattr
+from .batch import KVBatch
 from .layout import KVLayout, resolve_layout
-from .manager import KVBatch, KVCacheManager, KVUsage
+from .manager import KVCacheManager
+from .page_table import PageTable
 from .pool import PagePool
 from .prefix_cache import PrefixCacheStats
 from .storage import KVStorage, kv_bytes_per_token
+from .usage import KVUsage
 
-__all__ = ["BlockTable", "KVBatch", "KVCacheManager", "KVLayout", "KVStorage", "KVUsage", "PagePool",
+__all__ = ["KVBatch", "KVCacheManager", "KVLayout", "KVStorage", "KVUsage", "PagePool", "PageTable",
            "PrefixCacheStats", "kv_bytes_per_token", "resolve_layout"]
+
+__getattr__ = module_getattr(__name__, {"BlockTable": ("PageTable", PageTable)})

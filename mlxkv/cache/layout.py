@@ -9,7 +9,7 @@ ENV_VAR = "MLXKV_KV_LAYOUT"
 
 
 class KVLayout(str, enum.Enum):
-    """`paged`: pages of `block_size` tokens; `contiguous`: one `max_seq_len` slot per sequence."""
+    """`paged`: pages of `page_size` tokens; `contiguous`: one page of `max_model_len` tokens per sequence."""
 
     PAGED = "paged"
     CONTIGUOUS = "contiguous"

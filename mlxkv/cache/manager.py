@@ -1,154 +1,23 @@
-"""The KV cache manager: sequence lifecycle (claim, step, fetch, release) over pool and storage."""
+"""The KV cache manager: the sequence lifecycle (claim, append, fetch, release) over pool and storage."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
 
 import mlx.core as mx
 import numpy as np
 
-from ..errors import KVCacheExhausted, MlxkvError, UnknownSequenceError, positive_int
-from .block_table import BlockTable
+from ..deprecation import RenamedAttribute, renamed_keywords
+from ..errors import KVCacheExhausted, MlxkvError, UnknownSequenceError
+from ..settings import BOOLEAN, POSITIVE, require
+from .batch import KVBatch
 from .layout import KVLayout, resolve_layout
+from .page_table import PageTable
 from .pool import PagePool
-from .storage import KVStorage, Pool
-
-
-@dataclass(frozen=True, eq=False)
-class KVBatch:
-    """What attention needs for one packed batch of sequences (host arrays are int32).
-
-    Row b holds `query_lens[b]` new tokens (0 for a plain `fetch`) packed one after the
-    other, at positions `context_lens[b] - query_lens[b]` ... `context_lens[b] - 1`; where
-    their K/V go (`slot_mapping`) follows from the block tables.
-    """
-
-    seq_ids: tuple[int, ...]
-    query_lens: np.ndarray
-    context_lens: np.ndarray
-    block_tables: np.ndarray
-    block_size: int
-    by_window: dict[int, KVBatch] | None = None  # the same step in each sliding-window group's pages
-
-    @cached_property
-    def num_tokens(self) -> int:
-        return int(self.query_lens.sum())
-
-    @property
-    def slots(self) -> np.ndarray:
-        """Contiguous layout: each sequence's slot index (its one page)."""
-        return self.block_tables[:, 0]
-
-    @cached_property
-    def query_starts(self) -> np.ndarray:
-        """Where each row's new tokens begin in the packed batch."""
-        return np.cumsum(self.query_lens) - self.query_lens
-
-    @cached_property
-    def positions(self) -> np.ndarray:
-        """The position of every new token, packed like the queries: token i of the batch, in
-        row b, is at `context_lens[b] - query_lens[b] + (i - query_starts[b])`."""
-        first = self.context_lens - self.query_lens - self.query_starts
-        return (np.repeat(first, self.query_lens) + np.arange(self.num_tokens)).astype(np.int32)
-
-    @cached_property
-    def token_rows(self) -> np.ndarray:
-        """The row of every new token (int32), packed like the queries."""
-        return np.repeat(np.arange(len(self.query_lens), dtype=np.int32), self.query_lens)
-
-    @cached_property
-    def token_pages(self) -> tuple[np.ndarray, np.ndarray]:
-        """The page (int64) and the offset in it of every new token, packed like the queries:
-        position p of row b sits in page `block_tables[b][p // block_size]` at `p % block_size`."""
-        pages, offsets = np.divmod(self.positions, self.block_size)
-        return self.block_tables[self.token_rows, pages].astype(np.int64), offsets
-
-    @cached_property
-    def slot_mapping(self) -> np.ndarray:
-        """The slot of every new token, packed like the queries (`page * block_size + offset`)."""
-        pages, offsets = self.token_pages
-        return (pages * self.block_size + offsets).astype(np.int32)
-
-    def pool_rows(self, kv_heads: int) -> mx.array:
-        """Where each new token's K/V go in a pool seen as `[pages * kv_heads * block_size, row]`:
-        one row per token and KV head, token-major (made once per step for all layers)."""
-        return _pool_rows(self, kv_heads)
-
-    def for_window(self, window: int | None) -> KVBatch:
-        """The batch of the layers with this sliding window (their own pages), else this one."""
-        return (self.by_window or {}).get(window, self)
-
-    def select(self, rows: np.ndarray) -> KVBatch:
-        """The same step for these rows only (their tokens packed in the same order). Asked
-        again for the same rows (by the next layer) it is the same batch, so what attention
-        derives from a batch once per step is not made again per layer."""
-        return _selected(self, tuple(np.asarray(rows).tolist()))
-
-    def skip(self, leading: np.ndarray) -> KVBatch:
-        """The same step without each row's first `leading[b]` new tokens (its last ones stay);
-        the same batch for the same `leading`, as `select`."""
-        return _skipped(self, tuple(np.asarray(leading).tolist()))
-
-
-@lru_cache(maxsize=8)
-def _selected(batch: KVBatch, rows: tuple[int, ...]) -> KVBatch:
-    index = np.array(rows, np.int64)
-    return KVBatch(tuple(batch.seq_ids[r] for r in rows), batch.query_lens[index], batch.context_lens[index],
-                   batch.block_tables[index], batch.block_size)
-
-
-@lru_cache(maxsize=8)
-def _skipped(batch: KVBatch, leading: tuple[int, ...]) -> KVBatch:
-    return KVBatch(batch.seq_ids, (batch.query_lens - np.array(leading)).astype(np.int32), batch.context_lens,
-                   batch.block_tables, batch.block_size)
-
-
-@lru_cache(maxsize=8)
-def _pool_rows(batch: KVBatch, kv_heads: int) -> mx.array:
-    pages, offsets = batch.token_pages
-    rows = (pages[:, None] * kv_heads + np.arange(kv_heads)) * batch.block_size + offsets[:, None]
-    return mx.array(rows.reshape(-1).astype(np.int32))
-
-
-@dataclass(frozen=True)
-class KVUsage:
-    """A snapshot of how much of the cache is in use and how much of that holds tokens."""
-
-    layout: KVLayout
-    pages_used: int
-    pages_total: int
-    block_size: int
-    tokens: int
-    bytes_per_token: int
-    pages_cached: int = 0  # free pages still holding cached prefix pages
-    kv_bits: int | None = None  # quantized pages, else the cache dtype
-    windowed: tuple[tuple[int, KVUsage], ...] = ()  # (window, usage) of each sliding-window group's own pages
-
-    @property
-    def bytes_allocated(self) -> int:
-        """Bytes of the pages handed to sequences."""
-        return self.pages_used * self.block_size * self.bytes_per_token + sum(u.bytes_allocated for _, u in self.windowed)
-
-    @property
-    def bytes_holding_tokens(self) -> int:
-        return self.tokens * self.bytes_per_token + sum(u.bytes_holding_tokens for _, u in self.windowed)
-
-    @property
-    def bytes_pool(self) -> int:
-        """Bytes of the whole pool, in use or not."""
-        return self.pages_total * self.block_size * self.bytes_per_token + sum(u.bytes_pool for _, u in self.windowed)
-
-    def __str__(self) -> str:
-        pool = f"{self.bytes_pool / 2**30:.2f} GiB" if self.bytes_pool >= 2**30 else f"{self.bytes_pool / 2**20:.2f} MiB"
-        cached = f", {self.pages_cached} more cached" if self.pages_cached else ""
-        bits = f", {self.kv_bits}-bit" if self.kv_bits else ""
-        windows = "".join(f", window-{w} layers {u.pages_used}/{u.pages_total}" for w, u in self.windowed)
-        return (f"{self.layout.value}{bits}, {self.pages_used}/{self.pages_total} pages of {self.block_size} tokens in use"
-                f"{cached}{windows} (pool {pool}), {self.bytes_holding_tokens / 2**20:.2f} of "
-                f"{self.bytes_allocated / 2**20:.2f} MiB in use holding tokens")
+from .storage import KVStorage, Pages, check_quantization
+from .usage import KVUsage
 
 
 @dataclass
@@ -160,14 +29,14 @@ class WindowGroup:
     layers: list[int]
     pool: PagePool
     storage: KVStorage
-    tables: dict[int, BlockTable]
-    rows: np.ndarray  # the tables' page rows, one per sequence slot as in the manager's
+    tables: dict[int, PageTable]
+    rows: np.ndarray  # the tables' page rows, one per sequence row as in the manager's
 
 
-def window_pool_pages(window: int, block_size: int, max_seqs: int, step_tokens: int) -> int:
+def window_pool_pages(window: int, page_size: int, max_num_seqs: int, step_tokens: int) -> int:
     """Pages a window group needs so that it never runs out: each sequence's window plus a page
     on either side, and the new tokens of one step of at most `step_tokens`."""
-    return max_seqs * (-(-window // block_size) + 2) + -(-step_tokens // block_size)
+    return max_num_seqs * (-(-window // page_size) + 2) + -(-step_tokens // page_size)
 
 
 def _counts(num_new_tokens: Sequence[int]) -> list[int]:
@@ -182,22 +51,24 @@ def _counts(num_new_tokens: Sequence[int]) -> list[int]:
 
 
 def _stable_width(pages: int, limit: int) -> int:
-    """Pad block tables to the next power of two so kernels see few distinct shapes."""
+    """Pad page tables to the next power of two so kernels see few distinct shapes."""
     return min(limit, 1 << max(0, pages - 1).bit_length())
 
 
+@renamed_keywords(max_seqs="max_num_seqs", max_seq_len="max_model_len", block_size="page_size",
+                  num_blocks="num_pages")
 class KVCacheManager:
     """Per-sequence KV caches over one page pool, in either layout.
 
-    Lifecycle (as MAX's continuous-batching manager): `claim` ids, `reuse_prefix` to start
-    from cached pages, `step` to add new tokens (pages are taken on demand) and `write` each
-    layer's K/V through the returned slot mapping, `publish` the pages those tokens filled
-    once their K/V are evaluated, `fetch` what attention needs, `release` when done.
+    Lifecycle: `claim` sequence ids, `reuse_prefix` to start one from cached pages, `append`
+    new tokens (pages are taken on demand) and `write` each layer's K/V through the returned
+    batch's slot mapping, `publish` the pages those tokens filled once their K/V are
+    evaluated, `fetch` what attention needs, `release` when done.
 
     With `kv_bits` (8 or 4) pages hold K and V quantized along `head_dim` in groups of
-    `kv_group_size` (see `QuantizedPages`); `kv` then returns quantized pools.
+    `kv_group_size` (see `QuantizedPages`); `kv` then returns quantized pages.
 
-    Prefix caching (on by default) applies to the paged layout only: a contiguous slot
+    Prefix caching (on by default) applies to the paged layout only: a contiguous page
     belongs to one sequence, so there is nothing to share and `prefix_caching` is False.
 
     `layer_windows` gives each layer's sliding window (None: it sees every earlier token).
@@ -207,7 +78,7 @@ class KVCacheManager:
     layers' pages alone. Prefix caching is then off, since a windowed layer no longer holds
     a prefix's early tokens.
 
-    Thread safety: one re-entrant lock serialises every public method, so `claim`, `step`,
+    Thread safety: one re-entrant lock serialises every public method, so `claim`, `append`,
     `fetch` and `release` may be called from any thread. The tensors are different: MLX
     evaluates a lazy graph only on the thread that built it (another thread gets "There is
     no Stream(cpu, N) in current thread"), so the first thread that calls `write` owns the
@@ -221,11 +92,11 @@ class KVCacheManager:
         num_kv_heads: int,
         head_dim: int,
         *,
-        max_seqs: int,
-        max_seq_len: int,
+        max_num_seqs: int,
+        max_model_len: int,
         layout: str | KVLayout | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
         dtype: mx.Dtype | str = mx.float16,
         prefix_caching: bool = True,
         kv_bits: int | None = None,
@@ -233,29 +104,28 @@ class KVCacheManager:
         layer_windows: Sequence[int | None] | None = None,
         window_pages: dict[int, int] | None = None,
     ) -> None:
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("max_seqs", max_seqs),
-                            ("max_seq_len", max_seq_len), ("block_size", block_size)):
-            positive_int(name, value)
-        if not isinstance(prefix_caching, bool):
-            raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("page_size", page_size)):
+            require(name, value, POSITIVE)
+        require("prefix_caching", prefix_caching, BOOLEAN)
+        check_quantization(kv_bits, kv_group_size, head_dim)
         self.layout = resolve_layout(layout)
         windows = list(layer_windows) if layer_windows is not None else [None] * num_layers
         if len(windows) != num_layers:
             raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
         grouped = self.layout is KVLayout.PAGED and any(windows)
         self.prefix_caching = prefix_caching and self.layout is KVLayout.PAGED and not grouped
-        self.max_seqs = max_seqs
-        self.max_seq_len = max_seq_len
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         if self.layout is KVLayout.PAGED:
-            pages_per_seq = -(-max_seq_len // block_size)
-            self.pool = PagePool(num_blocks if num_blocks is not None else max_seqs * pages_per_seq, block_size)
+            pages_per_seq = -(-max_model_len // page_size)
+            self.pool = PagePool(num_pages if num_pages is not None else max_num_seqs * pages_per_seq, page_size)
         else:
             pages_per_seq = 1
-            self.pool = PagePool(max_seqs, max_seq_len)
+            self.pool = PagePool(max_num_seqs, max_model_len)
         self.max_pages_per_seq = pages_per_seq
-        self._rows = np.zeros((max_seqs, pages_per_seq), np.int32)  # row i: the pages of the sequence in slot i
-        self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._rows = np.zeros((max_num_seqs, pages_per_seq), np.int32)  # row i: the pages of the sequence in row i
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._row_of: dict[int, int] = {}
         shared = [i for i, w in enumerate(windows) if not (grouped and w)]
         self._where = {layer: (None, index) for index, layer in enumerate(shared)}
@@ -264,19 +134,19 @@ class KVCacheManager:
         self.windowed: dict[int, WindowGroup] = {}
         for window in sorted({w for w in windows if w}) if grouped else ():
             layers = [i for i, w in enumerate(windows) if w == window]
-            pages = (window_pages or {}).get(window) or window_pool_pages(window, block_size, max_seqs, max_seq_len)
-            self.windowed[window] = WindowGroup(window, layers, PagePool(pages, block_size), KVStorage(
-                len(layers), pages, num_kv_heads, block_size, head_dim, dtype, kv_bits, kv_group_size), {},
+            pages = (window_pages or {}).get(window) or window_pool_pages(window, page_size, max_num_seqs, max_model_len)
+            self.windowed[window] = WindowGroup(window, layers, PagePool(pages, page_size), KVStorage(
+                len(layers), pages, num_kv_heads, page_size, head_dim, dtype, kv_bits, kv_group_size), {},
                 np.zeros_like(self._rows))
             self._where.update({layer: (window, index) for index, layer in enumerate(layers)})
-        self._tables: dict[int, BlockTable] = {}
+        self._tables: dict[int, PageTable] = {}
         self._next_id = 0
         self._lock = threading.RLock()
         self._tensor_thread: int | None = None
 
     @property
-    def block_size(self) -> int:
-        """Tokens per page (`max_seq_len` in the contiguous layout)."""
+    def page_size(self) -> int:
+        """Tokens per page (`max_model_len` in the contiguous layout)."""
         return self.pool.page_size
 
     @property
@@ -292,7 +162,7 @@ class KVCacheManager:
         return self.storage.group_size
 
     @property
-    def num_active(self) -> int:
+    def num_sequences(self) -> int:
         return len(self._tables)
 
     def claim(self, n: int = 1) -> list[int]:
@@ -300,22 +170,22 @@ class KVCacheManager:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be a non-negative integer, got {n!r}")
         with self._lock:
-            free_slots = self.max_seqs - len(self._tables)
+            room = self.max_num_seqs - len(self._tables)
             if self.layout is KVLayout.CONTIGUOUS:
-                free_slots = min(free_slots, self.pool.free_count)
-            if n > free_slots:
-                raise KVCacheExhausted(n, free_slots, "sequence slots")
+                room = min(room, self.pool.free_count)
+            if n > room:
+                raise KVCacheExhausted(n, room, "sequences")
             ids = list(range(self._next_id, self._next_id + n))
             self._next_id += n
             for seq_id in ids:
                 row = self._row_of[seq_id] = self._free_rows.pop()
                 self._rows[row] = 0
-                self._tables[seq_id] = BlockTable(self.pool, seq_id, self.max_seq_len, self._rows[row])
+                self._tables[seq_id] = PageTable(self.pool, seq_id, self.max_model_len, self._rows[row])
                 if self.layout is KVLayout.CONTIGUOUS:
                     self._tables[seq_id].reserve_pages(1)
                 for group in self.windowed.values():
                     group.rows[row] = 0
-                    group.tables[seq_id] = BlockTable(group.pool, seq_id, self.max_seq_len, group.rows[row])
+                    group.tables[seq_id] = PageTable(group.pool, seq_id, self.max_model_len, group.rows[row])
             return ids
 
     def reuse_prefix(self, seq_id: int, tokens: Sequence[int], salt: str | None = None) -> int:
@@ -335,7 +205,7 @@ class KVCacheManager:
                 for table, ids, count in zip(tables, tokens, num_computed):
                     table.publish(ids, count)
 
-    def step(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
+    def append(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""
         seq_ids, counts = tuple(seq_ids), _counts(num_new_tokens)
         if len(counts) != len(seq_ids):
@@ -371,11 +241,11 @@ class KVCacheManager:
                 )
             window, index = self._layer(layer)
             storage = self._storage(window)
-            storage.write(index, batch.for_window(window).pool_rows(storage.num_kv_heads), keys, values)
+            storage.write(index, batch.for_window(window).write_rows(storage.num_kv_heads), keys, values)
             self._tensor_thread = thread
 
     def fetch(self, seq_ids: Sequence[int]) -> KVBatch:
-        """Block tables and context lengths of live sequences, for attention."""
+        """Page tables and context lengths of live sequences, for attention."""
         seq_ids = tuple(seq_ids)
         with self._lock:
             tables = self._tables_of(seq_ids)
@@ -400,14 +270,14 @@ class KVCacheManager:
                 storage.reset()
             self.pool.forget_cached()
 
-    def kv(self, layer: int) -> tuple[Pool, Pool]:
-        """The K and V pools of `layer`, `[pages, kv_heads, block_size, head_dim]` (quantized with `kv_bits`)."""
+    def kv(self, layer: int) -> tuple[Pages, Pages]:
+        """The K and V pages of `layer`, `[pages, kv_heads, page_size, head_dim]` (quantized with `kv_bits`)."""
         window, index = self._layer(layer)
         return self._storage(window).layer(index)
 
     @property
     def tensors(self) -> list[mx.array]:
-        """Every array of every pool, to evaluate at the end of a step."""
+        """Every array of every layer's K and V pages, to evaluate at the end of a step."""
         return self.storage.tensors + [t for group in self.windowed.values() for t in group.storage.tensors]
 
     @property
@@ -426,37 +296,43 @@ class KVCacheManager:
     def as_tensor(self, seq_id: int, layer: int) -> tuple[mx.array, mx.array]:
         """One sequence's K and V in `layer` as contiguous `[tokens, kv_heads, head_dim]` copies.
 
-        For inspection and tests (as CJC's `PagedKvCache.as_tensor`); attention reads the
-        pages in place instead. Call it on the thread that writes the K/V.
+        For inspection and tests; attention reads the pages in place instead. Call it on the
+        thread that writes the K/V.
         """
         with self._lock:
             window, index = self._layer(layer)
             if window is not None:
                 raise MlxkvError(f"layer {layer} keeps only the pages of its last {window} tokens")
             table = self._table(seq_id)
-            return self.storage.read(index, table.pages[: table.blocks_in_use], table.num_tokens)
+            return self.storage.read(index, table.pages[: table.pages_in_use], table.num_tokens)
 
     @property
-    def blocks_in_use(self) -> int:
+    def pages_in_use(self) -> int:
         """Pages holding at least one token; a page shared by several sequences counts once."""
         with self._lock:
-            return len({page for t in self._tables.values() for page in t.pages[: t.blocks_in_use]})
+            return len({page for t in self._tables.values() for page in t.pages[: t.pages_in_use]})
 
     def usage(self) -> KVUsage:
         with self._lock:
-            shared_twice = self.pool.extra_refs * self.block_size  # shared pages are full
+            shared_twice = self.pool.extra_refs * self.page_size  # shared pages are full
             tokens = sum(t.num_tokens for t in self._tables.values()) - shared_twice
-            windowed = tuple((window, KVUsage(self.layout, group.pool.used_count, group.pool.capacity, self.block_size,
-                                              sum(t.num_tokens - t.dropped * self.block_size
+            windowed = tuple((window, KVUsage(self.layout, group.pool.used_count, group.pool.capacity, self.page_size,
+                                              sum(t.num_tokens - t.dropped * self.page_size
                                                   for t in group.tables.values()),
                                               group.storage.bytes_per_token))
                              for window, group in self.windowed.items())
-            return KVUsage(self.layout, self.pool.used_count, self.pool.capacity, self.block_size,
+            return KVUsage(self.layout, self.pool.used_count, self.pool.capacity, self.page_size,
                            tokens, self.storage.bytes_per_token, self.pool.cached_free_count, self.kv_bits, windowed)
 
     @property
     def free_pages(self) -> int:
         return self.pool.free_count
+
+    step = RenamedAttribute("append")
+    blocks_in_use = RenamedAttribute("pages_in_use")
+    block_size = RenamedAttribute("page_size")
+    max_seqs = RenamedAttribute("max_num_seqs")
+    max_seq_len = RenamedAttribute("max_model_len")
 
     def pages_needed(self, seq_ids: Sequence[int], counts: Sequence[int]) -> list[int]:
         """New pages each sequence would take for its count of more tokens."""
@@ -467,20 +343,20 @@ class KVCacheManager:
         with self._lock:
             return self._table(seq_id).num_tokens
 
-    def _table(self, seq_id: int) -> BlockTable:
+    def _table(self, seq_id: int) -> PageTable:
         table = self._tables.get(seq_id)
         if table is None:
             raise UnknownSequenceError(seq_id)
         return table
 
-    def _tables_of(self, seq_ids: Sequence[int]) -> list[BlockTable]:
+    def _tables_of(self, seq_ids: Sequence[int]) -> list[PageTable]:
         """The tables of live sequences (one lookup pass, as a step asks for hundreds)."""
         tables = [self._tables.get(seq_id) for seq_id in seq_ids]
         if None in tables:
             raise UnknownSequenceError(seq_ids[tables.index(None)])
         return tables
 
-    def _batches(self, seq_ids: tuple[int, ...], tables: list[BlockTable], counts: list[int]) -> KVBatch:
+    def _batches(self, seq_ids: tuple[int, ...], tables: list[PageTable], counts: list[int]) -> KVBatch:
         """The batch of `tables` after their last `counts[b]` tokens were appended, with the
         same batch in each window group's pages."""
         rows = [self._row_of[seq_id] for seq_id in seq_ids]
@@ -489,9 +365,9 @@ class KVCacheManager:
                      for window, group in self.windowed.items()}
         return self._batch(seq_ids, tables, self._rows, rows, query_lens, by_window or None)
 
-    def _batch(self, seq_ids: tuple[int, ...], tables: list[BlockTable], matrix: np.ndarray, rows: list[int],
+    def _batch(self, seq_ids: tuple[int, ...], tables: list[PageTable], matrix: np.ndarray, rows: list[int],
                query_lens: np.ndarray, by_window: dict[int, KVBatch] | None = None) -> KVBatch:
-        """One pool's batch, its block tables cut from the tables' `rows` of its page `matrix`."""
+        """One pool's batch, its page tables cut from the tables' `rows` of its page `matrix`."""
         width = _stable_width(max((t.num_pages for t in tables), default=1), self.max_pages_per_seq)
         context_lens = np.array([t.num_tokens for t in tables], np.int32)
-        return KVBatch(seq_ids, query_lens, context_lens, matrix[rows, :width], self.block_size, by_window)
+        return KVBatch(seq_ids, query_lens, context_lens, matrix[rows, :width], self.page_size, by_window)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable
 
-from ..errors import KVCacheExhausted, positive_int
+from ..errors import KVCacheExhausted
+from ..settings import POSITIVE, require
 
 
 class PagePool:
@@ -22,8 +23,8 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
-        self.capacity = positive_int("num_pages", num_pages)
-        self.page_size = positive_int("page_size", page_size)
+        self.capacity: int = require("num_pages", num_pages, POSITIVE)
+        self.page_size: int = require("page_size", page_size, POSITIVE)
         self._free: deque[int] = deque(range(num_pages))
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._refs = [0] * num_pages

@@ -1,27 +1,28 @@
-"""The KV tensors: per layer, one K pool and one V pool of `[pages, kv_heads, page_size, head_dim]`,
-as floats or quantized along `head_dim` in `mx.quantize`'s format."""
+"""The KV tensors: per layer, K pages and V pages of `[pages, kv_heads, page_size, head_dim]`, as
+floats or quantized along `head_dim` in `mx.quantize`'s format."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral
 
 import mlx.core as mx
 
+from ..settings import one_of, optional, require
+
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-KV_BITS = (8, 4)
-KV_GROUP_SIZES = (32, 64, 128)
+KV_BITS = optional(one_of(8, 4))
+KV_GROUP_SIZES = one_of(32, 64, 128)
 
 
 @dataclass(frozen=True)
 class QuantizedPages:
-    """One quantized pool: each token's row of `head_dim` values as `bits`-bit integers packed
+    """One layer's quantized K (or V) pages: each token's row of `head_dim` values as `bits`-bit integers packed
     into uint32 words (lowest bits first), with a scale and a bias per `group_size` values, so
     value = scale * q + bias. The format `mx.quantize` ("affine") produces, token by token.
 
     `words` is `[pages, kv_heads, page_size, head_dim * bits / 32]`; `scales` and `biases` are
     `[pages, kv_heads, page_size, head_dim / group_size]` in the cache dtype. `shape` and
-    `dtype` describe the float pool it stands for.
+    `dtype` describe the float pages they stand for.
     """
 
     words: mx.array
@@ -31,9 +32,9 @@ class QuantizedPages:
     group_size: int
 
     @classmethod
-    def quantize(cls, pool: mx.array, bits: int, group_size: int) -> QuantizedPages:
-        """A float pool `[pages, kv_heads, page_size, head_dim]` quantized whole."""
-        return cls(*mx.quantize(pool, group_size=group_size, bits=bits), bits, group_size)
+    def quantize(cls, pages: mx.array, bits: int, group_size: int) -> QuantizedPages:
+        """Float pages `[pages, kv_heads, page_size, head_dim]` quantized whole."""
+        return cls(*mx.quantize(pages, group_size=group_size, bits=bits), bits, group_size)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -53,11 +54,11 @@ class QuantizedPages:
         return sum(part.nbytes for part in self.parts)
 
     def dequantize(self, parts: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array:
-        """`parts` (rows taken alike from this pool's three arrays; default the whole pool) as floats.
+        """`parts` (rows taken alike from the three arrays; default all of them) as floats.
 
-        Equal to `mx.dequantize` bit for bit, and two to three times as fast on the CPU:
-        the packed words are read as bytes (4-bit: split into nibbles) and each group is
-        scaled and shifted by broadcasting."""
+        Equal to `mx.dequantize` bit for bit; the packed words are read as bytes (4-bit: split
+        into nibbles) and each group is scaled and shifted by broadcasting, which is the faster
+        on the CPU (docs/quantized-kv.md)."""
         words, scales, biases = parts or self.parts
         ints = words.view(mx.uint8)
         if self.bits == 4:
@@ -67,23 +68,17 @@ class QuantizedPages:
         return (values * scales[..., None] + biases[..., None]).reshape(*rows, groups * self.group_size)
 
 
-Pool = mx.array | QuantizedPages
+Pages = mx.array | QuantizedPages
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def check_quantization(bits: int | None, group_size: int, head_dim: int | None = None) -> None:
-    """Refuse a `kv_bits` / `kv_group_size` pair the quantized pages and kernels do not support."""
-    if bits is not None and (not _is_int(bits) or bits not in KV_BITS):
-        raise ValueError(f"kv_bits must be 8, 4 or None (float pages), got {bits!r}")
-    if not _is_int(group_size) or group_size not in KV_GROUP_SIZES:
-        raise ValueError(f"kv_group_size must be 32, 64 or 128, got {group_size!r}")
-    if bits is not None and head_dim is not None and head_dim % group_size:
-        fits = [str(g) for g in KV_GROUP_SIZES if head_dim % g == 0]
+def check_quantization(bits: int | None, group_size: int, head_dim: int) -> None:
+    """Refuse a `kv_bits` / `kv_group_size` pair the quantized pages do not support for `head_dim`."""
+    require("kv_bits", bits, KV_BITS)
+    require("kv_group_size", group_size, KV_GROUP_SIZES)
+    if bits is not None and head_dim % group_size:
+        fits = [str(g) for g in (32, 64, 128) if head_dim % g == 0]
         if not fits:
-            raise ValueError(f"the model's head_dim={head_dim} is not a multiple of {KV_GROUP_SIZES[0]}, the smallest "
+            raise ValueError(f"the model's head_dim={head_dim} is not a multiple of 32, the smallest "
                              "kv_group_size, so its KV cannot be quantized; use kv_bits=None")
         raise ValueError(f"kv_group_size={group_size} must divide the model's head_dim={head_dim}; "
                          f"use {' or '.join(fits)}")
@@ -113,32 +108,31 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return next(name for name, value in DTYPES.items() if value == dtype)
 
 
-def _scatter_rows(pool: mx.array, rows: mx.array, new: mx.array) -> mx.array:
-    """`pool` with `new`'s rows written at `rows` of its flat `[pages * kv_heads * page_size, row]`
-    view: one scatter with no index arithmetic in the graph (indexing `pool[pages, :, offsets]`
-    builds thirteen nodes to this five). The old pool must be dropped by its holder, so that
-    the scatter can write into its buffer in place."""
-    flat = pool.reshape(-1, pool.shape[-1])
+def _scatter_rows(pages: mx.array, rows: mx.array, new: mx.array) -> mx.array:
+    """`pages` with `new`'s rows written at `rows` of their flat `[pages * kv_heads * page_size, row]`
+    view: one scatter, with no index arithmetic in the graph. The holder must drop the old array,
+    so that the scatter writes into its buffer in place."""
+    flat = pages.reshape(-1, pages.shape[-1])
     flat[rows] = new.reshape(-1, new.shape[-1])
-    return flat.reshape(pool.shape)
+    return flat.reshape(pages.shape)
 
 
-def _arrays(pool: Pool) -> tuple[mx.array, ...]:
-    return pool.parts if isinstance(pool, QuantizedPages) else (pool,)
+def _arrays(pages: Pages) -> tuple[mx.array, ...]:
+    return pages.parts if isinstance(pages, QuantizedPages) else (pages,)
 
 
 class KVStorage:
-    """Flat per-layer pools written by in-place scatter.
+    """Every layer's K and V pages, written by in-place scatter.
 
-    Each pool is one MLX array (three for quantized pages) that nothing else keeps alive,
-    so a write, which replaces it by its scattered successor, donates the old buffer and
-    writes in place instead of copying the pool (see the design notes on buffer donation).
-    Pages are head-major so a kernel reads one KV head's tokens of a page as one contiguous
-    run. The contiguous layout is the same storage with one page of `max_seq_len` tokens
-    per sequence.
+    One layer's K (or V) pages are one MLX array (three when quantized) that nothing else keeps
+    alive, so a write, which replaces the array by its scattered successor, donates the old
+    buffer and writes in place instead of copying it. Pages are head-major, so a kernel reads
+    one KV head's tokens of a page as one contiguous run. The contiguous layout is the same
+    storage with one page of `max_model_len` tokens per sequence.
 
-    With `bits` (8 or 4) a token's K and V rows are quantized once, when written, in
-    groups of `group_size` along `head_dim`; attention reads the packed pages.
+    With `bits` (8 or 4) a token's K and V rows are quantized once, when written, in groups of
+    `group_size` along `head_dim`; attention reads the packed pages. The arguments are trusted
+    as `KVCacheManager` checked them.
     """
 
     def __init__(
@@ -152,7 +146,6 @@ class KVStorage:
         bits: int | None = None,
         group_size: int = 64,
     ) -> None:
-        check_quantization(bits, group_size, head_dim)
         self.dtype = resolve_dtype(dtype)
         self.bits = bits
         self.group_size = group_size
@@ -163,15 +156,15 @@ class KVStorage:
         self.keys, self.values = self._zeroed(num_layers)
 
     def reset(self) -> None:
-        """Fresh zeroed pools, for when a failed step left the old ones unusable."""
+        """Fresh zeroed pages, for when a failed step left the old ones unusable."""
         self.keys, self.values = self._zeroed(self.num_layers)
 
-    def _zeroed(self, num_layers: int) -> tuple[list[Pool], list[Pool]]:
-        keys, values = ([self._zeroed_pool() for _ in range(num_layers)] for _ in range(2))
-        mx.eval([_arrays(pool) for pool in keys + values])
+    def _zeroed(self, num_layers: int) -> tuple[list[Pages], list[Pages]]:
+        keys, values = ([self._zeroed_pages() for _ in range(num_layers)] for _ in range(2))
+        mx.eval([_arrays(pages) for pages in keys + values])
         return keys, values
 
-    def _zeroed_pool(self) -> Pool:
+    def _zeroed_pages(self) -> Pages:
         if self.bits is None:
             return mx.zeros(self.shape, self.dtype)
         *rows, head_dim = self.shape
@@ -181,8 +174,8 @@ class KVStorage:
 
     @property
     def tensors(self) -> list[mx.array]:
-        """Every MLX array of every pool, to evaluate them at the end of a step."""
-        return [part for pool in self.keys + self.values for part in _arrays(pool)]
+        """Every MLX array of every layer's pages, to evaluate them at the end of a step."""
+        return [part for pages in self.keys + self.values for part in _arrays(pages)]
 
     @property
     def num_layers(self) -> int:
@@ -195,48 +188,48 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
-        return sum(pool.nbytes for pool in self.keys + self.values)
+        return sum(pages.nbytes for pages in self.keys + self.values)
 
-    def layer(self, layer: int) -> tuple[Pool, Pool]:
-        """The K and V pools of `layer` (read them; don't keep them past the step)."""
+    def layer(self, layer: int) -> tuple[Pages, Pages]:
+        """The K and V pages of `layer` (read them; don't keep them past the step)."""
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer!r} is outside 0..{self.num_layers - 1}")
         return self.keys[layer], self.values[layer]
 
     def read(self, layer: int, pages: list[int], count: int) -> tuple[mx.array, mx.array]:
         """The first `count` tokens stored in `pages` of `layer`, as fresh `[count, kv_heads, head_dim]`
-        K and V arrays (lazy copies: later writes to the pools do not change them; quantized
-        pages are dequantized)."""
-        pools = self.layer(layer)
+        K and V arrays (lazy copies: later writes do not change them; quantized pages are
+        dequantized)."""
+        k_pages, v_pages = self.layer(layer)
         if count == 0:
             empty = mx.zeros((0, self.num_kv_heads, self.head_dim), self.dtype)
             return empty, empty
         index, width = mx.array(pages, mx.int32), min(count, self.page_size)
 
-        def tokens(pool: Pool) -> mx.array:
-            if isinstance(pool, QuantizedPages):
-                rows = pool.dequantize(tuple(part[index, :, :width] for part in pool.parts))
+        def tokens(stored: Pages) -> mx.array:
+            if isinstance(stored, QuantizedPages):
+                rows = stored.dequantize(tuple(part[index, :, :width] for part in stored.parts))
             else:
-                rows = pool[index, :, :width]
+                rows = stored[index, :, :width]
             return rows.swapaxes(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)[:count]
 
-        return tokens(pools[0]), tokens(pools[1])
+        return tokens(k_pages), tokens(v_pages)
 
     def write(self, layer: int, rows: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `rows` of the pools seen
-        as `[pages * kv_heads * page_size, row]` (`KVBatch.pool_rows`), quantized once here when
+        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `rows` of its pages seen
+        as `[pages * kv_heads * page_size, row]` (`KVBatch.write_rows`), quantized once here when
         the pages are."""
         for name, array in (("keys", keys), ("values", values)):
             self._check(name, array, rows.size // self.num_kv_heads)
         self.keys[layer] = self._scattered(self.keys[layer], rows, keys)
         self.values[layer] = self._scattered(self.values[layer], rows, values)
 
-    def _scattered(self, pool: Pool, rows: mx.array, new: mx.array) -> Pool:
-        if isinstance(pool, QuantizedPages):
+    def _scattered(self, pages: Pages, rows: mx.array, new: mx.array) -> Pages:
+        if isinstance(pages, QuantizedPages):
             parts = mx.quantize(new, group_size=self.group_size, bits=self.bits)
-            return QuantizedPages(*(_scatter_rows(part, rows, data) for part, data in zip(pool.parts, parts)),
+            return QuantizedPages(*(_scatter_rows(part, rows, data) for part, data in zip(pages.parts, parts)),
                                   self.bits, self.group_size)
-        return _scatter_rows(pool, rows, new)
+        return _scatter_rows(pages, rows, new)
 
     def _check(self, name: str, array: mx.array, tokens: int) -> None:
         expected = (tokens, self.num_kv_heads, self.head_dim)

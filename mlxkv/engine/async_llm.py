@@ -11,8 +11,10 @@ from contextlib import aclosing
 import mlx.core as mx
 
 from ..errors import RequestFailed
-from .llm_engine import LLMEngine, RequestOutput, request_key
-from .sampling import SamplingParams
+from .inputs import request_key
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
 
 
 class AsyncLLM:

@@ -6,8 +6,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,82 +15,35 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..attention.kernels import PagedAttentionKernels, select_attention
+from ..attention.backend import AttentionSpec, choose_attention
+from ..attention.kernels import PagedAttentionKernels
 from ..attention.reference import reference_attention
 from ..cache.prefix_cache import PrefixCacheStats, check_salt
-from ..cache.storage import dtype_name
 from ..config import EngineConfig
+from ..deprecation import warn
 from ..errors import RequestTooLong, UnknownSequenceError
+from .inputs import encode_prompt, request_key
+from .kv_budget import build_kv_cache
 from .model_runner import ModelRunner, kv_shape, layer_variants
+from .outputs import RequestOutput, Usage
 from .request import PENDING, Request, Status
-from .sampling import SamplingFailed, SamplingParams, TokenLogprob, logprobs, sample
+from .sampling import SamplingFailed, TokenLogprob, logprobs, sample
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
+from .stats import EngineStats
 from .text import TextStream
 
 logger = logging.getLogger("mlxkv")
 
 
-def request_key(request_id: object) -> str:
-    """The id a request is stored under: a string, or an integer written as one."""
-    if isinstance(request_id, str) or (isinstance(request_id, int) and not isinstance(request_id, bool)):
-        return str(request_id)
-    raise TypeError(f"request_id must be a string or an integer, got {type(request_id).__name__}")
-
-
-def encode_text(tokenizer: TokenizerWrapper, text: str) -> list[int]:
-    """Token ids of `text`, with the tokenizer's BOS unless the text starts with it (as mlx-lm does)."""
-    bos = tokenizer.bos_token
-    return tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
-
-
-def token_ids(prompt: object) -> list[int]:
-    """A prompt of token ids as a list of ints: a sequence or 1-D array of integers, numpy's included."""
-    if isinstance(prompt, np.ndarray):
-        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
-            raise TypeError(f"a prompt array must be 1-D integer token ids, got {prompt.ndim}-D {prompt.dtype}")
-        return prompt.tolist()
-    if not isinstance(prompt, (list, tuple)):
-        raise TypeError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
-    bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
-    if bad is not None:
-        raise TypeError(f"prompt token ids must be integers, got {bad!r}")
-    return [int(t) for t in prompt]
-
-
-@dataclass(slots=True)
-class Usage:
-    """A request's token counts so far; `cached_tokens` of its prompt came from the prefix cache."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step did for one request: new text and tokens (with their log-probabilities
-    when asked for), whether it is done, and its token counts. (Plain slotted records, not
-    frozen ones: the engine makes one per running request per step, and a frozen dataclass
-    takes seven times as long to build.)"""
-
-    request_id: str
-    delta: str
-    finished: bool
-    finish_reason: str | None
-    error: Exception | None = None  # set when finish_reason is "error"
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprob, ...] = ()
-    usage: Usage | None = None
-
-
 @dataclass
 class InFlight:
     """A step started on the device whose sampled tokens the host has not read yet: row i of
-    `tokens` is `sampling[i]`'s output number `slots[i]`, a `PENDING` placeholder until read."""
+    `tokens` is `sampling[i]`'s output number `indices[i]`, a `PENDING` placeholder until read."""
 
     batch: ScheduledBatch
     sampling: list[Request]
-    slots: list[int]
+    indices: list[int]
     tokens: mx.array
     scored: tuple[mx.array, ...]
 
@@ -112,27 +65,22 @@ class LLMEngine:
     """
 
     def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, config: EngineConfig | None = None,
-                 attention: Callable | None = None) -> None:
-        """`attention` overrides the backend `config.attention` picks (the tests pass the kernels
-        running in the CPU simulator)."""
+                 kernels: PagedAttentionKernels | None = None) -> None:
+        """`kernels` replaces MLX's Metal kernels, whatever `config.attention` says (the tests pass
+        the kernels running in the CPU simulator)."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         layers, kv_heads, head_dim, dtype = kv_shape(model)
         weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
         variants = layer_variants(model)
-        self.cache = self.config.build_cache(layers, kv_heads, head_dim, dtype,
-                                             getattr(model.args, "max_position_embeddings", None), weights,
-                                             [v.window for v in variants])
-        attention = attention or select_attention(self.config.attention)
-        if isinstance(attention, PagedAttentionKernels):
-            problem = attention.warm(dtype, head_dim, self.cache.block_size, model.args.num_attention_heads, kv_heads,
-                                     self.cache.kv_bits, self.cache.kv_group_size, variants)
-            if problem is not None:
-                logger.warning("mlxkv: the Metal kernels fail their start-up check for this model (%s, head_dim %d, "
-                               "block %d, GQA %d): %s; attention runs on the reference path instead",
-                               dtype_name(dtype), head_dim, self.cache.block_size,
-                               model.args.num_attention_heads // kv_heads, problem)
-                attention = reference_attention
+        self.cache = build_kv_cache(self.config, layers, kv_heads, head_dim, dtype,
+                                    getattr(model.args, "max_position_embeddings", None), weights,
+                                    [v.window for v in variants])
+        spec = AttentionSpec(dtype, model.args.num_attention_heads, kv_heads, head_dim, self.cache.page_size,
+                             self.cache.kv_bits, self.cache.kv_group_size, variants)
+        attention = choose_attention(self.config.attention, spec, kernels)
+        logger.info("KV cache: %s; attention: %s", self.cache.usage(),
+                    "reference" if attention is reference_attention else "Metal kernels")
         self.runner = ModelRunner(model, self.cache, attention)
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -146,25 +94,23 @@ class LLMEngine:
     @property
     def max_request_tokens(self) -> int:
         """The most KV slots one request can ever hold."""
-        return min(self.cache.max_seq_len, self.cache.pool.capacity * self.cache.block_size)
+        return min(self.cache.max_model_len, self.cache.pool.capacity * self.cache.page_size)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the requests, the KV cache and the prefix cache, for metrics and front ends."""
+        with self._lock:
+            return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                               self.scheduler.num_preemptions, self.cache.usage(), self.cache.prefix_caching,
+                               replace(self.scheduler.prefix_stats))
 
     @property
     def prefix_stats(self) -> PrefixCacheStats:
-        """Prompt tokens looked up in the prefix cache, and how many were reused (its hit rate)."""
+        warn("LLMEngine.prefix_stats", "LLMEngine.stats().prefix_cache")
         return self.scheduler.prefix_stats
 
     def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         """Token ids for a prompt given as text or ids (text gets the tokenizer's BOS, as in mlx-lm)."""
-        if isinstance(prompt, str):
-            ids = encode_text(self.tokenizer, prompt)
-        else:
-            ids = token_ids(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, self.vocab_size)
 
     def new_request_id(self) -> str:
         """An automatic request id that no live request uses."""
@@ -239,10 +185,10 @@ class LLMEngine:
         """Build `batch`'s forward pass and sampling and start evaluating them; returns the
         outputs of the requests that failed to (none when it started)."""
         sampling = [r for r, s in zip(batch.requests, batch.samples) if s]
-        slots = [len(r.output_ids) for r in sampling]  # the output number each row samples
+        indices = [len(r.output_ids) for r in sampling]  # the output number each row samples
         try:
             logits = self.runner.forward(batch, self._token_ids(batch, previous))
-            tokens = sample(logits, [r.sampler for r in sampling], slots) if sampling else mx.array([], mx.uint32)
+            tokens = sample(logits, [r.sampler for r in sampling], indices) if sampling else mx.array([], mx.uint32)
             wanted = [r.params.logprobs for r in sampling if r.params.logprobs is not None]
             scored = logprobs(logits, tokens, max(wanted)) if wanted else ()
             started = time.perf_counter()
@@ -259,7 +205,7 @@ class LLMEngine:
             for request in sampling:
                 if request.status is not Status.FINISHED:  # not aborted since it was scheduled
                     request.append_output(PENDING)
-            self._inflight = InFlight(batch, sampling, slots, tokens, scored)
+            self._inflight = InFlight(batch, sampling, indices, tokens, scored)
         return []
 
     @staticmethod
@@ -294,8 +240,8 @@ class LLMEngine:
         now = time.perf_counter()
         with self._lock:
             scores = _token_logprobs(step.sampling, sampled, scored)
-            return [self._accept(request, slot, token, score, now)
-                    for request, slot, token, score in zip(step.sampling, step.slots, sampled, scores)
+            return [self._accept(request, index, token, score, now)
+                    for request, index, token, score in zip(step.sampling, step.indices, sampled, scores)
                     if request.status is not Status.FINISHED]
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
@@ -322,7 +268,7 @@ class LLMEngine:
         freed, so K/V the step may have half-written is never read, and they recompute to
         the same tokens (sampling keys depend only on a request's seed and progress; with
         quantized pages, a recompute that finds only part of its pages cached attends
-        quantized K/V where it first attended exact ones, see `Scheduler.exact_span`). If the
+        quantized K/V where it first attended exact ones, see `Scheduler.own_kv_span`). If the
         KV tensors themselves cannot be evaluated any more, every running request is rolled
         back and the tensors start afresh, and so does the prefix cache whose pages they held.
         """
@@ -340,21 +286,21 @@ class LLMEngine:
         request.error = error
         return self._finish(request, "error")
 
-    def _accept(self, request: Request, slot: int, token: int, score: TokenLogprob | None,
+    def _accept(self, request: Request, index: int, token: int, score: TokenLogprob | None,
                 now: float) -> RequestOutput:
-        """Put `token`, read at time `now`, in its placeholder as output number `slot`, and end
+        """Put `token`, read at time `now`, in its placeholder as output number `index`, and end
         the request if it is done (dropping what a later step computed for it)."""
         if request.first_token_time is None:
             request.first_token_time = now
         if token in self.tokenizer.eos_token_ids and not request.params.ignore_eos:
-            request.truncate_outputs(slot)
+            request.truncate_outputs(index)
             return self._finish(request, "stop")
-        request.set_output(slot, token)
+        request.set_output(index, token)
         new = ((token,), (score,) if score else ())
         if request.stream.add(token):
-            request.truncate_outputs(slot + 1)
+            request.truncate_outputs(index + 1)
             return self._finish(request, "stop", *new)
-        if slot + 1 >= request.params.max_tokens:
+        if index + 1 >= request.params.max_tokens:
             return self._finish(request, "length", *new)
         return self._output(request, *new)
 

@@ -2,29 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..attention.backend import AttentionFn
 from ..attention.first_chunk import first_chunk_attention
-from ..attention.reference import Variant, reference_attention
-from ..cache.manager import KVBatch, KVCacheManager
+from ..attention.reference import reference_attention
+from ..attention.variant import Variant
+from ..cache.batch import KVBatch
+from ..cache.manager import KVCacheManager
 from ..models.adapters import Adapter, adapter_for
 from ..models.rotary import Positions
 from .scheduler import ScheduledBatch
 
-AttentionFn = Callable[[mx.array, mx.array, mx.array, KVBatch, float], mx.array]
-
-
 @dataclass(frozen=True)
 class StepContext:
     """Handed to every layer as its `cache`: where this step's tokens go and sit, and how
-    many of each row's first tokens attend their own K/V as computed (`exact`).
+    many of each row's first tokens attend their own K/V as computed (`own_kv`).
 
-    `exact` is None when no row has such tokens, as in every step without quantized pages.
+    `own_kv` is None when no row has such tokens, as in every step without quantized pages.
     Model code that asks a cache for a mask gets None (the paged attention masks by
     position itself), and one that reads `offset` gets 0 (adapters use each token's own
     position instead)."""
@@ -33,7 +33,7 @@ class StepContext:
     batch: KVBatch
     positions: Positions
     attention: AttentionFn
-    exact: np.ndarray | None
+    own_kv: np.ndarray | None
     offset: int = 0
 
     def make_mask(self, *args, **kwargs) -> None:
@@ -62,7 +62,7 @@ class PagedAttention(nn.Module):
         batch = cache.batch.for_window(self.adapter.variant.window)
         cache.cache.write(self.layer, batch, keys, values)
         out = first_chunk_attention(cache.attention, queries, keys, values, *cache.cache.kv(self.layer), batch,
-                                    cache.exact, self.adapter.scale, self.adapter.variant)
+                                    cache.own_kv, self.adapter.scale, self.adapter.variant)
         return self.inner.o_proj(out.reshape(1, x.shape[1], -1))
 
 
@@ -95,17 +95,17 @@ class ModelRunner:
     def forward(self, step: ScheduledBatch, token_ids: mx.array) -> mx.array | None:
         """Logits `[rows that sample, vocab]` for `step`, whose packed input tokens are
         `token_ids`; None if no row samples (lazy either way)."""
-        hidden = self.hidden(token_ids, step.kv, step.exact)
+        hidden = self.hidden(token_ids, step.kv, step.own_kv)
         if len(step.samples) == hidden.shape[0] and all(step.samples):  # all decode rows: every token samples
             return self.head(hidden)
         rows = (np.cumsum(step.counts) - 1)[np.asarray(step.samples, dtype=bool)]
         return self.head(hidden[mx.array(rows.astype(np.int32))]) if rows.size else None
 
-    def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, exact: Sequence[int]) -> mx.array:
+    def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, own_kv: Sequence[int]) -> mx.array:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
-        the first `exact[b]` tokens of row b attending their own K/V as computed (lazy)."""
-        exact = np.asarray(exact, np.int32) if any(exact) else None  # a scan, not an array, in the common case
-        context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, exact)
+        the first `own_kv[b]` tokens of row b attending their own K/V as computed (lazy)."""
+        spans = np.asarray(own_kv, np.int32) if any(own_kv) else None  # a scan, not an array, in the common case
+        context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, spans)
         return self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))[0]
 
     def head(self, hidden: mx.array) -> mx.array:

@@ -6,7 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams, TokenSampler
+from .sampling import TokenSampler
+from .sampling_params import SamplingParams
 from .text import TextStream
 
 PENDING = -1  # an output token sampled by a step whose result the host has not read yet
@@ -57,10 +58,10 @@ class Request:
         self.all_token_ids.append(token)
         self.num_pending += token == PENDING
 
-    def set_output(self, slot: int, token: int) -> None:
-        """Output number `slot`, the first still `PENDING`, is `token`."""
-        self.output_ids[slot] = token
-        self.all_token_ids[len(self.prompt_ids) + slot] = token
+    def set_output(self, index: int, token: int) -> None:
+        """Output number `index`, the first still `PENDING`, is `token`."""
+        self.output_ids[index] = token
+        self.all_token_ids[len(self.prompt_ids) + index] = token
         self.num_pending -= 1
 
     def truncate_outputs(self, count: int) -> None:

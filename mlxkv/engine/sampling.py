@@ -1,73 +1,16 @@
-"""Sampling parameters, and turning a batch of logits into next tokens with mlx-lm's filters."""
+"""Turning a batch of logits into next tokens: one argmax for the greedy rows, one draw for the others."""
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
 from ..errors import MlxkvError
-
-GREEDY_BELOW = 1e-5  # a lower temperature is greedy: 1/T would push the scaled logits past float32
-MAX_LOGPROBS = 20  # most alternatives a request may ask log-probabilities for (OpenAI's limit)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens for one request. `temperature` 0 (or below `GREEDY_BELOW`) is greedy.
-
-    `stop` strings end the text before the stop string; `seed` (0 <= seed < 2**64) makes
-    sampling reproducible whatever else shares the batch; `ignore_eos` generates past EOS
-    (for benchmarks); `logprobs` (0 to `MAX_LOGPROBS`) reports each token's log-probability
-    under the model and that many most likely alternatives.
-    """
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    seed: int | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
-        if isinstance(stop, (list, tuple)):
-            object.__setattr__(self, "stop", tuple(stop))
-        checks = [
-            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
-            ("temperature", _is_real(self.temperature) and self.temperature >= 0, "a number >= 0"),
-            ("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "an integer >= 0 (0 disables it)"),
-            ("min_p", _is_real(self.min_p) and 0 <= self.min_p < 1, "a number in [0, 1)"),
-            ("stop", isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
-             "a non-empty string or a list of them"),
-            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
-             "an integer in [0, 2**64) or None"),
-            ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
-            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-             f"an integer in [0, {MAX_LOGPROBS}] or None"),
-        ]
-        for name, ok, expected in checks:
-            if not ok:
-                raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+from .sampling_params import SamplingParams
 
 
 def log_softmax(logits: mx.array) -> mx.array:

@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..cache.manager import KVBatch, KVCacheManager
+from ..cache.batch import KVBatch
+from ..cache.manager import KVCacheManager
 from ..cache.prefix_cache import PrefixCacheStats
 from .request import Request, Status
+
+logger = logging.getLogger("mlxkv")
 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
     """One engine step: `counts[i]` tokens of `requests[i]`, K/V slots already reserved.
     `samples[i]`: row i reaches the end of its tokens this step and so needs a next token.
-    `exact[i]`: how many of row i's first tokens attend their own K/V unquantized (see
-    `Scheduler.exact_span`)."""
+    `own_kv[i]`: how many of row i's first tokens attend their own K/V unquantized (see
+    `Scheduler.own_kv_span`)."""
 
     requests: list[Request]
     counts: list[int]
     kv: KVBatch
     samples: list[bool]
-    exact: list[int]
+    own_kv: list[int]
 
 
 @dataclass
@@ -48,7 +52,7 @@ class _Plan:
 
 
 class Scheduler:
-    """Continuous batching over a KV cache, in the spirit of vLLM v1 and the seed's batch constructor.
+    """Continuous batching over a KV cache, in the spirit of vLLM v1's scheduler.
 
     Each step takes running requests first, decodes before prefill chunks, then admits
     waiting requests in arrival order while the token budget, the sequence cap and free
@@ -59,7 +63,7 @@ class Scheduler:
     full ones stay cached, so its recompute is mostly hits) and it goes back to the front
     of the waiting queue with its generated tokens kept.
 
-    With quantized pages a request's first chunk holds at least its `exact_span`, so that
+    With quantized pages a request's first chunk holds at least its `own_kv_span`, so that
     span is computed in one step whatever else runs.
     """
 
@@ -91,7 +95,7 @@ class Scheduler:
                 if plan.budget and request not in plan.preempted:
                     self._make_room(plan, request)
         while self.waiting and plan.budget and len(self.running) < self.max_num_seqs \
-                and self.cache.num_active < self.cache.max_seqs:
+                and self.cache.num_sequences < self.cache.max_num_seqs:
             request = self.waiting[0]
             if not self._admit(plan, request):
                 break
@@ -102,24 +106,24 @@ class Scheduler:
             return None
         requests, counts = list(plan.counts), list(plan.counts.values())
         samples = [n == r.num_remaining for r, n in zip(requests, counts)]
-        return ScheduledBatch(requests, counts, self.cache.step([r.seq_id for r in requests], counts), samples,
-                              self._exact_spans(requests))
+        return ScheduledBatch(requests, counts, self.cache.append([r.seq_id for r in requests], counts), samples,
+                              self._own_kv_spans(requests))
 
-    def exact_span(self, request: Request) -> int:
+    def own_kv_span(self, request: Request) -> int:
         """How many of `request`'s first tokens its next chunk computes from their own unquantized
-        K/V: with quantized pages and nothing computed yet, the prompt but its last token (as
-        mlx-lm's first prefill chunk), at most what one step holds beside a decode token of every
-        other sequence; otherwise none, and every token attends the pages."""
+        K/V (its own-K/V span): with quantized pages and nothing computed yet, the prompt but its
+        last token (as mlx-lm's first prefill chunk), at most what one step holds beside a decode
+        token of every other sequence; otherwise none, and every token attends the pages."""
         if self.cache.kv_bits is None or request.num_computed:
             return 0
         room = self.max_num_batched_tokens - (self.max_num_seqs - 1)
         return max(0, min(len(request.prompt_ids) - 1, room))
 
-    def _exact_spans(self, requests: list[Request]) -> list[int]:
-        """`exact_span` of each request (none with float pages)."""
+    def _own_kv_spans(self, requests: list[Request]) -> list[int]:
+        """`own_kv_span` of each request (none with float pages)."""
         if self.cache.kv_bits is None:
             return [0] * len(requests)
-        return [self.exact_span(r) for r in requests]
+        return [self.own_kv_span(r) for r in requests]
 
     def commit(self, step: ScheduledBatch) -> None:
         """Count `step`'s tokens as computed, now that their K/V are evaluated, and cache the
@@ -160,7 +164,7 @@ class Scheduler:
 
     def _pick(self, plan: _Plan, requests: list[Request]) -> bool:
         """Pick `requests` in order, each as many tokens as the budget leaves, if all their pages
-        are free and each takes its exact span (one pass over the cache for the lot); otherwise
+        are free and each takes its own-K/V span (one pass over the cache for the lot); otherwise
         pick none."""
         picked, counts, left = [], [], plan.budget
         for request in requests:
@@ -171,7 +175,7 @@ class Scheduler:
                 left -= count
         pages = self.cache.pages_needed([r.seq_id for r in picked], counts)
         if sum(pages) > self.cache.free_pages - plan.reserved or \
-                any(n < e for n, e in zip(counts, self._exact_spans(picked))):
+                any(n < e for n, e in zip(counts, self._own_kv_spans(picked))):
             return False
         plan.pick(picked, counts, pages)
         return True
@@ -194,6 +198,8 @@ class Scheduler:
 
     def _preempt_newest(self) -> Request:
         request = self.running.pop()
+        logger.debug("preempting request %s (%d tokens computed): no free KV page for the running requests",
+                     request.request_id, request.num_computed)
         self._requeue(request)
         self.num_preemptions += 1
         return request

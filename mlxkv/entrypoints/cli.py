@@ -1,26 +1,36 @@
-"""`mlxkv generate` and `mlxkv chat`: text from a model with a paged KV cache, and the figures."""
+"""`mlxkv generate`, `chat` and `serve`: text from a model with a paged KV cache, and the figures.
+
+Every field of `EngineConfig` and `SamplingParams` is an option of the commands that take one
+(`with_settings`), with the field's own help text, so a setting is declared in one place.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import Field, fields, replace
 from importlib.metadata import version
-from typing import Optional
+from typing import Any, NoReturn, Optional, get_args, get_type_hints
 
 import mlx.core as mx
 import typer
 
-from ..cache.layout import KVLayout
-from ..config import EngineConfig, context_length
+from ..config import EngineConfig
 from ..engine.async_llm import AsyncLLM
+from ..engine.kv_budget import context_length
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request
-from ..engine.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
 from ..errors import MlxkvError
 from ..models.loading import load
-from .llm import LLM, Stream
+from .llm import LLM
 from .prompts import prompt_ids
+
+logger = logging.getLogger("mlxkv")
 
 app = typer.Typer(help="Local LLM inference with MLX over a paged KV cache.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -28,34 +38,63 @@ app = typer.Typer(help="Local LLM inference with MLX over a paged KV cache.", no
 
 MODEL = typer.Option(None, "--model", help="mlx-lm checkpoint directory or Hugging Face repo id "
                                             "[default: the shipped demo model]", show_default=False)
-TEMP = typer.Option(0.0, help="Sampling temperature; 0 is greedy.")
-TOP_P = typer.Option(1.0, help="Nucleus sampling threshold in (0, 1].")
-TOP_K = typer.Option(0, help="Sample from the k most likely tokens; 0 disables.")
-MIN_P = typer.Option(0.0, help="Drop tokens below min_p times the top probability.")
-SEED = typer.Option(None, help="Seed for reproducible sampling, in [0, 2**64).")
 SYSTEM = typer.Option(None, help="System prompt for the chat template.")
-NO_TEMPLATE = typer.Option(False, help="Use the prompt as is, without the chat template.")
-LAYOUT = typer.Option(None, help="KV layout: paged or contiguous [default: $MLXKV_KV_LAYOUT or paged].",
-                      show_default=False)
-BLOCK = typer.Option(16, help="Tokens per KV page.")
-MEMORY = typer.Option(None, help="KV cache size, e.g. 2GB or 512MiB [default: what the job needs].",
-                      show_default=False)
-BLOCKS = typer.Option(None, help="Number of KV pages (paged layout), instead of --kv-cache-memory.")
-MAX_LEN = typer.Option(None, help="Most tokens one sequence may hold [default: the model's context].",
-                       show_default=False)
-MAX_SEQS = typer.Option(1, help="Most sequences the KV cache is sized and scheduled for.")
-PREFIX = typer.Option(True, "--prefix-caching/--no-prefix-caching",
-                      help="Reuse the KV pages of a prompt prefix computed before (paged layout).")
-KV_BITS = typer.Option(None, "--kv-bits", help="Quantize the KV pages to 8 or 4 bits [default: the model's dtype].")
-KV_GROUP = typer.Option(64, "--kv-group-size", help="Values sharing one scale and bias in quantized pages: "
-                                                    "32, 64 or 128.")
 VERBOSE = typer.Option(True, "--verbose/--no-verbose", help="Print the figures after the text; with "
                                                              "--no-verbose only the text goes to stdout.")
+SETTINGS = {"config": EngineConfig, "params": SamplingParams}  # a command's parameter -> the record it gets
 
 
-def fail(message: object) -> None:
+def fail(message: object) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(1)
+
+
+def _option(item: Field[Any], hint: Any, default: Any) -> inspect.Parameter:
+    """The command-line option of one settings field: its flags, help text, default and type."""
+    meta = item.metadata
+    flags = meta["flags"] or (f"--{item.name.replace('_', '-')}",)
+    kind = meta["cli_type"] or next((a for a in get_args(hint) if a is not type(None)), hint)
+    if kind is bool:
+        flags = (f"{flags[0]}/--no-{flags[0][2:]}",)
+    if default == ():
+        default = None  # a repeatable option's "none given"
+    metavar = "<str>" if meta["cli_type"] == list[str] else None  # typer would print <list[str]>
+    option = typer.Option(default, *flags, help=meta["help"], show_default=default is not None, metavar=metavar)
+    annotation = Optional[kind] if default is None else kind  # noqa: UP045 (typer reads the annotation)
+    return inspect.Parameter(item.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+def with_settings(defaults: Mapping[str, Any] | None = None,
+                  fixed: Mapping[str, Any] | None = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command one option per field of `EngineConfig` (if it takes `config`) and of
+    `SamplingParams` (if it takes `params`), with `defaults` of its own; `fixed` fields are set, not
+    offered. The command is called with the records built from the options; a bad value ends it
+    with one error line naming the setting."""
+    defaults, fixed = dict(defaults or {}), dict(fixed or {})
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command)
+        records = {name: cls for name, cls in SETTINGS.items() if name in signature.parameters}
+        offered = {name: [f for f in fields(cls) if f.name not in fixed] for name, cls in records.items()}
+        options = [_option(f, get_type_hints(records[name])[f.name], defaults.get(f.name, f.default))
+                   for name, items in offered.items() for f in items]
+
+        @functools.wraps(command)
+        def run(**kwargs: Any) -> None:
+            try:
+                built = {name: cls(**{f.name: kwargs.pop(f.name) for f in offered[name]},
+                                   **{k: v for k, v in fixed.items() if k in {f.name for f in fields(cls)}})
+                         for name, cls in records.items()}
+            except (ValueError, TypeError) as exc:
+                fail(exc)
+            command(**kwargs, **built)
+
+        own = [p for p in signature.parameters.values() if p.name not in records]
+        run.__signature__ = signature.replace(parameters=own + options)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in own + options}
+        return run
+
+    return decorate
 
 
 def show_version(value: bool) -> None:
@@ -68,27 +107,24 @@ def show_version(value: bool) -> None:
 def main(_: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
                                 help="Print the version and exit.")) -> None:
     """Local LLM inference with MLX over a paged KV cache."""
-
-
-def sampling(max_tokens: int, temp: float, top_p: float, top_k: int, min_p: float, seed: int | None) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
+    logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr)
 
 
 def prefix_figures(llm: LLM, request: Request) -> str:
     """What the prefix cache did for `request`, or why it did nothing."""
-    cache = llm.engine.cache
-    if cache.prefix_caching:
+    stats = llm.stats()
+    if stats.prefix_caching:
         return f"prefix cache: {request.num_cached_tokens} of {len(request.prompt_ids)} prompt tokens reused"
-    if cache.layout is KVLayout.CONTIGUOUS:
-        return "prefix cache: none (the contiguous layout gives each sequence its own slot and shares nothing)"
+    if stats.kv.layout.value == "contiguous":
+        return "prefix cache: none (the contiguous layout gives each sequence its own page and shares nothing)"
     return "prefix cache: off"
 
 
 def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose: bool) -> Request:
-    """Stream one completion to stdout, then (verbose) print mlx-lm's figures and the KV cache's; returns
-    the finished request."""
+    """Stream one completion to stdout, then (verbose) print mlx-lm's figures and the KV cache's;
+    returns the finished request."""
     llm.engine.reset_peak_usage()
-    stream: Stream = llm.stream(prompt, params)
+    stream = llm.stream(prompt, params)
     if verbose:
         typer.echo("==========")
     try:
@@ -116,34 +152,30 @@ def utf8(text: str | bytes, what: str) -> str:
 
 
 @app.command()
+@with_settings(defaults={"max_num_seqs": 1, "max_tokens": 100}, fixed={"logprobs": None})
 def generate(
-    model: Optional[str] = MODEL,
+    model: Optional[str] = MODEL,  # noqa: UP045
     prompt: str = typer.Option("hello", "--prompt", "-p", help="The prompt; - reads it from stdin."),
-    max_tokens: int = typer.Option(100, "--max-tokens", "-m", help="Most tokens to generate."),
-    temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P,
-    seed: Optional[int] = SEED, system_prompt: Optional[str] = SYSTEM,
-    ignore_chat_template: bool = NO_TEMPLATE, kv_layout: Optional[str] = LAYOUT, block_size: int = BLOCK,
-    kv_cache_memory: Optional[str] = MEMORY, num_blocks: Optional[int] = BLOCKS,
-    max_model_len: Optional[int] = MAX_LEN, max_num_seqs: int = MAX_SEQS, prefix_caching: bool = PREFIX,
-    kv_bits: Optional[int] = KV_BITS, kv_group_size: int = KV_GROUP, verbose: bool = VERBOSE,
+    system_prompt: Optional[str] = SYSTEM,  # noqa: UP045
+    ignore_chat_template: bool = typer.Option(False, help="Use the prompt as is, without the chat template."),
+    verbose: bool = VERBOSE,
+    *,
+    config: EngineConfig,
+    params: SamplingParams,
 ) -> None:
     """Generate a completion for one prompt, streamed, then print speed and memory figures.
 
     The KV cache is sized to this one request (prompt plus --max-tokens) unless
-    --kv-cache-memory or --num-blocks says otherwise."""
+    --kv-cache-memory or --num-pages says otherwise."""
     try:
-        params = sampling(max_tokens, temp, top_p, top_k, min_p, seed)
         text = utf8(sys.stdin.buffer.read(), "the prompt on stdin") if prompt == "-" else utf8(prompt, "--prompt")
         loaded = load(model)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": text}]
         ids = prompt_ids(loaded[1], messages, ignore_chat_template)
-        context = context_length(max_model_len, getattr(loaded[0].args, "max_position_embeddings", None))
-        length = min(context, len(ids) + max_tokens)
-        llm = LLM(loaded, kv_layout=kv_layout, block_size=block_size, kv_cache_memory=kv_cache_memory,
-                  num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_model_len=length,
-                  enable_prefix_caching=prefix_caching, kv_bits=kv_bits, kv_group_size=kv_group_size)
-        run_and_report(llm, ids, params, verbose)
+        context = context_length(config.max_model_len, getattr(loaded[0].args, "max_position_embeddings", None))
+        config = replace(config, max_model_len=min(context, len(ids) + params.max_tokens))
+        run_and_report(LLM(loaded, config=config), ids, params, verbose)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
 
@@ -152,23 +184,19 @@ BANNER = "Chat: type a message. /reset starts over, /exit or Ctrl-D quits, Ctrl-
 
 
 @app.command()
+@with_settings(defaults={"max_tokens": 512}, fixed={"max_num_seqs": 1, "logprobs": None})
 def chat(
-    model: Optional[str] = MODEL,
-    max_tokens: int = typer.Option(512, "--max-tokens", "-m", help="Most tokens per reply."),
-    temp: float = TEMP, top_p: float = TOP_P, top_k: int = TOP_K, min_p: float = MIN_P,
-    seed: Optional[int] = SEED, system_prompt: Optional[str] = SYSTEM, kv_layout: Optional[str] = LAYOUT,
-    block_size: int = BLOCK, kv_cache_memory: Optional[str] = MEMORY, num_blocks: Optional[int] = BLOCKS,
-    max_model_len: Optional[int] = MAX_LEN, prefix_caching: bool = PREFIX, kv_bits: Optional[int] = KV_BITS,
-    kv_group_size: int = KV_GROUP, verbose: bool = VERBOSE,
+    model: Optional[str] = MODEL,  # noqa: UP045
+    system_prompt: Optional[str] = SYSTEM,  # noqa: UP045
+    verbose: bool = VERBOSE,
+    *,
+    config: EngineConfig,
+    params: SamplingParams,
 ) -> None:
     """A multi-turn chat in the terminal. The KV cache holds one conversation of --max-model-len
     tokens; with prefix caching each turn computes only what the turn before did not."""
     try:
-        params = sampling(max_tokens, temp, top_p, top_k, min_p, seed)
-        loaded = load(model)
-        llm = LLM(loaded, kv_layout=kv_layout, block_size=block_size, kv_cache_memory=kv_cache_memory,
-                  num_blocks=num_blocks, max_num_seqs=1, max_model_len=max_model_len,
-                  enable_prefix_caching=prefix_caching, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        llm = LLM(load(model), config=config)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
     typer.echo(BANNER)
@@ -195,7 +223,7 @@ def chat(
         messages = chat_turn(llm, messages, params, verbose)
 
 
-def chat_turn(llm: LLM, messages: list[dict], params: SamplingParams, verbose: bool) -> list[dict]:
+def chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams, verbose: bool) -> list[dict[str, str]]:
     """Answer the last message within what is left of the context; returns the conversation after it."""
     ids = prompt_ids(llm.tokenizer, messages, False)
     room = llm.engine.max_request_tokens - len(ids) + 1
@@ -218,18 +246,16 @@ def chat_turn(llm: LLM, messages: list[dict], params: SamplingParams, verbose: b
 
 
 @app.command()
+@with_settings()
 def serve(
-    model: Optional[str] = MODEL,
+    model: Optional[str] = MODEL,  # noqa: UP045
     host: str = typer.Option("127.0.0.1", help="Address to listen on; the default answers this machine only."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port."),
-    kv_layout: Optional[str] = LAYOUT, block_size: int = BLOCK, kv_cache_memory: Optional[str] = MEMORY,
-    num_blocks: Optional[int] = BLOCKS, max_model_len: Optional[int] = MAX_LEN,
-    max_num_seqs: int = typer.Option(16, help="Most sequences computed at once."),
-    max_num_batched_tokens: int = typer.Option(512, help="Most tokens one engine step computes."),
-    prefix_caching: bool = PREFIX, kv_bits: Optional[int] = KV_BITS, kv_group_size: int = KV_GROUP,
-    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer <key>' (all but /health)."),
+    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer <key>' (all but /health)."),  # noqa: UP045
     allowed_origins: list[str] = typer.Option([], help="Origins browsers may call from (CORS); repeatable."),
     max_queue: int = typer.Option(1024, min=0, help="Most requests waiting; more are answered 503."),
+    *,
+    config: EngineConfig,
 ) -> None:
     """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models),
     with /health, /metrics and a chat page at /."""
@@ -237,22 +263,18 @@ def serve(
 
     from .server import build_app
 
+    logger.setLevel(logging.INFO)
     try:
-        typer.echo(f"mlxkv: loading {model or 'the demo model'} ...", err=True)
+        logger.info("loading %s ...", model or "the demo model")
         started = time.perf_counter()
-        loaded = load(model)
-        config = EngineConfig(kv_layout=kv_layout, block_size=block_size, num_blocks=num_blocks,
-                              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                              enable_prefix_caching=prefix_caching, kv_bits=kv_bits, kv_group_size=kv_group_size)
-        engine = LLMEngine(*loaded, config)
+        engine = LLMEngine(*load(model), config)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
-    typer.echo(f"mlxkv: loaded in {time.perf_counter() - started:.1f} s; KV cache: {engine.cache.usage()}", err=True)
+    logger.info("loaded in %.1f s", time.perf_counter() - started)
     llm = AsyncLLM(engine)
     app_ = build_app(llm, model or "mlxkv-demo", api_key=api_key, allowed_origins=allowed_origins,
                      max_queue=max_queue)
-    typer.echo(f"mlxkv: serving on http://{host}:{port} (chat page at /)", err=True)
+    logger.info("serving on http://%s:%d (chat page at /)", host, port)
     try:
         uvicorn.run(app_, host=host, port=port, log_level="warning")
     finally:

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..cache.layout import KVLayout
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request
-from ..engine.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
+from ..engine.stats import EngineStats
 from ..errors import RequestFailed
 from ..models.loading import load
 
@@ -70,28 +72,16 @@ class LLM:
     """A model with a paged KV cache and continuous batching.
 
     `model` is a local mlx-lm checkpoint directory, a Hugging Face repo id, a
-    `(model, tokenizer)` pair already loaded, or None for the shipped demo model.
+    `(model, tokenizer)` pair already loaded, or None for the shipped demo model. The engine's
+    settings are `EngineConfig`'s fields as keywords (`LLM(kv_bits=8, max_num_seqs=32)`), or one
+    `config`.
     """
 
-    def __init__(
-        self,
-        model: str | Path | tuple[nn.Module, TokenizerWrapper] | None = None,
-        kv_layout: str | KVLayout | None = None,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
-        max_model_len: int | None = None,
-        attention: str | None = None,
-        kv_cache_fraction: float = 0.5,
-        enable_prefix_caching: bool = True,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-    ) -> None:
-        config = EngineConfig(kv_layout, block_size, num_blocks, kv_cache_memory, max_num_seqs,
-                              max_num_batched_tokens, max_model_len, attention, kv_cache_fraction,
-                              enable_prefix_caching, kv_bits, kv_group_size)
+    def __init__(self, model: str | Path | tuple[nn.Module, TokenizerWrapper] | None = None, *,
+                 config: EngineConfig | None = None, **settings: Any) -> None:
+        if config is not None and settings:
+            raise TypeError(f"LLM takes either config or settings as keywords, not both (got {', '.join(settings)})")
+        config = config or EngineConfig(**settings)
         self.model, self.tokenizer = model if isinstance(model, tuple) else load(model)
         self.engine = LLMEngine(self.model, self.tokenizer, config)
         self._deltas: dict[str, deque[str]] = {}  # text waiting for each live request's consumer
@@ -123,6 +113,10 @@ class LLM:
             raise RequestFailed(failed.request_id, failed.error) from failed.error
         return [Completion(r.stream.text, list(r.output_ids), r.finish_reason, list(r.prompt_ids),
                            r.num_cached_tokens) for r in requests]
+
+    def stats(self) -> EngineStats:
+        """The engine's requests, KV cache and prefix cache, as a snapshot."""
+        return self.engine.stats()
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None) -> Stream:
         """Iterate over the returned `Stream` for the text as it is produced."""
@@ -162,3 +156,10 @@ def _is_one_prompt(prompts: object) -> bool:
     if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
         return True
     return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], (int, np.integer))
+
+
+# `LLM(...)`'s keywords, as help() and editors show them: EngineConfig's fields.
+LLM.__init__.__signature__ = inspect.signature(LLM.__init__).replace(  # type: ignore[attr-defined]
+    parameters=[*list(inspect.signature(LLM.__init__).parameters.values())[:3],
+                *(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                  for f in fields(EngineConfig))])

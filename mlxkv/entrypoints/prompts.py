@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..engine.llm_engine import encode_text
+from ..engine.inputs import encode_text
 
 
 def prompt_ids(tokenizer: TokenizerWrapper, messages: list[dict], ignore_template: bool = False) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..attention.reference import Variant
+from ..attention.variant import Variant
 from .rotary import Positions, Rotation
 
 

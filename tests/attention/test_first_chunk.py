@@ -14,7 +14,7 @@ from mlxkv.attention.simulator import metal_kernel
 
 
 def first_chunks_beside_decodes(bits):
-    """Rows: a decode, a 9-token first chunk (7 exact), another decode, a 5-token first chunk (4 exact)."""
+    """Rows: a decode, a 9-token first chunk (an own-K/V span of 7), another decode, a 5-token first chunk (span 4)."""
     cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [20, 9, 33, 5], [1, 9, 1, 5], kv_bits=bits)
     rng = np.random.default_rng(1)
     queries, keys, values = (mx.array(rng.standard_normal((batch.num_tokens, h, 64)), mx.float32) for h in (4, 2, 2))
@@ -22,11 +22,11 @@ def first_chunks_beside_decodes(bits):
 
 
 @pytest.mark.parametrize("attention", ["reference", "simulated kernels"])
-def test_exact_tokens_attend_their_own_kv_and_the_rest_read_the_pages(attention):
+def test_an_own_kv_span_attends_its_own_kv_and_the_rest_read_the_pages(attention):
     attention = reference_attention if attention == "reference" else PagedAttentionKernels(metal_kernel)
-    cache, batch, q, k, v, exact = first_chunks_beside_decodes(4)
+    cache, batch, q, k, v, own_kv = first_chunks_beside_decodes(4)
     scale = 1 / math.sqrt(64)
-    out = first_chunk_attention(attention, q, k, v, *cache.kv(0), batch, exact, scale)
+    out = first_chunk_attention(attention, q, k, v, *cache.kv(0), batch, own_kv, scale)
     paged = reference_attention(q, *cache.kv(0), batch, scale)
     for lo, n in ((1, 7), (11, 4)):
         t = (lambda x: x[lo:lo + n].swapaxes(0, 1)[None])
@@ -37,19 +37,19 @@ def test_exact_tokens_attend_their_own_kv_and_the_rest_read_the_pages(attention)
     assert mx.allclose(out[rest], paged[rest], atol=1e-5).item()
 
 
-def test_without_exact_tokens_it_is_the_paged_attention():
+def test_without_an_own_kv_span_it_is_the_paged_attention():
     cache, batch, q, k, v, _ = first_chunks_beside_decodes(8)
     out = first_chunk_attention(reference_attention, q, k, v, *cache.kv(0), batch, np.zeros(4, np.int32), 0.125)
     assert mx.array_equal(out, reference_attention(q, *cache.kv(0), batch, 0.125)).item()
 
 
-def test_a_batch_of_exact_tokens_only_reads_no_page():
+def test_a_batch_of_own_kv_spans_only_reads_no_page():
     cache, batch, q, k, v, _ = first_chunks_beside_decodes(8)
 
     def no_pages(*args):
         raise AssertionError("the pages were read")
 
     only = batch.skip(np.array([0, 0, 0, 0]))
-    exact = only.query_lens.copy()
-    out = first_chunk_attention(no_pages, q, k, v, *cache.kv(0), only, exact, 0.125)
+    own_kv = only.query_lens.copy()
+    out = first_chunk_attention(no_pages, q, k, v, *cache.kv(0), only, own_kv, 0.125)
     assert out.shape == q.shape

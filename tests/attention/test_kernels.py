@@ -15,9 +15,8 @@ from mlxkv.attention.kernels import (
     PagedAttentionKernels,
     gpu_cores,
     launch_shape,
-    select_attention,
 )
-from mlxkv.attention.reference import PLAIN, Variant
+from mlxkv.attention.variant import PLAIN, Variant
 from mlxkv.attention.simulator import SimulatorError, metal_kernel
 
 # Each dtype meets every head dim once, and every block size, GQA ratio and split-K
@@ -46,12 +45,12 @@ def compare(kernels, cache, batch, q_heads, dtype, split, variant=PLAIN):
     assert diff <= TOLERANCE[dtype], diff
 
 
-@pytest.mark.parametrize("dtype, head_dim, block_size, group, split", VARIANTS,
+@pytest.mark.parametrize("dtype, head_dim, page_size, group, split", VARIANTS,
                          ids=[f"{str(v[0]).split('.')[-1]}-d{v[1]}-bs{v[2]}-g{v[3]}-{'split' if v[4] else 'direct'}"
                               for v in VARIANTS])
-def test_variant_matches_reference_on_ragged_packed_batches(kernels, dtype, head_dim, block_size, group, split):
+def test_variant_matches_reference_on_ragged_packed_batches(kernels, dtype, head_dim, page_size, group, split):
     kv_heads = 1 if group == 8 else 2
-    bs = block_size
+    bs = page_size
     contexts = [1, bs, 2 * bs, 3 * bs + 5, bs + 3 + 6]
     query_lens = [1, 1, 1, 1, 6]          # decodes, and a prefill chunk that starts mid-page
     cache, batch = packed_step("paged", bs, kv_heads, head_dim, dtype, contexts, query_lens)
@@ -91,12 +90,12 @@ ATTENTION_VARIANTS = {
 def test_window_softcap_and_sink_variants_match_the_reference(kernels, name, split):
     """Contexts around the window and across split-K partitions; GQA 4 over 2 KV heads."""
     cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [5, 21, 40, 300, 610, 35], [1, 1, 1, 1, 1, 12],
-                               max_seq_len=640)
+                               max_model_len=640)
     compare(kernels, cache, batch, 8, mx.float32, split, ATTENTION_VARIANTS[name])
 
 
 def test_a_quantized_kernel_that_swaps_scales_and_biases_is_caught(kernels):
-    mutant = PagedAttentionKernels(mutant_kernels("k_pool, k_scales, k_biases", "k_pool, k_biases, k_scales"))
+    mutant = PagedAttentionKernels(mutant_kernels("k_pages, k_scales, k_biases", "k_pages, k_biases, k_scales"))
     cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [40, 7], [1, 3], kv_bits=8)
     compare(kernels, cache, batch, 4, mx.float32, False)
     with pytest.raises(AssertionError):
@@ -106,7 +105,7 @@ def test_a_quantized_kernel_that_swaps_scales_and_biases_is_caught(kernels):
 @pytest.mark.parametrize("split", [False, True])
 def test_contiguous_layout_runs_through_the_same_kernels(kernels, split):
     cache, batch = packed_step("contiguous", 16, 2, 64, mx.float32, [1, 33, 70], [1, 5, 1])
-    assert batch.block_tables.shape[1] == 1
+    assert batch.page_tables.shape[1] == 1
     compare(kernels, cache, batch, 4, mx.float32, split)
 
 
@@ -119,23 +118,10 @@ def test_split_k_into_512_key_partitions_when_the_gpus_cores_would_idle(cores, c
     monkeypatch.setattr(kernels, "reduce", lambda **kw: [mx.zeros(kw["output_shapes"][0])])
     monkeypatch.setitem(kernels.direct, False, lambda **kw: [mx.zeros(kw["output_shapes"][0])])
     cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [9, 9], [1, 1])
-    long_batch = type(batch)(batch.seq_ids, batch.query_lens, np.array([context, 9], np.int32), batch.block_tables,
-                             batch.block_size)
+    long_batch = type(batch)(batch.seq_ids, batch.query_lens, np.array([context, 9], np.int32), batch.page_tables,
+                             batch.page_size)
     kernels(mx.zeros((2, 2, 64)), *cache.kv(0), long_batch)
     assert [call["grid"][2] // 2 for call in calls] == ([] if partitions is None else [partitions])
-
-
-def test_attention_backend_choice(monkeypatch):
-    monkeypatch.delenv("MLXKV_ATTENTION", raising=False)
-    assert select_attention() is reference_attention  # no Metal on this machine
-    monkeypatch.setenv("MLXKV_ATTENTION", "reference")
-    assert select_attention() is reference_attention
-    monkeypatch.setenv("MLXKV_ATTENTION", "metal")
-    with pytest.raises(ValueError, match="MLXKV_ATTENTION='metal' but Metal is not available"):
-        select_attention()
-    monkeypatch.setenv("MLXKV_ATTENTION", "cuda")
-    with pytest.raises(ValueError, match="MLXKV_ATTENTION='cuda' is not an attention backend"):
-        select_attention()
 
 
 @pytest.mark.parametrize("kv_bits", [None, 8, 4])
@@ -170,12 +156,12 @@ def test_warm_up_reports_a_kernel_with_wrong_numbers(old, new, kernel):
 @pytest.mark.parametrize("entries", [1, 7, 8, 9])
 def test_block_tables_of_any_size_in_either_address_space(kernels, entries, split):
     """MLX passes an input of fewer than 8 elements in `constant`, a larger one in `device`:
-    block tables of 1, 7, 8 and 9 entries, from one paged sequence and from contiguous rows."""
-    cache, batch = packed_step("paged", 8, 2, 64, mx.float32, [8 * entries], [1], max_seq_len=8 * entries)
-    assert batch.block_tables.size == entries
+    page tables of 1, 7, 8 and 9 entries, from one paged sequence and from contiguous rows."""
+    cache, batch = packed_step("paged", 8, 2, 64, mx.float32, [8 * entries], [1], max_model_len=8 * entries)
+    assert batch.page_tables.size == entries
     compare(kernels, cache, batch, 4, mx.float32, split)
     cache, batch = packed_step("contiguous", 8, 2, 64, mx.float32, list(range(3, 3 + entries)), [1] * entries)
-    assert batch.block_tables.size == entries
+    assert batch.page_tables.size == entries
     compare(kernels, cache, batch, 4, mx.float32, split)
 
 
@@ -229,14 +215,14 @@ CONTEXTS, QUERY_LENS = [511, 512, 513, 1024, 1025, 2900, 520], [1, 1, 1, 1, 1, 1
 
 @pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
 def test_contexts_over_many_split_k_partitions(kernels, split):
-    cache, batch = packed_step("paged", 16, 1, 64, mx.float32, CONTEXTS, QUERY_LENS, max_seq_len=2912)
+    cache, batch = packed_step("paged", 16, 1, 64, mx.float32, CONTEXTS, QUERY_LENS, max_model_len=2912)
     compare(kernels, cache, batch, 2, mx.float32, split)
 
 
 def test_a_kernel_that_drops_each_partitions_last_key_is_caught():
     assert "part * PARTITION + PARTITION" in (METAL_DIR / "paged_attention_partitioned.metal").read_text()
     mutant = PagedAttentionKernels(mutant_kernels("part * PARTITION + PARTITION", "part * PARTITION + PARTITION - 1"))
-    cache, batch = packed_step("paged", 16, 1, 64, mx.float32, CONTEXTS, QUERY_LENS, max_seq_len=2912)
+    cache, batch = packed_step("paged", 16, 1, 64, mx.float32, CONTEXTS, QUERY_LENS, max_model_len=2912)
     with pytest.raises(AssertionError):
         compare(mutant, cache, batch, 2, mx.float32, True)
 
@@ -254,7 +240,7 @@ def test_decode_at_gqa_8_head_dim_128_meets_the_cost_goals(kernels, split):
     """Counted in the simulator, one float16 decode row over 2,048 keys: K/V come from device
     memory about once, by vector loads, with no 32-lane reductions and 4 KiB of threadgroup memory."""
     from mlxkv.attention.simulator import cost_counters
-    cache, batch = packed_step("paged", 16, 1, 128, mx.float16, [2048], [1], max_seq_len=2048)
+    cache, batch = packed_step("paged", 16, 1, 128, mx.float16, [2048], [1], max_model_len=2048)
     q = mx.array(np.random.default_rng(1).standard_normal((1, 8, 128)), mx.float16)
     with cost_counters() as launches:
         kernels(q, *cache.kv(0), batch, None, split=split)

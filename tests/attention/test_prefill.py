@@ -10,7 +10,7 @@ from helpers import packed_step
 from mlxkv import reference_attention
 from mlxkv.attention.kernels import TOLERANCE, PagedAttentionKernels
 from mlxkv.attention.prefill import PREFILL_FROM, with_chunks_on_sdpa
-from mlxkv.attention.reference import PLAIN, Variant
+from mlxkv.attention.variant import PLAIN, Variant
 from mlxkv.attention.simulator import metal_kernel
 
 VARIANTS = {"plain": PLAIN, "window": Variant(window=20), "sinks": Variant(sinks=mx.array([0.5, -1.0, 2.0, 0.0])),
@@ -38,9 +38,9 @@ def test_only_chunks_of_prefill_from_tokens_leave_the_paged_kernel():
     cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [5, 70, PREFILL_FROM, 40], [1, 1, PREFILL_FROM, PREFILL_FROM - 1])
     seen = []
 
-    def paged(q, k_pool, v_pool, sub, scale, variant):
+    def paged(q, k_pages, v_pages, sub, scale, variant):
         seen.append(sub.query_lens.tolist())
-        return reference_attention(q, k_pool, v_pool, sub, scale, variant)
+        return reference_attention(q, k_pages, v_pages, sub, scale, variant)
 
     with_chunks_on_sdpa(paged, queries(batch, 4, 64), *cache.kv(0), batch, 0.125)
     assert seen == [[1, 1, PREFILL_FROM - 1]]
@@ -51,7 +51,7 @@ def test_only_chunks_of_prefill_from_tokens_leave_the_paged_kernel():
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_the_metal_path_sends_long_chunks_to_sdpa_and_decode_rows_to_the_kernel(dtype):
     kernels = PagedAttentionKernels(metal_kernel)
-    cache, batch = packed_step("paged", 16, 2, 64, dtype, [600, 9, 40], [1, 1, 24], max_seq_len=608)
+    cache, batch = packed_step("paged", 16, 2, 64, dtype, [600, 9, 40], [1, 1, 24], max_model_len=608)
     q = queries(batch, 8, 64, dtype)
     out = kernels(q, *cache.kv(0), batch)
     expected = reference_attention(q, *cache.kv(0), batch, 1 / math.sqrt(64))

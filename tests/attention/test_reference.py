@@ -6,7 +6,7 @@ import pytest
 from helpers import scramble_free_pages
 
 from mlxkv import KVCacheManager, reference_attention
-from mlxkv.attention.reference import Variant
+from mlxkv.attention.variant import Variant
 
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 HEAD_DIM = 32
@@ -29,11 +29,11 @@ def stored(x, kv_bits):
     return mx.dequantize(*mx.quantize(x, group_size=32, bits=kv_bits), group_size=32, bits=kv_bits)
 
 
-def run_case(layout, block_size, kv_heads, group, dtype, contexts, query_lens, seed=0, kv_bits=None):
+def run_case(layout, page_size, kv_heads, group, dtype, contexts, query_lens, seed=0, kv_bits=None):
     """Fill each sequence's cache in interleaved chunks, then attend for one packed step."""
     rng = np.random.default_rng(seed)
-    cache = KVCacheManager(1, kv_heads, HEAD_DIM, max_seqs=len(contexts) + 3, max_seq_len=512,
-                           layout=layout, block_size=block_size, num_blocks=4096 // block_size, dtype=dtype,
+    cache = KVCacheManager(1, kv_heads, HEAD_DIM, max_num_seqs=len(contexts) + 3, max_model_len=512,
+                           layout=layout, page_size=page_size, num_pages=4096 // page_size, dtype=dtype,
                            kv_bits=kv_bits, kv_group_size=32)
     if layout == "paged":
         scramble_free_pages(cache, rng)
@@ -41,7 +41,7 @@ def run_case(layout, block_size, kv_heads, group, dtype, contexts, query_lens, s
     history = {s: ([], []) for s in ids}
 
     def add(seq_ids, counts):
-        batch = cache.step(seq_ids, counts)
+        batch = cache.append(seq_ids, counts)
         keys = mx.array(rng.standard_normal((sum(counts), kv_heads, HEAD_DIM)), dtype=dtype)
         values = mx.array(rng.standard_normal((sum(counts), kv_heads, HEAD_DIM)), dtype=dtype)
         cache.write(0, batch, keys, values)
@@ -52,7 +52,7 @@ def run_case(layout, block_size, kv_heads, group, dtype, contexts, query_lens, s
 
     cached = {s: c - q for s, c, q in zip(ids, contexts, query_lens)}
     while any(cached.values()):
-        chunk = {s: min(left, int(rng.integers(1, 2 * block_size + 2))) for s, left in cached.items() if left}
+        chunk = {s: min(left, int(rng.integers(1, 2 * page_size + 2))) for s, left in cached.items() if left}
         add(list(chunk), list(chunk.values()))
         cached = {s: cached[s] - chunk.get(s, 0) for s in cached}
     order = list(rng.permutation(len(ids)))
@@ -76,9 +76,9 @@ CASES = [(layout, bs) for layout in ("paged",) for bs in (1, 16, 64)] + [("conti
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("group", [1, 2, 8])
-@pytest.mark.parametrize("layout, block_size", CASES)
-def test_mixed_decode_and_prefill_rows_match_sdpa(layout, block_size, group, dtype):
-    bs = block_size or 16
+@pytest.mark.parametrize("layout, page_size", CASES)
+def test_mixed_decode_and_prefill_rows_match_sdpa(layout, page_size, group, dtype):
+    bs = page_size or 16
     contexts = [1, bs, 2 * bs, 3 * bs + 5, 37, 70, 9, bs + 3]
     query_lens = [1, 1, 1, 1, 5, 1, 9, min(bs, 4) + 2]
     run_case(layout, bs, 2 if group < 8 else 1, group, dtype, contexts, query_lens)
@@ -86,9 +86,9 @@ def test_mixed_decode_and_prefill_rows_match_sdpa(layout, block_size, group, dty
 
 @pytest.mark.parametrize("kv_bits", [8, 4])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("layout, block_size", [("paged", 16), ("contiguous", None)])
-def test_quantized_pages_attend_as_their_dequantized_values(layout, block_size, dtype, kv_bits):
-    bs = block_size or 16
+@pytest.mark.parametrize("layout, page_size", [("paged", 16), ("contiguous", None)])
+def test_quantized_pages_attend_as_their_dequantized_values(layout, page_size, dtype, kv_bits):
+    bs = page_size or 16
     run_case(layout, bs, 2, 4, dtype, [1, 16, 37, 70, 9], [1, 1, 5, 1, 9], kv_bits=kv_bits)
 
 
@@ -100,15 +100,15 @@ def test_prefill_chunks_that_start_mid_page_and_end_on_a_boundary(layout):
 
 def test_decode_only_batch_with_pages_out_of_order():
     batch = run_case("paged", 16, 2, 2, mx.float32, contexts=[5, 16, 33, 64], query_lens=[1, 1, 1, 1])
-    used = [row[: -(-n // 16)] for row, n in zip(batch.block_tables.tolist(), batch.context_lens)]
+    used = [row[: -(-n // 16)] for row, n in zip(batch.page_tables.tolist(), batch.context_lens)]
     assert any(pages != sorted(pages) for pages in used)
 
 
 def test_rows_without_new_tokens_are_skipped():
-    cache = KVCacheManager(1, 1, 8, max_seqs=2, max_seq_len=32, block_size=4, dtype=mx.float32)
+    cache = KVCacheManager(1, 1, 8, max_num_seqs=2, max_model_len=32, page_size=4, dtype=mx.float32)
     a, b = cache.claim(2)
-    cache.write(0, cache.step([a], [3]), mx.ones((3, 1, 8)), mx.ones((3, 1, 8)))
-    batch = cache.step([a, b], [0, 2])
+    cache.write(0, cache.append([a], [3]), mx.ones((3, 1, 8)), mx.ones((3, 1, 8)))
+    batch = cache.append([a, b], [0, 2])
     cache.write(0, batch, mx.ones((2, 1, 8)), mx.full((2, 1, 8), 2.0))
     out = reference_attention(mx.ones((2, 1, 8)), *cache.kv(0), batch)
     assert out.tolist() == [[[2.0] * 8]] * 2
@@ -147,16 +147,16 @@ def numpy_oracle(q, keys, values, scale, variant):
 ], ids=["window5", "window16", "softcap", "window-softcap", "sinks", "window-sinks"])
 def test_attention_variants_match_the_written_out_oracle(layout, variant):
     rng = np.random.default_rng(7)
-    cache = KVCacheManager(1, 2, HEAD_DIM, max_seqs=4, max_seq_len=128, layout=layout, block_size=8,
+    cache = KVCacheManager(1, 2, HEAD_DIM, max_num_seqs=4, max_model_len=128, layout=layout, page_size=8,
                            dtype=mx.float32)
     ids = cache.claim(3)
     contexts, query_lens = [40, 23, 9], [1, 6, 9]
     history = {}
     for s, c, n in zip(ids, contexts, query_lens):
-        batch = cache.step([s], [c - n])
+        batch = cache.append([s], [c - n])
         history[s] = [mx.array(rng.standard_normal((c - n, 2, HEAD_DIM)), mx.float32) for _ in range(2)]
         cache.write(0, batch, *history[s])
-    batch = cache.step(ids, query_lens)
+    batch = cache.append(ids, query_lens)
     new = [mx.array(rng.standard_normal((sum(query_lens), 2, HEAD_DIM)), mx.float32) for _ in range(2)]
     cache.write(0, batch, *new)
     q = mx.array(rng.standard_normal((sum(query_lens), 4, HEAD_DIM)), mx.float32)

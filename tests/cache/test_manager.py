@@ -20,8 +20,8 @@ from mlxkv.attention.reference import gather_kv
 
 
 def make(layout="paged", **kw):
-    args = dict(num_layers=2, num_kv_heads=2, head_dim=4, max_seqs=4, max_seq_len=32,
-                block_size=4, num_blocks=10, dtype=mx.float32)
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=4, max_num_seqs=4, max_model_len=32,
+                page_size=4, num_pages=10, dtype=mx.float32)
     args.update(kw)
     return KVCacheManager(layout=layout, **args)
 
@@ -37,15 +37,15 @@ def snapshot(cache, ids):
 def test_lifecycle_writes_through_the_slot_mapping():
     cache = make()
     a, b = cache.claim(2)
-    batch = cache.step([a, b], [5, 3])
+    batch = cache.append([a, b], [5, 3])
     assert batch.slot_mapping.tolist() == [0, 1, 2, 3, 4, 8, 9, 10]
     assert batch.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     cache.write(0, batch, kv(8), kv(8, start=100))
     fetched = cache.fetch([b, a])
     assert fetched.context_lens.tolist() == [3, 5]
-    assert fetched.block_tables.tolist() == [[2, 0], [0, 1]]
-    assert fetched.block_tables.dtype == np.int32
-    keys = gather_kv(cache.kv(0)[0], fetched.block_tables, 5)
+    assert fetched.page_tables.tolist() == [[2, 0], [0, 1]]
+    assert fetched.page_tables.dtype == np.int32
+    keys = gather_kv(cache.kv(0)[0], fetched.page_tables, 5)
     assert np.array_equal(np.array(keys[1, :, :5]), np.array(kv(5)).transpose(1, 0, 2))
     assert cache.release(a) == 2
     assert cache.release(b) == 1
@@ -53,27 +53,27 @@ def test_lifecycle_writes_through_the_slot_mapping():
 
 
 def test_a_released_sequences_row_of_the_block_tables_starts_empty_for_the_next():
-    cache = make(max_seqs=2)
+    cache = make(max_num_seqs=2)
     a, b = cache.claim(2)
-    cache.step([a, b], [9, 9])
+    cache.append([a, b], [9, 9])
     cache.release(a)
     (c,) = cache.claim(1)
-    batch = cache.step([c, b], [1, 1])
-    assert batch.block_tables.tolist() == [[6, 0, 0, 0], [3, 4, 5, 0]]
+    batch = cache.append([c, b], [1, 1])
+    assert batch.page_tables.tolist() == [[6, 0, 0, 0], [3, 4, 5, 0]]
     assert batch.slot_mapping.tolist() == [24, 21]
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
 def test_as_tensor_returns_each_sequences_kv_in_order(layout):
     """Sequences written in interleaved chunks over pages taken out of order read back whole."""
-    cache = make(layout, num_blocks=16, max_seq_len=24)
+    cache = make(layout, num_pages=16, max_model_len=24)
     if layout == "paged":
         scramble_free_pages(cache, np.random.default_rng(0))
     ids = cache.claim(3)
     written = {s: ([], []) for s in ids}
     rng = np.random.default_rng(1)
     for counts in ([5, 1, 9], [3, 0, 2], [1, 7, 4], [6, 2, 1]):
-        batch = cache.step(ids, counts)
+        batch = cache.append(ids, counts)
         for layer in range(2):
             keys, values = (mx.array(rng.standard_normal((sum(counts), 2, 4)), mx.float32) for _ in range(2))
             cache.write(layer, batch, keys, values)
@@ -92,10 +92,10 @@ def test_as_tensor_returns_each_sequences_kv_in_order(layout):
 def test_as_tensor_is_a_copy():
     cache = make()
     (a,) = cache.claim(1)
-    cache.write(0, cache.step([a], [3]), kv(3), kv(3, start=100))
+    cache.write(0, cache.append([a], [3]), kv(3), kv(3, start=100))
     keys, values = cache.as_tensor(a, 0)
     mx.eval(keys, values)
-    cache.write(0, cache.step([a], [2]), kv(2, start=-50), kv(2, start=-50))
+    cache.write(0, cache.append([a], [2]), kv(2, start=-50), kv(2, start=-50))
     mx.eval(cache.storage.tensors)
     assert np.array_equal(np.array(keys), np.array(kv(3)))
     assert np.array_equal(np.array(values), np.array(kv(3, start=100)))
@@ -116,26 +116,26 @@ def test_as_tensor_of_an_empty_sequence_and_bad_arguments():
 def test_blocks_in_use_counts_pages_holding_tokens(layout):
     cache = make(layout)
     a, b = cache.claim(2)
-    assert cache.blocks_in_use == 0
-    cache.step([a, b], [5, 1])
-    assert cache.blocks_in_use == (3 if layout == "paged" else 2)
+    assert cache.pages_in_use == 0
+    cache.append([a, b], [5, 1])
+    assert cache.pages_in_use == (3 if layout == "paged" else 2)
     cache.release(a)
-    assert cache.blocks_in_use == 1
+    assert cache.pages_in_use == 1
 
 
 def test_block_tables_are_padded_to_a_power_of_two_width():
-    cache = make(num_blocks=20, max_seq_len=40)
+    cache = make(num_pages=20, max_model_len=40)
     (a,) = cache.claim(1)
-    widths = [cache.step([a], [4]).block_tables.shape[1] for _ in range(10)]
+    widths = [cache.append([a], [4]).page_tables.shape[1] for _ in range(10)]
     assert widths == [1, 2, 4, 4, 8, 8, 8, 8, 10, 10]
 
 
-def test_contiguous_layout_gives_each_sequence_one_fixed_slot():
+def test_contiguous_layout_gives_each_sequence_one_fixed_page():
     cache = make("contiguous")
-    assert (cache.layout, cache.block_size, cache.pool.capacity) == (KVLayout.CONTIGUOUS, 32, 4)
+    assert (cache.layout, cache.page_size, cache.pool.capacity) == (KVLayout.CONTIGUOUS, 32, 4)
     a, b = cache.claim(2)
-    batch = cache.step([a, b], [2, 1])
-    assert batch.slots.tolist() == [0, 1]
+    batch = cache.append([a, b], [2, 1])
+    assert batch.page_tables[:, 0].tolist() == [0, 1]
     assert batch.slot_mapping.tolist() == [0, 1, 32]
     assert cache.kv(1)[0].shape == (4, 2, 32, 4)
 
@@ -143,9 +143,9 @@ def test_contiguous_layout_gives_each_sequence_one_fixed_slot():
 def test_contiguous_sequence_longer_than_its_slot_names_the_limit():
     cache = make("contiguous")
     (a,) = cache.claim(1)
-    cache.step([a], [30])
-    with pytest.raises(SequenceTooLong, match="would hold 33 tokens, more than max_seq_len=32"):
-        cache.step([a], [3])
+    cache.append([a], [30])
+    with pytest.raises(SequenceTooLong, match="would hold 33 tokens, more than max_model_len=32"):
+        cache.append([a], [3])
     assert cache.num_tokens(a) == 30
 
 
@@ -153,29 +153,29 @@ def test_contiguous_sequence_longer_than_its_slot_names_the_limit():
 def test_claim_beyond_capacity_changes_nothing(layout):
     cache = make(layout)
     cache.claim(3)
-    with pytest.raises(KVCacheExhausted, match="asked for 2 sequence slots, 1 free"):
+    with pytest.raises(KVCacheExhausted, match="asked for 2 sequences, 1 free"):
         cache.claim(2)
-    assert cache.num_active == 3
+    assert cache.num_sequences == 3
     assert cache.claim(1) == [3]
 
 
 def test_step_beyond_the_pool_changes_nothing():
     cache = make()
     a, b = cache.claim(2)
-    cache.step([a], [30])
+    cache.append([a], [30])
     before = snapshot(cache, [a, b])
     with pytest.raises(KVCacheExhausted, match="asked for 3 pages, 2 free"):
-        cache.step([a, b], [1, 9])
+        cache.append([a, b], [1, 9])
     assert snapshot(cache, [a, b]) == before
 
 
-@pytest.mark.parametrize("call", ["step", "fetch", "release", "num_tokens"])
+@pytest.mark.parametrize("call", ["append", "fetch", "release", "num_tokens"])
 def test_unknown_and_released_ids_are_named(call):
     cache = make()
     (a,) = cache.claim(1)
     cache.release(a)
     for bad in (a, 99):
-        args = {"step": ([bad], [1]), "fetch": ([bad],), "release": (bad,), "num_tokens": (bad,)}[call]
+        args = {"append": ([bad], [1]), "fetch": ([bad],), "release": (bad,), "num_tokens": (bad,)}[call]
         with pytest.raises(UnknownSequenceError, match=f"unknown sequence id {bad}"):
             getattr(cache, call)(*args)
 
@@ -192,7 +192,7 @@ def test_unknown_and_released_ids_are_named(call):
 def test_write_rejects_keys_of_the_wrong_shape_or_dtype(keys, message):
     cache = make()
     (a,) = cache.claim(1)
-    batch = cache.step([a], [3])
+    batch = cache.append([a], [3])
     with pytest.raises(ValueError, match=message):
         cache.write(0, batch, keys, kv(3))
 
@@ -205,22 +205,22 @@ def test_bad_arguments_are_named():
     cache = make()
     (a,) = cache.claim(1)
     with pytest.raises(ValueError, match="got 1 seq_ids but 2 num_new_tokens"):
-        cache.step([a], [1, 2])
+        cache.append([a], [1, 2])
     with pytest.raises(ValueError, match="seq_ids must be distinct"):
-        cache.step([a, a], [1, 2])
+        cache.append([a, a], [1, 2])
     for bad in ("x", 1.5, True, -1, [1]):
         with pytest.raises(ValueError, match=r"num_new_tokens must be non-negative integers, got \["):
-            cache.step([a], [bad])
+            cache.append([a], [bad])
     assert cache.num_tokens(a) == 0
     with pytest.raises(IndexError, match="layer 2 is outside 0..1"):
-        cache.write(2, cache.step([a], [1]), kv(1), kv(1))
+        cache.write(2, cache.append([a], [1]), kv(1), kv(1))
 
 
 @pytest.mark.parametrize("dtype, kv_bits", [(mx.float16, None), (mx.bfloat16, None), (mx.float32, None),
                                             (mx.float16, 8), (mx.bfloat16, 4)])
 def test_appending_a_thousand_tokens_does_not_copy_the_pool(dtype, kv_bits):
-    cache = make(num_layers=2, num_kv_heads=8, head_dim=128, max_seqs=1, max_seq_len=1024,
-                 block_size=16, num_blocks=512, dtype=dtype, kv_bits=kv_bits)
+    cache = make(num_layers=2, num_kv_heads=8, head_dim=128, max_num_seqs=1, max_model_len=1024,
+                 page_size=16, num_pages=512, dtype=dtype, kv_bits=kv_bits)
     pool_bytes = cache.storage.nbytes
     (a,) = cache.claim(1)
     new = kv(1, heads=8, dim=128, dtype=dtype)
@@ -229,7 +229,7 @@ def test_appending_a_thousand_tokens_does_not_copy_the_pool(dtype, kv_bits):
     baseline = mx.get_active_memory()
     active = []
     for _ in range(1000):
-        batch = cache.step([a], [1])
+        batch = cache.append([a], [1])
         for layer in range(2):
             cache.write(layer, batch, new, new)
         mx.eval(cache.storage.tensors)
@@ -257,7 +257,7 @@ def run_threads(target, count):
 
 
 def test_bookkeeping_is_safe_from_many_threads():
-    cache = make(num_blocks=64, max_seqs=8)
+    cache = make(num_pages=64, max_num_seqs=8)
     held = []
 
     def worker(seed):
@@ -265,35 +265,35 @@ def test_bookkeeping_is_safe_from_many_threads():
         for _ in range(200):
             (s,) = cache.claim(1)
             for _ in range(3):
-                cache.step([s], [int(rng.integers(1, 5))])
+                cache.append([s], [int(rng.integers(1, 5))])
             pages = cache.pool.pages(s)
             held.append((len(pages), len(set(pages))))
             assert cache.release(s) == len(pages)
 
     assert run_threads(worker, 4) == []
     assert all(n == distinct for n, distinct in held) and len(held) == 800
-    assert (cache.pool.free_count, cache.num_active) == (64, 0)
+    assert (cache.pool.free_count, cache.num_sequences) == (64, 0)
 
 
 def test_write_from_a_second_thread_is_refused_clearly():
     cache = make()
     (a,) = cache.claim(1)
-    cache.write(0, cache.step([a], [1]), kv(1), kv(1))
-    batch = cache.step([a], [1])
+    cache.write(0, cache.append([a], [1]), kv(1), kv(1))
+    batch = cache.append([a], [1])
     errors = run_threads(lambda _: cache.write(0, batch, kv(1), kv(1)), 1)
     assert len(errors) == 1 and "thread other than the one that owns the KV tensors" in str(errors[0])
     mx.eval(cache.storage.tensors)
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Random claim/step/release on the manager and raw alloc/share/free on its pool."""
+    """Random claim/append/release on the manager and raw alloc/share/free on its pool."""
 
     layout = "paged"
 
     def __init__(self):
         super().__init__()
-        self.cache = make(self.layout, num_layers=1, num_kv_heads=1, head_dim=1, max_seqs=5,
-                          max_seq_len=24, block_size=4, num_blocks=12)
+        self.cache = make(self.layout, num_layers=1, num_kv_heads=1, head_dim=1, max_num_seqs=5,
+                          max_model_len=24, page_size=4, num_pages=12)
         self.pool = self.cache.pool
         self.tokens: dict[int, list[float]] = {}
         self.extra: dict[str, list[int]] = {}
@@ -321,7 +321,7 @@ class CacheMachine(RuleBasedStateMachine):
         counts = data.draw(st.lists(st.integers(0, 9), min_size=len(ids), max_size=len(ids)))
         before = self._state()
         try:
-            batch = self.cache.step(ids, counts)
+            batch = self.cache.append(ids, counts)
         except (KVCacheExhausted, SequenceTooLong):
             assert self._state() == before
             return
@@ -386,7 +386,7 @@ class CacheMachine(RuleBasedStateMachine):
         ids = sorted(self.tokens)
         batch = self.cache.fetch(ids)
         length = max(1, int(batch.context_lens.max()))
-        keys = np.array(gather_kv(self.cache.kv(0)[0], batch.block_tables, length))
+        keys = np.array(gather_kv(self.cache.kv(0)[0], batch.page_tables, length))
         for row, seq_id in enumerate(ids):
             assert keys[row, 0, : len(self.tokens[seq_id]), 0].tolist() == self.tokens[seq_id]
             k, v = self.cache.as_tensor(seq_id, 0)
@@ -395,8 +395,8 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def blocks_in_use_are_the_pages_holding_tokens(self):
-        held = {p for s, t in self.tokens.items() for p in self.pool.pages(s)[: -(-len(t) // self.cache.block_size)]}
-        assert self.cache.blocks_in_use == len(held)
+        held = {p for s, t in self.tokens.items() for p in self.pool.pages(s)[: -(-len(t) // self.cache.page_size)]}
+        assert self.cache.pages_in_use == len(held)
 
     def teardown(self):
         for seq_id in list(self.tokens):
@@ -417,10 +417,10 @@ TestContiguousCache.settings = settings(max_examples=80, stateful_step_count=40,
 
 
 def test_skip_drops_each_rows_leading_new_tokens():
-    cache = make(num_blocks=10)
+    cache = make(num_pages=10)
     a, b, c = cache.claim(3)
-    cache.step([a], [2])
-    batch = cache.step([a, b, c], [3, 4, 1])
+    cache.append([a], [2])
+    batch = cache.append([a, b, c], [3, 4, 1])
     rest = batch.skip(np.array([1, 4, 0]))
     assert rest.query_lens.tolist() == [2, 0, 1]
     assert rest.context_lens.tolist() == batch.context_lens.tolist() == [5, 4, 1]
@@ -431,18 +431,18 @@ def test_skip_drops_each_rows_leading_new_tokens():
 def test_sliding_window_layers_hold_pages_of_their_own():
     """Layer 0 sees the last 6 tokens, layer 1 all of them: layer 0's pages slide, the step's
     batch for each layer points at its own pages, and usage counts both."""
-    cache = make(num_blocks=16, max_seqs=2, layer_windows=[6, None], window_pages={6: 8})
+    cache = make(num_pages=16, max_num_seqs=2, layer_windows=[6, None], window_pages={6: 8})
     (a,) = cache.claim(1)
     for count in (5, 3, 1, 4):
-        batch = cache.step([a], [count])
+        batch = cache.append([a], [count])
         for layer in (0, 1):
             cache.write(layer, batch, kv(count, start=10.0 * layer), kv(count))
-    assert cache.num_tokens(a) == 13 and cache.pool.pages(a) == cache.fetch([a]).block_tables[0, :4].tolist()
+    assert cache.num_tokens(a) == 13 and cache.pool.pages(a) == cache.fetch([a]).page_tables[0, :4].tolist()
     local = batch.for_window(6)
     assert local is not batch and local.query_lens.tolist() == [4]
     group = cache.windowed[6]
     assert group.layers == [0] and group.tables[a].dropped == 1  # tokens 0-3 left the window of token 9
-    assert group.pool.pages(a) == local.block_tables[0, 1:4].tolist()
+    assert group.pool.pages(a) == local.page_tables[0, 1:4].tolist()
     assert cache.kv(0)[0].shape[0] == 8 and cache.kv(1)[0].shape[0] == 16 and not cache.prefix_caching
     usage = cache.usage()
     assert (usage.pages_used, usage.windowed[0][0], usage.windowed[0][1].pages_used) == (4, 6, 3)
@@ -454,12 +454,12 @@ def test_sliding_window_layers_hold_pages_of_their_own():
 
 
 def test_a_step_that_one_window_group_cannot_hold_changes_no_group():
-    cache = make(num_layers=3, num_blocks=16, max_seqs=1, layer_windows=[4, 8, None], max_seq_len=64,
+    cache = make(num_layers=3, num_pages=16, max_num_seqs=1, layer_windows=[4, 8, None], max_model_len=64,
                  window_pages={4: 8, 8: 3})
     (a,) = cache.claim(1)
-    cache.step([a], [8])
+    cache.append([a], [8])
     with pytest.raises(KVCacheExhausted):
-        cache.step([a], [12])
+        cache.append([a], [12])
     tables = [cache.windowed[4].tables[a], cache.windowed[8].tables[a], cache._table(a)]
     assert [t.num_tokens for t in tables] == [8, 8, 8]
-    assert cache.step([a], [1]).for_window(8).context_lens.tolist() == [9]
+    assert cache.append([a], [1]).for_window(8).context_lens.tolist() == [9]

@@ -14,8 +14,8 @@ from mlxkv.cache.prefix_cache import PrefixCacheStats, check_salt, page_key, roo
 BS = 4
 
 
-def make(num_blocks=16, **kw):
-    return KVCacheManager(1, 1, 4, max_seqs=8, max_seq_len=64, block_size=BS, num_blocks=num_blocks,
+def make(num_pages=16, **kw):
+    return KVCacheManager(1, 1, 4, max_num_seqs=8, max_model_len=64, page_size=BS, num_pages=num_pages,
                           dtype=mx.float32, **kw)
 
 
@@ -25,7 +25,7 @@ def admit(cache, tokens, salt=None, compute=None):
     (seq,) = cache.claim(1)
     hits = cache.reuse_prefix(seq, tokens, salt)
     count = len(tokens) - hits if compute is None else compute
-    cache.step([seq], [count])
+    cache.append([seq], [count])
     cache.publish([seq], [tokens], [hits + count])
     return seq, hits
 
@@ -71,7 +71,7 @@ def test_the_last_token_is_always_computed_and_written_to_a_page_of_its_own():
     admit(cache, list(range(12)))
     (b,) = cache.claim(1)
     assert cache.reuse_prefix(b, list(range(12)), None) == 8  # not 12: the last token's logits are needed
-    batch = cache.step([b], [4])
+    batch = cache.append([b], [4])
     own = cache.pool.pages(b)[2]
     assert cache.pool.ref_count(own) == 1
     assert set(batch.slot_mapping.tolist()) <= set(range(own * BS, own * BS + BS))
@@ -81,18 +81,18 @@ def test_appending_within_a_page_allocates_nothing_and_a_full_page_is_published(
     cache = make()
     (seq,) = cache.claim(1)
     tokens = list(range(6))
-    cache.step([seq], [6])
+    cache.append([seq], [6])
     cache.publish([seq], [tokens], [6])
     assert [cache.pool.key(p) for p in cache.pool.pages(seq)] == [keys_of(tokens)[0], None]
     free = cache.free_pages
     for n in (7, 8):
         tokens.append(n)
-        cache.step([seq], [1])
+        cache.append([seq], [1])
         cache.publish([seq], [tokens], [len(tokens)])
     assert cache.free_pages == free
     assert cache.pool.key(cache.pool.pages(seq)[1]) == keys_of(tokens)[1]
     tokens.append(9)
-    cache.step([seq], [1])
+    cache.append([seq], [1])
     assert cache.free_pages == free - 1
 
 
@@ -100,7 +100,7 @@ def test_pages_are_published_only_as_far_as_computed():
     cache = make()
     (seq,) = cache.claim(1)
     tokens = list(range(10))
-    cache.step([seq], [10])
+    cache.append([seq], [10])
     cache.publish([seq], [tokens], [5])  # the rest of the step is still being computed
     assert [cache.pool.key(p) is not None for p in cache.pool.pages(seq)] == [True, False, False]
     with pytest.raises(ValueError, match="num_computed=11 is outside 5..10"):
@@ -129,7 +129,7 @@ def test_a_partly_filled_last_page_goes_to_the_sequence_that_continues_it():
     b, hits = admit(cache, list(range(6)) + [40, 41, 42], compute=0)
     assert hits == 6 and cache.pool.pages(b)[1] == tail
     assert (cache.pool.ref_count(tail), cache.pool.key(tail)) == (1, None)  # b's own, to write into
-    batch = cache.step([b], [3])
+    batch = cache.append([b], [3])
     assert batch.slot_mapping.tolist() == [tail * BS + 2, tail * BS + 3, batch.slot_mapping[2]]
     c, hits = admit(cache, list(range(6)) + [50])
     assert hits == 4  # the partial page is b's now; c recomputes its two tokens
@@ -156,18 +156,18 @@ def test_release_caches_the_computed_tokens_of_the_list_last_published():
 
 
 def test_eviction_takes_empty_pages_first_then_least_recently_used_cached_ones():
-    cache = make(num_blocks=6)
+    cache = make(num_pages=6)
     old, _ = admit(cache, list(range(8)))  # 2 pages
     new, _ = admit(cache, list(range(100, 108)))  # 2 pages
     old_pages, new_pages = cache.pool.pages(old), cache.pool.pages(new)
     cache.release(old)
     cache.release(new)
     (c,) = cache.claim(1)
-    first = cache.step([c], [2 * BS])  # takes the 2 pages that never held anything
+    first = cache.append([c], [2 * BS])  # takes the 2 pages that never held anything
     assert set(cache.pool.pages(c)).isdisjoint(old_pages + new_pages)
     assert cache.pool.num_evictions == 0 and first.num_tokens == 8
-    cache.step([c], [BS])
-    cache.step([c], [BS])
+    cache.append([c], [BS])
+    cache.append([c], [BS])
     evicted = cache.pool.pages(c)[2:]
     assert sorted(evicted) == sorted(old_pages)  # least recently used first
     assert evicted == old_pages[::-1]  # and of one sequence, its last page first
@@ -176,7 +176,7 @@ def test_eviction_takes_empty_pages_first_then_least_recently_used_cached_ones()
 
 
 def test_a_reused_page_loses_its_old_key():
-    cache = make(num_blocks=2)
+    cache = make(num_pages=2)
     a, _ = admit(cache, list(range(8)))
     old_key = cache.pool.key(cache.pool.pages(a)[0])
     cache.release(a)
@@ -190,7 +190,7 @@ def test_a_reused_page_loses_its_old_key():
 
 
 def test_pages_a_request_hit_are_not_evicted_by_its_own_allocation():
-    cache = make(num_blocks=4)
+    cache = make(num_pages=4)
     a, _ = admit(cache, list(range(12)))  # 3 pages, all published
     pages = cache.pool.pages(a)
     cache.release(a)
@@ -204,7 +204,7 @@ def test_pages_a_request_hit_are_not_evicted_by_its_own_allocation():
 
 
 def test_no_hits_with_caching_disabled_or_in_the_contiguous_layout():
-    for cache in (make(prefix_caching=False), KVCacheManager(1, 1, 4, max_seqs=4, max_seq_len=64,
+    for cache in (make(prefix_caching=False), KVCacheManager(1, 1, 4, max_num_seqs=4, max_model_len=64,
                                                              layout="contiguous", dtype=mx.float32)):
         admit(cache, list(range(12)))
         _, hits = admit(cache, list(range(12)))
@@ -224,7 +224,7 @@ def test_a_page_computed_twice_is_cached_once():
     cache = make()
     (a, b) = cache.claim(2)
     tokens = list(range(8))
-    cache.step([a, b], [8, 8])
+    cache.append([a, b], [8, 8])
     cache.publish([a], [tokens], [8])
     cache.publish([b], [tokens], [8])
     assert [cache.pool.lookup(k) for k in keys_of(tokens)] == cache.pool.pages(a)
@@ -277,13 +277,13 @@ class PrefixMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache = KVCacheManager(1, 1, 1, max_seqs=4, max_seq_len=16, block_size=2, num_blocks=10,
+        self.cache = KVCacheManager(1, 1, 1, max_num_seqs=4, max_model_len=16, page_size=2, num_pages=10,
                                     dtype=mx.float32)
         self.pool = self.cache.pool
         self.tokens: dict[int, list[int]] = {}
 
     def _write(self, seq_id, tokens, count):
-        batch = self.cache.step([seq_id], [count])
+        batch = self.cache.append([seq_id], [count])
         new = mx.array(content_values(tokens)[len(tokens) - count :], dtype=mx.float32).reshape(-1, 1, 1)
         self.cache.write(0, batch, new, -new)
         mx.eval(self.cache.storage.tensors)
@@ -291,7 +291,7 @@ class PrefixMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.lists(st.integers(1, 2), min_size=1, max_size=9), salt=st.sampled_from([None, "s"]))
     def admit(self, tokens, salt):
-        if self.cache.num_active == self.cache.max_seqs:
+        if self.cache.num_sequences == self.cache.max_num_seqs:
             return
         (seq_id,) = self.cache.claim(1)
         hits = self.cache.reuse_prefix(seq_id, tokens, salt)

@@ -33,7 +33,7 @@ def workload(model):
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
 def test_many_requests_under_preemption_and_cancellation(model, workload, layout):
     prompts, params, expected = workload
-    sizing = dict(num_blocks=14, block_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 3072)
+    sizing = dict(num_pages=14, page_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 3072)
     engine = LLMEngine(*model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64,
                                             max_model_len=64, **sizing))
     requests = [engine.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -74,7 +74,7 @@ def test_many_requests_under_preemption_and_cancellation(model, workload, layout
     if layout == "paged":
         assert engine.scheduler.num_preemptions > 0
     assert engine.cache.free_pages == engine.cache.pool.capacity
-    assert engine.cache.num_active == 0
+    assert engine.cache.num_sequences == 0
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def shared_prefixes(model):
     systems = [[rng.randrange(1, 320) for _ in range(n)] for n in (8, 19, 33, 40)]
     prompts = [rng.choice(systems) + [rng.randrange(1, 320) for _ in range(rng.randint(0, 12))] for _ in range(60)]
     params = [SamplingParams(max_tokens=rng.randint(1, 12)) for _ in prompts]
-    alone = LLM(model, max_num_seqs=1, enable_prefix_caching=False)
+    alone = LLM(model, max_num_seqs=1, prefix_caching=False)
     expected = [alone.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
     return prompts, params, expected
 
@@ -93,12 +93,12 @@ def shared_prefixes(model):
 @pytest.mark.parametrize("layout, caching", [("paged", True), ("paged", False), ("contiguous", True)])
 def test_prefix_caching_changes_no_token_under_preemption_and_eviction(model, shared_prefixes, layout, caching):
     prompts, params, expected = shared_prefixes
-    sizing = dict(num_blocks=14, block_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 3072)
+    sizing = dict(num_pages=14, page_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 3072)
     engine = LLMEngine(*model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64,
-                                            max_model_len=64, enable_prefix_caching=caching, **sizing))
+                                            max_model_len=64, prefix_caching=caching, **sizing))
     requests, _ = run_all(engine, prompts, params)
     assert [r.output_ids for r in requests] == expected
-    stats = engine.prefix_stats
+    stats = engine.stats().prefix_cache
     assert stats.prompt_tokens == sum(map(len, prompts))
     assert stats.cached_tokens == sum(r.num_cached_tokens for r in requests)
     if layout == "paged":
@@ -107,12 +107,12 @@ def test_prefix_caching_changes_no_token_under_preemption_and_eviction(model, sh
         assert stats.hit_rate > 0.3 and engine.cache.pool.num_evictions > 0
     else:
         assert stats.cached_tokens == 0 and engine.cache.pool.num_evictions == 0
-    assert (engine.cache.free_pages, engine.cache.num_active) == (engine.cache.pool.capacity, 0)
+    assert (engine.cache.free_pages, engine.cache.num_sequences) == (engine.cache.pool.capacity, 0)
 
 
 @pytest.mark.parametrize("layout, caching", [("paged", False), ("contiguous", False), ("paged", True)])
 def test_quantized_pages_under_preemption(checkpoint, layout, caching):
-    """4-bit pages: a preempted request recomputes its prompt's exact span whole, so without
+    """4-bit pages: a preempted request recomputes its prompt's own-K/V span whole, so without
     prefix caching no token changes; with it, hits make prompt tokens attend quantized K/V
     instead (as mlx-lm's prompt-cache reuse does), and pages and pool still balance."""
     model = load(checkpoint("qwen3-fp32-d64"))
@@ -120,20 +120,20 @@ def test_quantized_pages_under_preemption(checkpoint, layout, caching):
     systems = [[rng.randrange(1, 320) for _ in range(n)] for n in (9, 30)]
     prompts = [rng.choice(systems) + [rng.randrange(1, 320) for _ in range(rng.randint(1, 10))] for _ in range(40)]
     params = [SamplingParams(max_tokens=rng.randint(1, 12)) for _ in prompts]
-    alone = LLM(model, max_num_seqs=1, kv_bits=4, enable_prefix_caching=False)
+    alone = LLM(model, max_num_seqs=1, kv_bits=4, prefix_caching=False)
     expected = [alone.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
-    sizing = dict(num_blocks=14, block_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 320)
+    sizing = dict(num_pages=14, page_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 320)
     engine = LLMEngine(*model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64,
-                                            max_model_len=64, kv_bits=4, enable_prefix_caching=caching, **sizing))
+                                            max_model_len=64, kv_bits=4, prefix_caching=caching, **sizing))
     requests, _ = run_all(engine, prompts, params)
     assert [len(r.output_ids) for r in requests] == [sp.max_tokens for sp in params]
     if caching:
-        assert engine.prefix_stats.hit_rate > 0.3
+        assert engine.stats().prefix_cache.hit_rate > 0.3
     else:
         assert [r.output_ids for r in requests] == expected
     if layout == "paged":
         assert engine.scheduler.num_preemptions > 0
-    assert (engine.cache.free_pages, engine.cache.num_active) == (engine.cache.pool.capacity, 0)
+    assert (engine.cache.free_pages, engine.cache.num_sequences) == (engine.cache.pool.capacity, 0)
 
 
 def test_the_next_turn_reuses_the_pages_of_the_answer(model):
@@ -141,17 +141,17 @@ def test_the_next_turn_reuses_the_pages_of_the_answer(model):
     follow-up prompt made of the prompt, the answer and a new message computes only the
     tokens the first request did not store (the answer's last token and the new message)."""
     prompt, params = list(range(10, 20)), SamplingParams(max_tokens=12, ignore_eos=True)
-    llm = LLM(model, block_size=8, max_num_seqs=1)
+    llm = LLM(model, page_size=8, max_num_seqs=1)
     first = llm.generate(prompt, params)[0]
     follow_up = prompt + first.token_ids + [7, 8, 9]
     second = llm.generate(follow_up, params)[0]
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 21)  # 10 prompt + 11 stored answer tokens
-    alone = LLM(model, block_size=8, max_num_seqs=1, enable_prefix_caching=False).generate(follow_up, params)[0]
+    alone = LLM(model, page_size=8, max_num_seqs=1, prefix_caching=False).generate(follow_up, params)[0]
     assert second.token_ids == alone.token_ids and alone.num_cached_tokens == 0
 
 
 def test_requests_with_different_cache_salts_share_nothing(model):
-    llm = LLM(model, block_size=8, max_num_seqs=1)
+    llm = LLM(model, page_size=8, max_num_seqs=1)
     prompt, params = list(range(10, 30)), SamplingParams(max_tokens=2)
     cached = [llm.generate(prompt, params, cache_salt=salt)[0].num_cached_tokens
               for salt in ("alice", "bob", None, "alice", None)]
@@ -161,7 +161,7 @@ def test_requests_with_different_cache_salts_share_nothing(model):
 
 
 def test_bad_requests_are_refused_without_disturbing_the_rest(model):
-    engine = LLMEngine(*model, EngineConfig(num_blocks=8, block_size=8, max_model_len=64))
+    engine = LLMEngine(*model, EngineConfig(num_pages=8, page_size=8, max_model_len=64))
     ok = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5), request_id="ok")
     engine.step()
     with pytest.raises(RequestTooLong, match="one request can hold at most 64"):
@@ -184,7 +184,7 @@ def test_metal_kernels_give_the_reference_tokens(checkpoint, model):
     prompts = [[5, 6, 7], list(range(10, 29))]
     params = SamplingParams(max_tokens=6)
     kernels = PagedAttentionKernels(metal_kernel)
-    engine = LLMEngine(*model, EngineConfig(block_size=8, max_num_seqs=2), attention=kernels)
+    engine = LLMEngine(*model, EngineConfig(page_size=8, max_num_seqs=2), kernels=kernels)
     requests = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
@@ -200,11 +200,11 @@ def test_metal_kernels_give_the_reference_tokens(checkpoint, model):
 ], ids=["does-not-compile", "wrong-numbers"])
 def test_kernels_that_fail_the_start_up_check_leave_the_reference_path(checkpoint, model, caplog, factory, why):
     """A Mac user gets one warning and the reference tokens, never a crash or wrong text."""
-    engine = LLMEngine(*model, EngineConfig(block_size=8), attention=PagedAttentionKernels(factory))
+    engine = LLMEngine(*model, EngineConfig(page_size=8), kernels=PagedAttentionKernels(factory))
     [record] = caplog.records
     assert record.levelname == "WARNING" and record.name == "mlxkv"
-    assert record.getMessage().startswith("mlxkv: the Metal kernels fail their start-up check for this model "
-                                          f"(float32, head_dim 16, block 8, GQA 2): {why}")
+    assert record.getMessage().startswith("the Metal kernels fail their start-up check for this model "
+                                          f"(float32, head_dim 16, pages of 8, GQA 2): {why}")
     assert record.getMessage().endswith("; attention runs on the reference path instead")
     assert engine.runner.attention is reference_attention
     request = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6))
@@ -237,7 +237,7 @@ def run_all(engine, prompts, params):
 def test_a_failing_sampler_fails_only_its_own_request(model, solo):
     """A step that fails leaves the engine as if it had not run: the others equal their solo runs
     (the bug was every neighbour recomputed at shifted positions)."""
-    engine = LLMEngine(*model, EngineConfig(block_size=4, max_num_seqs=4))
+    engine = LLMEngine(*model, EngineConfig(page_size=4, max_num_seqs=4))
     params = [SamplingParams(max_tokens=8, temperature=0.9, seed=i) for i in range(4)]
     requests = [engine.add_request(p, sp) for p, sp in zip(FAILURE_PROMPTS, params)]
     for _ in range(3):
@@ -255,7 +255,7 @@ def test_a_failing_sampler_fails_only_its_own_request(model, solo):
 
 
 def test_a_forward_pass_failure_fails_its_batch_and_nothing_else(model, solo, monkeypatch):
-    engine = LLMEngine(*model, EngineConfig(block_size=4, max_num_seqs=2))
+    engine = LLMEngine(*model, EngineConfig(page_size=4, max_num_seqs=2))
     requests = [engine.add_request(p, SamplingParams(max_tokens=8)) for p in FAILURE_PROMPTS]
     engine.step()
     forward = engine.runner.forward
@@ -277,7 +277,7 @@ def test_a_forward_pass_failure_fails_its_batch_and_nothing_else(model, solo, mo
 
 def test_kv_tensors_that_cannot_be_evaluated_start_afresh(model, solo, monkeypatch):
     """If the failure poisoned the KV pools themselves, every running request recomputes."""
-    engine = LLMEngine(*model, EngineConfig(block_size=4, max_num_seqs=2))
+    engine = LLMEngine(*model, EngineConfig(page_size=4, max_num_seqs=2))
     first = engine.add_request(FAILURE_PROMPTS[0], SamplingParams(max_tokens=8))
     engine.step()
     real_eval, failures = mx.eval, iter([True, True])
@@ -296,7 +296,7 @@ def test_kv_tensors_that_cannot_be_evaluated_start_afresh(model, solo, monkeypat
 
 
 def test_request_ids_are_strings_and_never_collide(model):
-    engine = LLMEngine(*model, EngineConfig(block_size=4))
+    engine = LLMEngine(*model, EngineConfig(page_size=4))
     given = engine.add_request([1, 2], request_id="0")
     automatic = engine.add_request([1, 2])
     assert given.request_id == "0" and automatic.request_id not in ("0",)
@@ -316,7 +316,7 @@ def test_outputs_carry_tokens_usage_and_the_model_s_logprobs(checkpoint, model):
     and the most likely alternatives best first; every output carries the token counts."""
     from mlx_lm import load as mlx_lm_load
 
-    engine = LLMEngine(*model, EngineConfig(block_size=8, max_num_seqs=2))
+    engine = LLMEngine(*model, EngineConfig(page_size=8, max_num_seqs=2))
     prompt = [5, 6, 7, 8]
     asking = engine.add_request(prompt, SamplingParams(max_tokens=3, logprobs=3))
     plain = engine.add_request([9, 10], SamplingParams(max_tokens=2))
@@ -346,7 +346,7 @@ def run_mixed(model, pipeline, eos, stop, abort_after):
     saved = set(tokenizer.eos_token_ids)
     tokenizer.eos_token_ids = saved | {eos}
     try:
-        engine = LLMEngine(model_, tokenizer, EngineConfig(block_size=4, num_blocks=12, max_num_seqs=5,
+        engine = LLMEngine(model_, tokenizer, EngineConfig(page_size=4, num_pages=12, max_num_seqs=5,
                                                            max_num_batched_tokens=16, pipeline=pipeline))
         params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, stop=[stop]),
                   SamplingParams(max_tokens=7, temperature=0.9, seed=3), SamplingParams(max_tokens=12),

@@ -4,7 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxkv.engine.sampling import SamplingFailed, SamplingParams, TokenSampler, sample
+from mlxkv import SamplingParams
+from mlxkv.engine.sampling import SamplingFailed, TokenSampler, sample
 
 MIX = [dict(), dict(temperature=0.7), dict(temperature=1.0, top_p=0.9), dict(temperature=1.2, top_k=20),
        dict(temperature=0.8, min_p=0.05), dict(temperature=1.0, top_p=0.5, top_k=10, min_p=0.1), dict(),

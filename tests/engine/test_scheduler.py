@@ -5,9 +5,9 @@ from mlxkv.engine.request import Request, Status
 from mlxkv.engine.scheduler import Scheduler
 
 
-def make(num_blocks=32, block_size=4, max_num_seqs=8, budget=16, layout="paged", prefix_caching=True, kv_bits=None):
-    cache = KVCacheManager(1, 1, 32, max_seqs=max_num_seqs, max_seq_len=64, layout=layout, block_size=block_size,
-                           num_blocks=num_blocks, dtype=mx.float32, prefix_caching=prefix_caching, kv_bits=kv_bits,
+def make(num_pages=32, page_size=4, max_num_seqs=8, budget=16, layout="paged", prefix_caching=True, kv_bits=None):
+    cache = KVCacheManager(1, 1, 32, max_num_seqs=max_num_seqs, max_model_len=64, layout=layout, page_size=page_size,
+                           num_pages=num_pages, dtype=mx.float32, prefix_caching=prefix_caching, kv_bits=kv_bits,
                            kv_group_size=32)
     return Scheduler(cache, max_num_seqs, budget)
 
@@ -48,7 +48,7 @@ def test_entry_cap_keeps_the_rest_waiting():
 
 
 def test_admission_waits_for_free_pages_in_arrival_order():
-    s = make(num_blocks=4, block_size=4, budget=32)
+    s = make(num_pages=4, page_size=4, budget=32)
     s.add(request("a", 12))
     s.add(request("b", 8))
     s.add(request("c", 2))
@@ -57,7 +57,7 @@ def test_admission_waits_for_free_pages_in_arrival_order():
 
 
 def test_newest_running_request_is_preempted_by_recompute_and_resumes_from_its_cached_pages():
-    s = make(num_blocks=3, block_size=4)
+    s = make(num_pages=3, page_size=4)
     a, b = request("a", 4), request("b", 4, first=100)
     s.add(a)
     s.add(b)
@@ -71,7 +71,7 @@ def test_newest_running_request_is_preempted_by_recompute_and_resumes_from_its_c
 
 
 def test_preempted_request_recomputes_everything_without_prefix_caching():
-    s = make(num_blocks=3, block_size=4, prefix_caching=False)
+    s = make(num_pages=3, page_size=4, prefix_caching=False)
     a, b = request("a", 4), request("b", 4, first=100)
     s.add(a)
     s.add(b)
@@ -102,27 +102,27 @@ def test_contiguous_layout_admits_one_sequence_per_slot():
     assert (s.cache.free_pages, [r.request_id for r in s.waiting]) == (0, ["c"])
 
 
-def test_quantized_pages_compute_a_new_prompts_exact_span_in_one_step():
+def test_quantized_pages_compute_a_new_prompts_own_kv_span_in_one_step():
     """With quantized pages a new prompt's first chunk holds the prompt but its last token
     (at most the budget less a decode token per other sequence: 16 - 3 here) from its own
     unquantized K/V; a prompt whose span does not fit this step's budget waits, not split."""
     s = make(budget=16, max_num_seqs=4, kv_bits=8)
     s.add(request("a", 5))
     batch = s.schedule()
-    assert (batch.counts, batch.exact) == ([5], [4])
+    assert (batch.counts, batch.own_kv) == ([5], [4])
     s.commit(batch)
     batch.requests[0].append_output(1)
     s.add(request("b", 14, first=100))
     s.add(request("c", 3, first=200))
     batch = s.schedule()
-    assert ([r.request_id for r in batch.requests], batch.counts, batch.exact) == (["a", "b"], [1, 14], [0, 13])
+    assert ([r.request_id for r in batch.requests], batch.counts, batch.own_kv) == (["a", "b"], [1, 14], [0, 13])
     s.commit(batch)
     for r in batch.requests:
         r.append_output(1)
     s.add(request("d", 40, first=300))
     batch = s.schedule()
     assert ([r.request_id for r in batch.requests], batch.counts) == (["a", "b", "c"], [1, 1, 3])
-    assert batch.exact == [0, 0, 2]
+    assert batch.own_kv == [0, 0, 2]
     assert [r.request_id for r in s.waiting] == ["d"]  # its 13-token span needs 13 of the 11 left
     s.commit(batch)
     for r in batch.requests:
@@ -130,17 +130,17 @@ def test_quantized_pages_compute_a_new_prompts_exact_span_in_one_step():
     s.finish(batch.requests[2], "length")
     batch = s.schedule()
     assert ([r.request_id for r in batch.requests], batch.counts) == (["a", "b", "d"], [1, 1, 14])
-    assert batch.exact == [0, 0, 13]
+    assert batch.own_kv == [0, 0, 13]
 
 
-def test_float_pages_and_prefix_hits_have_no_exact_span():
+def test_float_pages_and_prefix_hits_have_no_own_kv_span():
     s = make(budget=16)
     s.add(request("a", 5))
-    assert s.schedule().exact == [0]
-    q = make(budget=16, kv_bits=4, block_size=4)
+    assert s.schedule().own_kv == [0]
+    q = make(budget=16, kv_bits=4, page_size=4)
     q.add(request("a", 9))
     run_step(q)
     q.finish(q.running[0], "length")
     q.add(request("b", 9))
     batch = q.schedule()
-    assert (batch.requests[0].num_computed, batch.exact) == (8, [0])
+    assert (batch.requests[0].num_computed, batch.own_kv) == (8, [0])

@@ -32,7 +32,7 @@ def test_generate_prints_mlx_lm_greedy_text_and_the_figures(checkpoint, name, la
     _, tokenizer = mlx_lm_load(str(path))
     expected = mlx_lm_text(tokenizer, mlx_lm_greedy(path, tokenizer.encode(PROMPT), max_tokens=24))
     result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "24",
-                                 "--kv-layout", layout, "--block-size", "8"])
+                                 "--kv-layout", layout, "--page-size", "8"])
     assert result.exit_code == 0, result.output
     assert generated_text(result.stdout) == expected
     lines = result.stdout.strip().splitlines()[-4:]
@@ -45,6 +45,8 @@ def test_generate_with_quantized_pages_prints_mlx_lm_quantized_kv_text(checkpoin
     path = checkpoint("llama-fp32-d64")
     _, tokenizer = mlx_lm_load(str(path))
     tokens, _ = mlx_lm_quantized_greedy(path, tokenizer.encode(PROMPT), bits, max_tokens=16)
+    eos = next((i for i, t in enumerate(tokens) if t in tokenizer.eos_token_ids), len(tokens))
+    tokens = tokens[:eos]  # mlxkv stops at EOS, as mlx-lm's CLI does
     result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "16",
                                  "--kv-bits", str(bits), "--kv-group-size", "64"])
     assert result.exit_code == 0, result.output
@@ -55,7 +57,7 @@ def test_generate_with_quantized_pages_prints_mlx_lm_quantized_kv_text(checkpoin
 
 def test_kv_line_counts_the_pages_one_request_used(checkpoint):
     result = runner.invoke(app, ["generate", "--model", str(checkpoint("llama-fp32")), "--prompt", PROMPT,
-                                 "-m", "10", "--block-size", "4", "--num-blocks", "64"])
+                                 "-m", "10", "--page-size", "4", "--num-pages", "64"])
     prompt_tokens = int(re.search(r"Prompt: (\d+) tokens", result.stdout).group(1))
     used = re.search(r"KV cache: paged, (\d+)/64 pages of 4 tokens", result.stdout)
     assert int(used.group(1)) == -(-(prompt_tokens + 9) // 4)
@@ -69,8 +71,8 @@ def test_kv_line_counts_the_pages_one_request_used(checkpoint):
         (["--top-p", "1.5"], r"error: top_p must be a number in \(0, 1\], got 1.5"),
         (["--kv-layout", "dense"], "error: kv_layout='dense' is not a KV layout"),
         (["--kv-cache-memory", "lots"], "error: kv_cache_memory must be a size such as 2GB"),
-        (["--num-blocks", "2", "--block-size", "4", "-m", "100"], "error: prompt of .* tokens plus max_tokens=100"),
-        (["--kv-bits", "2"], r"error: kv_bits must be 8, 4 or None \(float pages\), got 2"),
+        (["--num-pages", "2", "--page-size", "4", "-m", "100"], "error: prompt of .* tokens plus max_tokens=100"),
+        (["--kv-bits", "2"], "error: kv_bits must be 8, 4 or None, got 2"),
         (["--kv-bits", "8"], "error: the model's head_dim=16 is not a multiple of 32"),
     ],
 )
@@ -128,9 +130,11 @@ def test_short_help_version_and_help_that_shows_its_defaults():
     version = runner.invoke(app, ["--version"])
     assert re.fullmatch(r"mlxkv \d+\.\d+\.\d+\S*\n", version.stdout)
     help_text = " ".join(runner.invoke(app, ["generate", "-h"]).stdout.split())
-    for note in ("[default: the shipped demo model]", "[default: $MLXKV_KV_LAYOUT or paged]",
-                 "[default: what the job needs]", "[default: the model's context]", "--max-num-seqs",
-                 "--verbose / --no-verbose"):
+    for note in ("[default: the shipped demo model]", "[default: $MLXKV_KV_LAYOUT, else paged]",
+                 "[default: what the sequences need, at most", "of the memory left]",
+                 "[default: the model's context]", "--max-num-seqs", "--verbose / --no-verbose",
+                 "--temperature, --temp <float> Sampling temperature; 0 is greedy. [default: 0.0]",
+                 "-m, --max-tokens <int> Most tokens to generate. [default: 100]"):
         assert note in help_text, note
 
 
@@ -177,7 +181,7 @@ def test_chat_names_a_line_that_is_not_utf8_and_goes_on(checkpoint):
     assert proc.stdout.count(b"Generation: 4 tokens") == 1
 
 
-@pytest.mark.parametrize("flags", [[], ["--block-size", "4"]])
+@pytest.mark.parametrize("flags", [[], ["--page-size", "4"]])
 def test_each_chat_turn_computes_only_what_the_turn_before_did_not(checkpoint, monkeypatch, flags):
     """Turn N reuses every full page of what turn N-1 stored (prompt and answer) that its own
     prompt starts with; the KV line says how many prompt tokens that was."""
@@ -205,7 +209,7 @@ def test_each_chat_turn_computes_only_what_the_turn_before_did_not(checkpoint, m
     ([], "prefix cache: 0 of 10 prompt tokens reused"),
     (["--no-prefix-caching"], "prefix cache: off"),
     (["--kv-layout", "contiguous"],
-     "prefix cache: none (the contiguous layout gives each sequence its own slot and shares nothing)"),
+     "prefix cache: none (the contiguous layout gives each sequence its own page and shares nothing)"),
 ])
 def test_the_kv_line_says_what_the_prefix_cache_did(checkpoint, flags, figure):
     result = runner.invoke(app, ["generate", "--model", str(checkpoint("llama-fp32")), "--prompt", PROMPT, "-m", "2",

@@ -118,10 +118,10 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client):
 @pytest.mark.parametrize("body, status, param, message", [
     ("{not json", 400, None, "the body is not valid JSON"),
     ({"messages": []}, 400, "messages", "messages: List should have at least 1 item"),
-    ({"messages": HELLO, "temperature": "hot"}, 400, "temperature", "temperature: Input should be a valid number"),
+    ({"messages": HELLO, "temperature": "hot"}, 400, "temperature", "temperature must be a number >= 0, got 'hot'"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "messages.0.role: Input should be"),
     ({"messages": HELLO, "top_p": 2}, 400, "top_p", r"top_p must be a number in \(0, 1\], got 2"),
-    ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
+    ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens", "max_tokens must be a positive integer, got 0"),
     ({"messages": HELLO, "n": 0}, 400, "n", "n: Input should be greater than or equal to 1"),
     ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", r"top_logprobs must be"),
     ({"messages": [{"role": "user", "content": "word " * 300}]}, 400, None, "holds at most 256 per request"),

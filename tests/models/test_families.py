@@ -73,7 +73,7 @@ def test_greedy_tokens_equal_mlx_lm_in_both_layouts_alone_and_batched(family, na
     expected = [mlx_lm_greedy(path, p) for p in PROMPTS]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for layout in ("paged", "contiguous"):
-        llm = LLM(str(path), kv_layout=layout, block_size=4, max_num_seqs=6, max_num_batched_tokens=24)
+        llm = LLM(str(path), kv_layout=layout, page_size=4, max_num_seqs=6, max_num_batched_tokens=24)
         batched = llm.generate(PROMPTS, params)
         alone = [llm.generate(p, params)[0] for p in PROMPTS]
         for completions in (batched, alone):
@@ -85,8 +85,8 @@ def test_attention_variants_through_the_simulated_kernels(family, name):
     """Plain, soft-capped (Gemma 2), windowed (Gemma 3) and windowed with sinks (GPT-OSS)."""
     path = family(name)
     model, tokenizer = load(str(path))
-    engine = LLMEngine(model, tokenizer, EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16),
-                       attention=PagedAttentionKernels(metal_kernel))
+    engine = LLMEngine(model, tokenizer, EngineConfig(page_size=4, max_num_seqs=2, max_num_batched_tokens=16),
+                       kernels=PagedAttentionKernels(metal_kernel))
     prompts = [PROMPTS[3], PROMPTS[4][:12]]
     requests = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
     while engine.has_unfinished():
@@ -106,7 +106,7 @@ def test_local_layers_hold_only_their_window_over_1000_tokens(tmp_path, layout):
     tokens are mlx-lm's own (its local layers keep a rotating 32-token cache)."""
     path = make_checkpoint(tmp_path / "gemma3", "gemma3_text", "float32", shape=GEMMA3, max_position_embeddings=2048)
     model, tokenizer = load(str(path))
-    engine = LLMEngine(model, tokenizer, EngineConfig(kv_layout=layout, block_size=16, max_num_seqs=2,
+    engine = LLMEngine(model, tokenizer, EngineConfig(kv_layout=layout, page_size=16, max_num_seqs=2,
                                                       max_num_batched_tokens=64, max_model_len=1024))
     prompts = [PROMPTS[5], PROMPTS[4]]
     requests = [engine.add_request(p, SamplingParams(max_tokens=1000 - len(p), ignore_eos=True)) for p in prompts]

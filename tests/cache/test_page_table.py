@@ -1,13 +1,13 @@
 import numpy as np
 import pytest
 
-from mlxkv import BlockTable, KVCacheExhausted, PagePool, SequenceTooLong
+from mlxkv import PageTable, KVCacheExhausted, PagePool, SequenceTooLong
 
 
 def test_slots_follow_the_pages_in_logical_order():
     pool = PagePool(8, 4)
     pool.alloc("other", 1)
-    table = BlockTable(pool, "s", max_tokens=32)
+    table = PageTable(pool, "s", max_tokens=32)
     assert table.append(6).tolist() == [4, 5, 6, 7, 8, 9]
     assert table.pages == [1, 2]
     assert table.slot(5) == 9
@@ -16,7 +16,7 @@ def test_slots_follow_the_pages_in_logical_order():
 
 def test_grows_a_page_only_when_the_last_one_is_full():
     pool = PagePool(8, 4)
-    table = BlockTable(pool, "s", max_tokens=32)
+    table = PageTable(pool, "s", max_tokens=32)
     table.append(4)
     assert pool.used_count == 1
     table.append(1)
@@ -26,7 +26,7 @@ def test_grows_a_page_only_when_the_last_one_is_full():
 
 def test_failed_growth_changes_nothing():
     pool = PagePool(2, 4)
-    table = BlockTable(pool, "s", max_tokens=32)
+    table = PageTable(pool, "s", max_tokens=32)
     table.append(3)
     with pytest.raises(KVCacheExhausted):
         table.append(6)
@@ -34,14 +34,14 @@ def test_failed_growth_changes_nothing():
 
 
 def test_length_limit_names_the_limit():
-    table = BlockTable(PagePool(8, 4), "s", max_tokens=10)
-    with pytest.raises(SequenceTooLong, match="max_seq_len=10"):
+    table = PageTable(PagePool(8, 4), "s", max_tokens=10)
+    with pytest.raises(SequenceTooLong, match="max_model_len=10"):
         table.append(11)
     assert table.num_tokens == 0
 
 
 def test_slot_outside_the_sequence_is_an_index_error():
-    table = BlockTable(PagePool(8, 4), "s", max_tokens=10)
+    table = PageTable(PagePool(8, 4), "s", max_tokens=10)
     table.append(2)
     with pytest.raises(IndexError, match="position 2 is outside 0..1"):
         table.slot(2)
@@ -50,7 +50,7 @@ def test_slot_outside_the_sequence_is_an_index_error():
 def test_page_for_token_follows_the_table_and_is_none_past_the_end():
     pool = PagePool(8, 4)
     pool.alloc("other", 1)
-    table = BlockTable(pool, "s", max_tokens=32)
+    table = PageTable(pool, "s", max_tokens=32)
     assert table.page_for_token(0) is None
     table.append(6)
     assert [table.page_for_token(t) for t in range(8)] == [1, 1, 1, 1, 2, 2, None, None]
@@ -60,20 +60,20 @@ def test_page_for_token_follows_the_table_and_is_none_past_the_end():
 
 
 def test_blocks_in_use_counts_pages_holding_tokens():
-    table = BlockTable(PagePool(8, 4), "s", max_tokens=32)
+    table = PageTable(PagePool(8, 4), "s", max_tokens=32)
     table.reserve_pages(5)
-    assert (table.blocks_in_use, len(table.pages)) == (0, 2)
+    assert (table.pages_in_use, len(table.pages)) == (0, 2)
     table.append(5)
-    assert table.blocks_in_use == 2
+    assert table.pages_in_use == 2
     table.append(3)
-    assert table.blocks_in_use == 2
+    assert table.pages_in_use == 2
     table.append(1)
-    assert table.blocks_in_use == 3
+    assert table.pages_in_use == 3
 
 
 def test_release_returns_the_pages():
     pool = PagePool(8, 4)
-    table = BlockTable(pool, "s", max_tokens=32)
+    table = PageTable(pool, "s", max_tokens=32)
     table.append(9)
     assert table.release() == 3
     assert pool.free_count == 8
@@ -83,7 +83,7 @@ def test_release_returns_the_pages():
 
 def test_slide_gives_back_the_pages_before_a_token_and_keeps_the_indices():
     pool = PagePool(8, 4)
-    table = BlockTable(pool, "s", 64)
+    table = PageTable(pool, "s", 64)
     table.append(14)                                 # pages for tokens 0-3, 4-7, 8-11, 12-13
     live = table.pages[2:]
     assert table.slide(-3) == 0 and table.slide(7) == 1  # token 7 is still needed: page 1 stays

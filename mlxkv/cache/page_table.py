@@ -1,4 +1,4 @@
-"""One sequence's map from logical token positions to physical KV slots."""
+"""One sequence's page table: which physical page holds each of its logical pages."""
 
 from __future__ import annotations
 
@@ -6,17 +6,18 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from ..deprecation import RenamedAttribute
 from ..errors import SequenceTooLong
 from .pool import PagePool
 from .prefix_cache import page_key, root_key
 
 
-class BlockTable:
-    """Logical block i of a sequence lives in physical page `row[i]` of the pool.
+class PageTable:
+    """Logical page i of a sequence is physical page `row[i]` of the pool.
 
     Token `p` is stored at slot `row[p // page_size] * page_size + p % page_size`. `row` is an
     int32 array as long as the longest table, its first `num_pages` entries the pages and zeros
-    after them, so a step's slots and block tables are array slices.
+    after them, so a step's slots and page tables are array slices.
     The table grows from the pool as tokens are appended, up to `max_tokens`. With prefix
     caching it starts from the cached pages of its prefix (`reuse_prefix`), publishes each
     page its tokens fill (`publish`; `keys[i]` is the content key of full page i) and, on
@@ -104,9 +105,11 @@ class BlockTable:
                 + positions % self.page_size).astype(np.int32)
 
     @property
-    def blocks_in_use(self) -> int:
+    def pages_in_use(self) -> int:
         """Pages holding at least one token (a reserved, still empty page is not counted)."""
         return -(-self.num_tokens // self.page_size)
+
+    blocks_in_use = RenamedAttribute("pages_in_use")
 
     def page_for_token(self, token: int) -> int | None:
         """The page that holds token `token`, or None past the tokens stored."""

@@ -1,0 +1,67 @@
+"""Which attention the engine runs: the Metal kernels where they pass a start-up check, else the reference path."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..cache.storage import dtype_name
+from .kernels import PagedAttentionKernels
+from .reference import reference_attention
+from .variant import Variant
+
+ENV_VAR = "MLXKV_ATTENTION"
+logger = logging.getLogger("mlxkv")
+
+AttentionFn = Callable[..., mx.array]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one model's attention reads: its heads and dtype, the cache's pages, its layers' variants."""
+
+    dtype: mx.Dtype
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    kv_bits: int | None
+    kv_group_size: int
+    variants: Sequence[Variant]
+
+
+def choose_attention(choice: str | None, spec: AttentionSpec,
+                     kernels: PagedAttentionKernels | None = None) -> AttentionFn:
+    """The attention for `spec`: `choice` ('metal' or 'reference'), else `MLXKV_ATTENTION`, else
+    Metal where available. Kernels (`kernels`, else MLX's) are first checked against the reference
+    path; if they fail, the reference path runs and one warning says which kernel failed and why,
+    so a kernel problem costs speed, never a crash or wrong text."""
+    if kernels is None:
+        if _backend(choice) == "reference":
+            return reference_attention
+        kernels = PagedAttentionKernels()
+    problem = kernels.warm(spec.dtype, spec.head_dim, spec.page_size, spec.q_heads, spec.kv_heads, spec.kv_bits,
+                           spec.kv_group_size, spec.variants)
+    if problem is None:
+        return kernels
+    logger.warning("the Metal kernels fail their start-up check for this model (%s, head_dim %d, pages of %d, "
+                   "GQA %d): %s; attention runs on the reference path instead", dtype_name(spec.dtype), spec.head_dim,
+                   spec.page_size, spec.q_heads // spec.kv_heads, problem)
+    return reference_attention
+
+
+def _backend(choice: str | None) -> str:
+    """'metal' or 'reference': `choice` (an `EngineConfig.attention` already checked), else the
+    environment, else Metal where available; Metal where there is none is an error."""
+    source, value = ("attention", choice) if choice is not None else (ENV_VAR, os.environ.get(ENV_VAR))
+    value = (value or ("metal" if mx.metal.is_available() else "reference")).strip().lower()
+    if value not in ("metal", "reference"):
+        raise ValueError(f"{source}={value!r} is not an attention backend; expected 'metal' or 'reference'")
+    if value == "metal" and not mx.metal.is_available():
+        raise ValueError(f"{source}='metal' but Metal is not available on this machine "
+                         "(mx.metal.is_available() is False); use 'reference'")
+    return value

@@ -1,0 +1,49 @@
+"""A snapshot of the KV cache: pages in use, and how many of their bytes hold tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import KVLayout
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """How much of the cache is in use and how much of that holds tokens; `str()` is the KV line
+    the CLI prints."""
+
+    layout: KVLayout
+    pages_used: int
+    pages_total: int
+    page_size: int
+    tokens: int
+    bytes_per_token: int
+    pages_cached: int = 0  # free pages still holding cached prefix pages
+    kv_bits: int | None = None  # quantized pages, else the cache dtype
+    windowed: tuple[tuple[int, KVUsage], ...] = ()  # (window, usage) of each sliding-window group's own pages
+
+    @property
+    def bytes_allocated(self) -> int:
+        """Bytes of the pages handed to sequences."""
+        own = self.pages_used * self.page_size * self.bytes_per_token
+        return own + sum(usage.bytes_allocated for _, usage in self.windowed)
+
+    @property
+    def bytes_holding_tokens(self) -> int:
+        return self.tokens * self.bytes_per_token + sum(usage.bytes_holding_tokens for _, usage in self.windowed)
+
+    @property
+    def bytes_pool(self) -> int:
+        """Bytes of the whole pool, in use or not."""
+        own = self.pages_total * self.page_size * self.bytes_per_token
+        return own + sum(usage.bytes_pool for _, usage in self.windowed)
+
+    def __str__(self) -> str:
+        pool = self.bytes_pool / 2**30
+        size = f"{pool:.2f} GiB" if pool >= 1 else f"{self.bytes_pool / 2**20:.2f} MiB"
+        cached = f", {self.pages_cached} more cached" if self.pages_cached else ""
+        bits = f", {self.kv_bits}-bit" if self.kv_bits else ""
+        windows = "".join(f", window-{w} layers {u.pages_used}/{u.pages_total}" for w, u in self.windowed)
+        return (f"{self.layout.value}{bits}, {self.pages_used}/{self.pages_total} pages of {self.page_size} tokens "
+                f"in use{cached}{windows} (pool {size}), {self.bytes_holding_tokens / 2**20:.2f} of "
+                f"{self.bytes_allocated / 2**20:.2f} MiB in use holding tokens")

@@ -1,0 +1,90 @@
+"""How big a KV cache an engine builds for a model: its settings against the memory the device has left."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from ..cache.layout import KVLayout
+from ..cache.manager import KVCacheManager, window_pool_pages
+from ..cache.storage import kv_bytes_per_token
+from ..config import EngineConfig
+
+
+def device_memory() -> int:
+    """Bytes the device running the model can use: Metal's recommended working set on a Mac,
+    physical memory elsewhere."""
+    info = mx.device_info()
+    if "max_recommended_working_set_size" in info:
+        return int(info["max_recommended_working_set_size"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def context_length(max_model_len: int | None, model_max_len: int | None) -> int:
+    """Most tokens one sequence may hold: `max_model_len`, else the model's context, else 4096."""
+    return max_model_len or model_max_len or 4096
+
+
+def window_pages(config: EngineConfig, window: int) -> int:
+    """Pages a group of sliding-window layers needs so that it never runs out in one of this engine's steps."""
+    return window_pool_pages(window, config.page_size, config.max_num_seqs, config.max_num_batched_tokens)
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.1f} GB"
+
+
+def build_kv_cache(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
+                   model_max_len: int | None, weights_bytes: int = 0,
+                   layer_windows: Sequence[int | None] | None = None) -> KVCacheManager:
+    """The KV cache for a model of this shape, checked against the memory left beside its weights
+    before anything is allocated.
+
+    In the paged layout the pages of sliding-window layers (`layer_windows`) are a fixed, small
+    pool (`window_pages` per window) taken from the budget first; the rest buys pages for the
+    full-attention layers, whose bytes per token count only those layers. In the contiguous
+    layout the budget buys whole `max_model_len` pages, at most `max_num_seqs`."""
+    max_len = context_length(config.max_model_len, model_max_len)
+    contiguous = config.kv_layout is KVLayout.CONTIGUOUS
+    windows = [None] * num_layers if contiguous or layer_windows is None else list(layer_windows)
+    per_layer = kv_bytes_per_token(1, num_kv_heads, head_dim, dtype, config.kv_bits, config.kv_group_size)
+    bytes_per_token = per_layer * sum(w is None for w in windows)
+    grouped = {w: window_pages(config, w) for w in set(windows) if w is not None}
+    window_bytes = sum(pages * config.page_size * per_layer * windows.count(w) for w, pages in grouped.items())
+    memory = device_memory()
+    available = max(0, memory - weights_bytes - window_bytes)
+    per_seq = max_len if contiguous else -(-max_len // config.page_size) * config.page_size
+    asked_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None else None
+    budget = asked_memory - window_bytes if asked_memory else \
+        min(config.max_num_seqs * per_seq * bytes_per_token, int(config.kv_cache_fraction * available))
+    if config.num_pages is not None:
+        asked, what = config.num_pages * config.page_size * bytes_per_token, f"num_pages={config.num_pages}"
+    else:
+        asked, what = budget, f"kv_cache_memory={_gb(budget)}"
+    if asked > available:
+        raise ValueError(f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
+                         f"({_gb(memory)} the device can use, less {_gb(weights_bytes)} of weights)")
+
+    def manager(max_num_seqs: int, num_pages: int | None = None) -> KVCacheManager:
+        return KVCacheManager(num_layers, num_kv_heads, head_dim, max_num_seqs=max_num_seqs, max_model_len=max_len,
+                              layout=config.kv_layout, page_size=config.page_size, num_pages=num_pages, dtype=dtype,
+                              prefix_caching=config.prefix_caching, kv_bits=config.kv_bits,
+                              kv_group_size=config.kv_group_size, layer_windows=windows, window_pages=grouped)
+
+    if contiguous:
+        sequences = min(config.max_num_seqs, budget // (max_len * bytes_per_token))
+        if sequences == 0:
+            raise ValueError(
+                f"the contiguous layout needs {max_len * bytes_per_token / 2**20:.1f} MiB per sequence "
+                f"(max_model_len={max_len}) but the KV budget is {budget / 2**20:.1f} MiB; "
+                "raise kv_cache_memory or lower max_model_len")
+        return manager(sequences)
+    pages = config.num_pages or budget // (config.page_size * bytes_per_token)
+    if pages <= 0:
+        beside = f" beside the {window_bytes} bytes of the sliding-window layers' pages" if window_bytes else ""
+        source = "kv_cache_memory" if asked_memory else f"kv_cache_fraction={config.kv_cache_fraction}"
+        raise ValueError(f"the KV budget ({source}) leaves {max(budget, 0)} bytes for the full-attention layers, "
+                         f"less than one page of {config.page_size} tokens{beside}")
+    return manager(config.max_num_seqs, pages)

@@ -1,0 +1,32 @@
+"""What the engine hands back per step: each request's new text and tokens, and its token counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sampling import TokenLogprob
+
+
+@dataclass(slots=True)
+class Usage:
+    """A request's token counts so far; `cached_tokens` of its prompt came from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step did for one request: new text and tokens (with their log-probabilities when
+    asked for), whether it is done, and its token counts."""
+
+    # why: plain slotted records, not frozen ones, as the engine makes one per running request per step
+    request_id: str
+    delta: str
+    finished: bool
+    finish_reason: str | None
+    error: Exception | None = None  # set when finish_reason is "error"
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    usage: Usage | None = None

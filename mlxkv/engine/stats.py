@@ -1,0 +1,21 @@
+"""One snapshot of the engine for metrics and front ends, so that they never reach into its parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cache.prefix_cache import PrefixCacheStats
+from ..cache.usage import KVUsage
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Requests running and waiting, preemptions so far, the KV cache's use, and what the prefix cache
+    reused (`prefix_caching` says whether it is on: off, or the contiguous layout, shares nothing)."""
+
+    running: int
+    waiting: int
+    preemptions: int
+    kv: KVUsage
+    prefix_caching: bool
+    prefix_cache: PrefixCacheStats

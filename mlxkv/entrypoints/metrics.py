@@ -1,0 +1,72 @@
+"""Prometheus figures of `mlxkv serve`: the engine's state read from one `stats()` snapshot per scrape,
+token counts and latencies as served."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..engine.llm_engine import LLMEngine
+from ..engine.outputs import RequestOutput
+
+
+class EngineCollector(Collector):
+    """The engine's gauges, all from one snapshot."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        gauges = {
+            "running_requests": ("Requests being computed", stats.running),
+            "waiting_requests": ("Requests waiting to be admitted", stats.waiting),
+            "kv_pages_used": ("KV pages held by requests", stats.kv.pages_used),
+            "kv_pages_total": ("KV pages in the pool", stats.kv.pages_total),
+            "kv_bytes_holding_tokens": ("KV bytes holding tokens", stats.kv.bytes_holding_tokens),
+            "preemptions": ("Requests preempted so far", stats.preemptions),
+            "prefix_cache_hit_rate": ("Share of prompt tokens reused from the prefix cache",
+                                      stats.prefix_cache.hit_rate),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"mlxkv_{name}", doc, value=value)
+
+
+class Metrics:
+    """Every figure `/metrics` serves, in a registry of its own."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.prompt_tokens = Counter("mlxkv_prompt_tokens", "Prompt tokens served", registry=self.registry)
+        self.generation_tokens = Counter("mlxkv_generation_tokens", "Tokens generated", registry=self.registry)
+        self.ttft = Histogram("mlxkv_time_to_first_token_seconds", "Time to first token", registry=self.registry,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.itl = Histogram("mlxkv_inter_token_latency_seconds", "Time between tokens", registry=self.registry,
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+
+    def timer(self, choices: int) -> RequestTimer:
+        """A timer for one request of `choices` choices, started now."""
+        return RequestTimer(self, choices)
+
+
+class RequestTimer:
+    """Observes one request's outputs: time to first token and between tokens, per choice, and token counts."""
+
+    def __init__(self, metrics: Metrics, choices: int) -> None:
+        self.metrics = metrics
+        self.last = [time.perf_counter()] * choices
+        self.first = [True] * choices
+
+    def observe(self, index: int, output: RequestOutput) -> None:
+        now, tokens = time.perf_counter(), len(output.token_ids)
+        if tokens:
+            (self.metrics.ttft if self.first[index] else self.metrics.itl).observe(now - self.last[index])
+            self.last[index], self.first[index] = now, False
+            self.metrics.generation_tokens.inc(tokens)
+        if output.finished and output.usage is not None:
+            self.metrics.prompt_tokens.inc(output.usage.prompt_tokens)

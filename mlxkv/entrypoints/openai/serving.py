@@ -1,0 +1,216 @@
+"""OpenAI's chat and completions endpoints over the async engine: each HTTP request becomes `n`
+engine requests, their outputs one response or one stream of Server-Sent Events.
+
+A client that goes away (mid-prefill or mid-stream) is aborted at once and its pages freed:
+Starlette cancels a streaming response when its client disconnects, and `until_done` does the
+same for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response, StreamingResponse
+
+from ...cache.prefix_cache import check_salt
+from ...engine.async_llm import AsyncLLM
+from ...engine.outputs import RequestOutput, Usage
+from ...engine.sampling import TokenLogprob
+from ...engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from ...errors import RequestFailed
+from ..metrics import Metrics
+from ..prompts import prompt_ids
+from .protocol import APIError, Body, ChatBody, CompletionBody, sse, usage_json
+
+Event = tuple[int, RequestOutput] | None  # (choice index, output), or None for a keepalive
+
+
+class OpenAIServing:
+    """Turns chat and completions bodies into engine requests and their outputs into OpenAI's JSON."""
+
+    def __init__(self, llm: AsyncLLM, model_id: str, metrics: Metrics, max_queue: int, keepalive_s: float) -> None:
+        self.llm, self.model_id, self.metrics = llm, model_id, metrics
+        self.max_queue, self.keepalive_s = max_queue, keepalive_s
+        self.tokenizer = llm.engine.tokenizer
+
+    async def chat(self, body: ChatBody, request: HTTPRequest) -> Any:
+        self._check(body)
+        try:
+            prompt = prompt_ids(self.tokenizer, [m.as_template_input() for m in body.messages])
+        except Exception as exc:
+            raise APIError(400, f"the messages do not fit the model's chat template: {exc}", "messages") from None
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = self._params(body, prompt, limit, (body.top_logprobs or 0) if body.logprobs else None)
+        return await self._respond(body, prompt, params, request, "chat.completion")
+
+    async def completions(self, body: CompletionBody, request: HTTPRequest) -> Any:
+        self._check(body)
+        try:
+            prompt = self.llm.engine.encode(body.prompt)
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, str(exc), "prompt") from None
+        if body.logprobs is not None and not 0 <= body.logprobs <= 5:
+            raise APIError(400, "logprobs must be an integer in [0, 5]", "logprobs")
+        params = self._params(body, prompt, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+        return await self._respond(body, prompt, params, request, "text_completion")
+
+    def _check(self, body: Body) -> None:
+        if body.model is not None and body.model != self.model_id:
+            raise APIError(404, f"model {body.model!r} does not exist; this server runs {self.model_id!r}",
+                           "model", "model_not_found")
+        if self.llm.engine.stats().waiting + body.n > self.max_queue:
+            raise APIError(503, f"the server is busy ({self.max_queue} requests waiting); retry shortly",
+                           code="queue_full", kind="server_error", headers={"Retry-After": "1"})
+
+    def _params(self, body: Body, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's sampling parameters for `body`; `max_tokens` is cut to the room the prompt leaves."""
+        most = self.llm.engine.max_request_tokens
+        room = most - len(prompt) + 1
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this server holds at most {most} per request",
+                           None, "context_length_exceeded")
+        limit = room if max_tokens is None else min(room, max_tokens) if max_tokens >= 1 else max_tokens
+        try:
+            check_salt(body.cache_salt)
+            return body.sampling(limit, logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), str(exc).split()[0]) from None
+
+    async def _respond(self, body: Body, prompt: list[int], params: SamplingParams, request: HTTPRequest,
+                       kind: str) -> Any:
+        ident = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        head = {"id": ident, "created": int(time.time()), "model": self.model_id}
+        events = self._run(prompt, params, body.n, body.cache_salt)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._stream(events, head, kind, body.n, usage), media_type="text/event-stream")
+        return await until_done(self._collect(events, head, kind, body.n), request)
+
+    async def _run(self, prompt: list[int], params: SamplingParams, n: int,
+                   salt: str | None) -> AsyncIterator[Event]:
+        """The outputs of `n` choices for one prompt as they come, tagged by choice index; None
+        every `keepalive_s` without any. Leaving early aborts every choice still running."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
+        timer = self.metrics.timer(n)
+
+        async def pump(index: int) -> None:
+            try:
+                async with aclosing(self.llm.outputs(prompt, params, cache_salt=salt)) as outputs:
+                    async for output in outputs:
+                        timer.observe(index, output)
+                        await queue.put((index, output, None))
+            except Exception as exc:  # handed to the consumer, which raises it
+                await queue.put((index, None, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(n)]
+        try:
+            finished = 0
+            while finished < n:
+                try:
+                    index, output, error = await asyncio.wait_for(queue.get(), self.keepalive_s)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+                if error is not None:
+                    raise error
+                assert output is not None
+                finished += output.finished
+                yield index, output
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect(self, events: AsyncIterator[Event], head: dict[str, Any], kind: str, n: int) -> dict[str, Any]:
+        text: list[str] = [""] * n
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        usages: list[Usage | None] = [None] * n
+        async with aclosing(events):
+            async for event in events:
+                if event is None:
+                    continue
+                index, output = event
+                text[index] += output.delta
+                logprobs[index] += output.logprobs
+                reasons[index], usages[index] = output.finish_reason, output.usage
+        choices = [self._choice(kind, i, text[i], reasons[i], logprobs[i], final=True) for i in range(n)]
+        return {**head, "object": kind, "choices": choices, "usage": usage_json([u for u in usages if u])}
+
+    async def _stream(self, events: AsyncIterator[Event], head: dict[str, Any], kind: str, n: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+        usages: list[Usage | None] = [None] * n
+        async with aclosing(events):
+            if kind == "chat.completion":
+                for i in range(n):
+                    yield sse({**head, "object": chunk_kind, "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]})
+            try:
+                async for event in events:
+                    if event is None:
+                        yield ": keepalive\n\n"
+                        continue
+                    index, output = event
+                    usages[index] = output.usage
+                    if output.delta or output.finished or output.logprobs:
+                        yield sse({**head, "object": chunk_kind, "choices": [
+                            self._choice(kind, index, output.delta, output.finish_reason, list(output.logprobs))]})
+            except RequestFailed as exc:  # the status line has gone: the error travels as an event
+                yield sse(APIError(500, str(exc), kind="server_error").body())
+                return
+        if include_usage:
+            yield sse({**head, "object": chunk_kind, "choices": [], "usage": usage_json([u for u in usages if u])})
+        yield sse("[DONE]")
+
+    def _choice(self, kind: str, index: int, text: str, reason: str | None, scores: list[TokenLogprob],
+                final: bool = False) -> dict[str, Any]:
+        wanted = bool(scores)
+        if kind == "chat.completion":
+            part = {"role": "assistant", "content": text} if final else {"content": text}
+            return {"index": index, "message" if final else "delta": part, "finish_reason": reason,
+                    "logprobs": {"content": [self._chat_logprob(s) for s in scores]} if wanted else None}
+        return {"index": index, "text": text, "finish_reason": reason,
+                "logprobs": self._legacy_logprobs(scores) if wanted else None}
+
+    def _token_text(self, token: int) -> str:
+        text: str = self.tokenizer.decode([token])
+        return text
+
+    def _chat_logprob(self, score: TokenLogprob) -> dict[str, Any]:
+        top = [{"token": self._token_text(t), "logprob": lp, "bytes": list(self._token_text(t).encode())}
+               for t, lp in score.top]
+        text = self._token_text(score.token)
+        return {"token": text, "logprob": score.logprob, "bytes": list(text.encode()), "top_logprobs": top}
+
+    def _legacy_logprobs(self, scores: list[TokenLogprob]) -> dict[str, Any]:
+        tokens = [self._token_text(s.token) for s in scores]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [s.logprob for s in scores],
+                "top_logprobs": [{self._token_text(t): lp for t, lp in s.top} for s in scores],
+                "text_offset": offsets}
+
+
+async def until_done(work: Awaitable[Any], request: HTTPRequest) -> Any:
+    """Run `work`, cancelling it (which aborts its requests) the moment the client disconnects."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return task.result() if not task.cancelled() else Response(status_code=499)

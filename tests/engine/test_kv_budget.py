@@ -1,0 +1,58 @@
+import re
+
+import mlx.core as mx
+import pytest
+
+from mlxkv import KVLayout
+from mlxkv.config import EngineConfig
+from mlxkv.engine.kv_budget import build_kv_cache
+
+
+def test_paged_cache_is_sized_by_memory():
+    cache = build_kv_cache(EngineConfig(kv_cache_memory="1MiB", page_size=16), 2, 2, 64, mx.float16, 512)
+    assert cache.pool.capacity == 2**20 // (16 * 2 * 2 * 2 * 64 * 2)
+    assert cache.max_model_len == 512
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_quantized_pages_hold_more_tokens_in_the_same_memory(layout):
+    """float16, head_dim 64, groups of 64: 128 bytes a row; 64 + 4 at 8 bits, 32 + 4 at 4 bits."""
+    sizes = {}
+    for bits, row in ((None, 128), (8, 68), (4, 36)):
+        config = EngineConfig(kv_layout=layout, kv_cache_memory="8MiB", max_num_seqs=64, kv_bits=bits)
+        cache = build_kv_cache(config, 2, 2, 64, mx.float16, 512)
+        assert (cache.kv_bits, cache.storage.bytes_per_token) == (bits, 2 * 2 * 2 * row)
+        sizes[bits] = cache.pool.capacity * cache.page_size
+    assert sizes[None] == 8 * 2**20 // 1024 // 512 * 512 if layout == "contiguous" else 8 * 2**20 // 1024
+    assert (sizes[8] / sizes[None], sizes[4] / sizes[None]) == pytest.approx((128 / 68, 128 / 36), rel=0.07)
+
+
+def test_contiguous_cache_buys_whole_slots_up_to_the_sequence_cap():
+    config = EngineConfig(kv_layout="contiguous", kv_cache_memory=10 * 2**20, max_num_seqs=4)
+    cache = build_kv_cache(config, 2, 2, 64, mx.float16, 2048)
+    assert (cache.layout, cache.pool.capacity, cache.page_size) == (KVLayout.CONTIGUOUS, 4, 2048)
+
+
+def test_contiguous_slot_larger_than_the_budget_names_the_fix():
+    with pytest.raises(ValueError, match="raise kv_cache_memory or lower max_model_len"):
+        build_kv_cache(EngineConfig(kv_layout="contiguous", kv_cache_memory="1MB"), 2, 2, 64, mx.float16, 4096)
+
+
+@pytest.mark.parametrize("sizing, asked", [(dict(kv_cache_memory="200GB"), "kv_cache_memory=200.0 GB asks for 200.0 GB"),
+                                           (dict(num_pages=100_000_000), "num_pages=100000000 asks for 183500.8 GB")])
+def test_a_cache_larger_than_the_memory_left_beside_the_weights_is_refused(sizing, asked, monkeypatch):
+    monkeypatch.setattr("mlxkv.engine.kv_budget.device_memory", lambda: 16 * 10**9)
+    with pytest.raises(ValueError, match=re.escape(f"{asked} of KV cache, but at most 14.8 GB fits "
+                                                   "(16.0 GB the device can use, less 1.2 GB of weights)")):
+        build_kv_cache(EngineConfig(**sizing), 28, 8, 128, mx.bfloat16, 40960, weights_bytes=12 * 10**8)
+
+
+def test_the_default_budget_is_a_fraction_of_the_memory_left_and_no_more_than_the_sequences_need(monkeypatch):
+    monkeypatch.setattr("mlxkv.engine.kv_budget.device_memory", lambda: 16 * 10**9)
+    per_token = 2 * 28 * 8 * 128 * 2
+    cache = build_kv_cache(EngineConfig(max_num_seqs=16), 28, 8, 128, mx.bfloat16, 40960, weights_bytes=12 * 10**8)
+    assert cache.pool.capacity == int(0.5 * (16 * 10**9 - 12 * 10**8)) // (16 * per_token)
+    small = build_kv_cache(EngineConfig(max_num_seqs=1, max_model_len=30), 28, 8, 128, mx.bfloat16, 40960)
+    assert small.pool.capacity == 2  # 30 tokens in pages of 16
+    frugal = build_kv_cache(EngineConfig(kv_cache_fraction=0.1), 28, 8, 128, mx.bfloat16, 40960, weights_bytes=0)
+    assert frugal.pool.capacity == int(0.1 * 16 * 10**9) // (16 * per_token)
