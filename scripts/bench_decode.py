@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import deque
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,9 +38,7 @@ PROMPT = "Write a short note on paged attention and why it saves memory."
 
 
 def mlx_lm_tps(model, tokenizer, prompt: list[int], tokens: int) -> float:
-    last = None
-    for last in stream_generate(model, tokenizer, prompt, max_tokens=tokens, sampler=make_sampler(0.0)):
-        pass
+    last = deque(stream_generate(model, tokenizer, prompt, max_tokens=tokens, sampler=make_sampler(0.0)), maxlen=1)[0]
     assert last.generation_tokens == tokens, last.generation_tokens
     return last.generation_tps
 
@@ -64,8 +63,10 @@ def single_stream(name: str, model, tokenizer, args) -> float:
         theirs.append(mlx_lm_tps(model, tokenizer, prompt, args.tokens))
         ours.append(mlxkv_tps(llm, prompt, args.tokens))
     ratio = statistics.median(ours) / statistics.median(theirs)
-    print(f"{name}: mlx-lm {statistics.median(theirs):.1f} tok/s, mlxkv {statistics.median(ours):.1f} tok/s "
-          f"(runs: {', '.join(f'{t:.0f}/{o:.0f}' for t, o in zip(theirs, ours))})")
+    print(
+        f"{name}: mlx-lm {statistics.median(theirs):.1f} tok/s, mlxkv {statistics.median(ours):.1f} tok/s "
+        f"(runs: {', '.join(f'{t:.0f}/{o:.0f}' for t, o in zip(theirs, ours))})"
+    )
     print(f"single_stream_ratio[{name}]={ratio:.3f}")
     return ratio
 
@@ -104,19 +105,30 @@ def interleaved_steps(name: str, model, tokenizer, steps: int) -> None:
     for _ in range(steps):
         for engine, steps_of in engines.items():
             times[engine].append(next(steps_of))
-    medians = {engine: [1e3 * statistics.median(x) for x in ([s for s, _ in t], [w for _, w in t],
-                                                              [s - w for s, w in t])]
-               for engine, t in times.items()}
-    print(f"{name}, {steps} interleaved steps (ms: step / evaluation / host): "
-          + ", ".join(f"{engine} {m[0]:.2f} / {m[1]:.2f} / {m[2]:.2f}" for engine, m in medians.items()))
+    medians = {
+        engine: [1e3 * statistics.median(x) for x in ([s for s, _ in t], [w for _, w in t], [s - w for s, w in t])]
+        for engine, t in times.items()
+    }
+    print(
+        f"{name}, {steps} interleaved steps (ms: step / evaluation / host): "
+        + ", ".join(f"{engine} {m[0]:.2f} / {m[1]:.2f} / {m[2]:.2f}" for engine, m in medians.items())
+    )
     print(f"step_ratio[{name}]={medians['mlx-lm'][0] / medians['mlxkv'][0]:.3f}")
 
 
 def host_per_step(model, tokenizer, sequences: int, steps: int) -> tuple[float, float]:
     """(host ms, step ms) per decode step, median over `steps`, with `sequences` running."""
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=sequences, max_num_batched_tokens=4 * sequences,
-                                                      max_model_len=256, num_pages=sequences * 8 + 64,
-                                                      pipeline=False))
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(
+            max_num_seqs=sequences,
+            max_num_batched_tokens=4 * sequences,
+            max_model_len=256,
+            num_pages=sequences * 8 + 64,
+            pipeline=False,
+        ),
+    )
     for i in range(sequences):
         engine.add_request([1 + i % 50, 2, 3, 4], SamplingParams(max_tokens=200, ignore_eos=True))
     while any(r.num_computed < len(r.prompt_ids) for r in engine.requests.values()):

@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -66,17 +67,21 @@ def case(attention, batch: int, context: int, args) -> tuple[float, float]:
     k = k.reshape(batch, kv_heads, pages_per_seq * bs, d)[:, :, :context]
     v = v_pages[order].reshape(batch, pages_per_seq, kv_heads, bs, d).transpose(0, 2, 1, 3, 4)
     v = v.reshape(batch, kv_heads, pages_per_seq * bs, d)[:, :, :context]
-    scale = d ** -0.5
+    scale = d**-0.5
     if args.kv_bits:
         quantized = dict(group_size=args.kv_group_size, bits=args.kv_bits)
-        k_pages, v_pages = (QuantizedPages.quantize(pool, args.kv_bits, args.kv_group_size) for pool in (k_pages, v_pages))
+        k_pages, v_pages = (
+            QuantizedPages.quantize(pool, args.kv_bits, args.kv_group_size) for pool in (k_pages, v_pages)
+        )
         k, v = mx.quantize(k, **quantized), mx.quantize(v, **quantized)
 
         def baseline():
             return quantized_scaled_dot_product_attention(q[:, :, None], k, v, scale, None, **quantized)
     else:
+
         def baseline():
             return mx.fast.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale)
+
     mx.eval(q, k, v, [getattr(pool, "parts", pool) for pool in (k_pages, v_pages)])
     paged = timed(lambda: attention(q, k_pages, v_pages, meta, scale), args.repeats)
     return paged, timed(baseline, args.repeats)
@@ -98,8 +103,8 @@ def prefill(args) -> None:
         q = mx.random.normal((length, args.q_heads, d)).astype(dtype)
         batch = KVBatch((0,), np.array([length], np.int32), np.array([context], np.int32), table[None], bs)
         mx.eval(q, k_pages, v_pages)
-        paged = timed(lambda: kernels.paged(q, k_pages, v_pages, batch, d ** -0.5), args.repeats)
-        sdpa = timed(lambda: chunk_attention(q, k_pages, v_pages, table, context, d ** -0.5), args.repeats)
+        paged = timed(partial(kernels.paged, q, k_pages, v_pages, batch, d**-0.5), args.repeats)
+        sdpa = timed(partial(chunk_attention, q, k_pages, v_pages, table, context, d**-0.5), args.repeats)
         print(f"{length:>6} {paged * 1e3:>9.3f} {sdpa * 1e3:>8.3f} {paged / sdpa:>11.2f}")
 
 
@@ -109,16 +114,16 @@ class Gpu:
     """An M2 Max (38 cores), as the roofline below assumes it."""
 
     name: str = "M2 Max"
-    bandwidth: float = 400e9       # bytes/s of unified memory
+    bandwidth: float = 400e9  # bytes/s of unified memory
     cores: int = 38
-    lanes: int = 128               # ALU lanes per core issuing one instruction a cycle (4 SIMD groups)
+    lanes: int = 128  # ALU lanes per core issuing one instruction a cycle (4 SIMD groups)
     clock: float = 1.398e9
-    launch: float = 4e-6           # s of fixed dispatch and tail per kernel launch (assumed)
-    latency: float = 700e-9        # s from a device load's issue to its data (assumed)
-    tg_memory: int = 64 * 1024     # threadgroup memory a core holds for its resident threadgroups (assumed)
-    simdgroups: int = 32           # SIMD groups resident on a core (assumed)
-    transcendental: int = 4        # lane slots of an exp2/tanh (quarter-rate special-function unit)
-    reduction: int = 5             # shuffles a 32-lane reduction takes (log2 32 steps)
+    launch: float = 4e-6  # s of fixed dispatch and tail per kernel launch (assumed)
+    latency: float = 700e-9  # s from a device load's issue to its data (assumed)
+    tg_memory: int = 64 * 1024  # threadgroup memory a core holds for its resident threadgroups (assumed)
+    simdgroups: int = 32  # SIMD groups resident on a core (assumed)
+    transcendental: int = 4  # lane slots of an exp2/tanh (quarter-rate special-function unit)
+    reduction: int = 5  # shuffles a 32-lane reduction takes (log2 32 steps)
 
 
 def baseline_kernels(rev: str):
@@ -126,13 +131,18 @@ def baseline_kernels(rev: str):
     built on the simulator; None without git."""
     tmp = Path(tempfile.mkdtemp(prefix="mlxkv-baseline-"))
     try:
-        names = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "metal/"], check=True,
-                               capture_output=True, text=True).stdout.split()
+        names = subprocess.run(
+            ["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "metal/"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         (tmp / "mlxkv" / "attention").mkdir(parents=True)
         (tmp / "mlxkv" / "metal").mkdir()
         for name in [n for n in names if n.endswith((".h", ".metal"))] + ["mlxkv/attention/kernels.py"]:
-            text = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{name}"], check=True,
-                                  capture_output=True, text=True).stdout
+            text = subprocess.run(
+                ["git", "-C", str(REPO), "show", f"{rev}:{name}"], check=True, capture_output=True, text=True
+            ).stdout
             (tmp / ("mlxkv/metal/" + Path(name).name if name.startswith("metal/") else name)).write_text(text)
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -148,19 +158,24 @@ def count(kernels, context: int, group: int, head_dim: int, split: bool, page_si
     """The counted launches of one decode row of one KV head (a threadgroup's work is the same
     for every sequence and KV head, so per K/V byte this is the whole batch's)."""
     from mlxkv.attention.simulator import cost_counters
+
     rng = np.random.default_rng(0)
     pages = -(-context // page_size)
     k_pages, v_pages = (mx.array(rng.standard_normal((pages, 1, page_size, head_dim)), mx.float16) for _ in range(2))
-    batch = KVBatch((0,), np.ones(1, np.int32), np.array([context], np.int32),
-                    rng.permutation(pages).astype(np.int32)[None], page_size)
+    batch = KVBatch(
+        (0,),
+        np.ones(1, np.int32),
+        np.array([context], np.int32),
+        rng.permutation(pages).astype(np.int32)[None],
+        page_size,
+    )
     q = mx.array(rng.standard_normal((1, group, head_dim)), mx.float16)
     with cost_counters() as launches:
-        mx.eval(kernels(q, k_pages, v_pages, batch, head_dim ** -0.5, split=split))
+        mx.eval(kernels(q, k_pages, v_pages, batch, head_dim**-0.5, split=split))
     return launches
 
 
-def estimate(launches: list, replicas: int, in_flight: int, group: int, head_dim: int, context: int,
-             gpu: Gpu) -> float:
+def estimate(launches: list, replicas: int, in_flight: int, group: int, head_dim: int, context: int, gpu: Gpu) -> float:
     """Seconds the launches would take on `gpu` for `replicas` (sequences x KV heads) copies of
     the counted work, each launch bound by the slowest of: device bytes at full bandwidth;
     device bytes at what its resident SIMD groups keep in flight (`in_flight` bytes each for
@@ -173,12 +188,17 @@ def estimate(launches: list, replicas: int, in_flight: int, group: int, head_dim
         slots += 32 * (c.shuffles + gpu.reduction * c.reductions)
         threadgroups, simdgroups = c.threadgroups * replicas, c.threads // 32
         cores = min(gpu.cores, threadgroups)
-        resident = min(gpu.tg_memory // max(1, c.threadgroup_memory), gpu.simdgroups // simdgroups,
-                       -(-threadgroups // gpu.cores))
-        bandwidth = gpu.bandwidth if i else min(gpu.bandwidth,
-                                                cores * resident * simdgroups * in_flight / gpu.latency)
-        seconds += max((c.read_bytes + c.written_bytes) * replicas / bandwidth,
-                       slots * replicas / (cores * gpu.lanes * gpu.clock)) + gpu.launch
+        resident = min(
+            gpu.tg_memory // max(1, c.threadgroup_memory), gpu.simdgroups // simdgroups, -(-threadgroups // gpu.cores)
+        )
+        bandwidth = gpu.bandwidth if i else min(gpu.bandwidth, cores * resident * simdgroups * in_flight / gpu.latency)
+        seconds += (
+            max(
+                (c.read_bytes + c.written_bytes) * replicas / bandwidth,
+                slots * replicas / (cores * gpu.lanes * gpu.clock),
+            )
+            + gpu.launch
+        )
     return seconds
 
 
@@ -199,33 +219,50 @@ def contenders(gpu: Gpu, rev: str) -> list[Contender]:
     """This tree's kernels (a tile's K rows in flight), and commit `rev`'s when git can show them
     (one K and one V row in flight)."""
     from mlxkv.attention.simulator import metal_kernel
-    found = [Contender("new", PagedAttentionKernels(metal_kernel, cores=gpu.cores),
-                       lambda g, d: launch_shape(g, d, 16).heads,
-                       lambda t, c: t < THREADGROUPS_PER_CORE * gpu.cores and c > PARTITION,
-                       lambda g, d: 2 * d * launch_shape(g, d, 16).keys_per_tile)]
+
+    found = [
+        Contender(
+            "new",
+            PagedAttentionKernels(metal_kernel, cores=gpu.cores),
+            lambda g, d: launch_shape(g, d, 16).heads,
+            lambda t, c: t < THREADGROUPS_PER_CORE * gpu.cores and c > PARTITION,
+            lambda g, d: 2 * d * launch_shape(g, d, 16).keys_per_tile,
+        )
+    ]
     old = baseline_kernels(rev)
     if old is None:
         print(f"(git cannot show commit {rev} here: no baseline columns)")
         return found
-    return found + [Contender(rev, old.PagedAttentionKernels(metal_kernel), lambda g, d: old.launch_shape(g, d)[1],
-                              lambda t, c: t < old.SPLIT_BELOW and c >= old.SPLIT_FROM, lambda g, d: 2 * d * 2)]
+    return found + [
+        Contender(
+            rev,
+            old.PagedAttentionKernels(metal_kernel),
+            lambda g, d: old.launch_shape(g, d)[1],
+            lambda t, c: t < old.SPLIT_BELOW and c >= old.SPLIT_FROM,
+            lambda g, d: 2 * d * 2,
+        )
+    ]
 
 
 def model(args) -> None:
     """The counter table for decode batches, this tree's kernels beside `--baseline`'s."""
     gpu, kv_heads = Gpu(), args.kv_heads
     rivals = contenders(gpu, args.baseline)
-    print(f"Modeled in the CPU simulator, float16 K/V, {kv_heads} KV heads, block 16; roofline for an {gpu.name}: "
-          f"{gpu.bandwidth / 1e9:.0f} GB/s, {gpu.cores} cores x {gpu.lanes} lanes at {gpu.clock / 1e9:.2f} GHz, "
-          f"{gpu.launch * 1e6:.0f} us a launch, {gpu.latency * 1e9:.0f} ns load latency, {gpu.tg_memory // 1024} KiB "
-          f"threadgroup memory and {gpu.simdgroups} SIMD groups resident a core, exp2/tanh {gpu.transcendental} lane "
-          f"slots, a 32-lane reduction {gpu.reduction} shuffles, a shuffle a SIMD instruction; in flight per SIMD "
-          "group: a tile's K rows (new) or one K and one V row (baseline). Per key = per key of one KV head (its G "
-          "query heads); device bytes count once per threadgroup. To be confirmed on a Mac: "
-          "python scripts/bench_kernels.py")
-    print(f"{'batch':>5} {'ctx':>6} {'G':>2} {'D':>4} {'kernel':>8} {'split':>5} {'thr':>5} {'tg mem':>7} "
-          f"{'dev/KV':>7} {'vec%':>5} {'B/load':>6} {'red/key':>8} {'shf/key':>8} {'exp/key':>8} {'bar/tg':>6} "
-          f"{'est GB/s':>8} {'of BW':>6}")
+    print(
+        f"Modeled in the CPU simulator, float16 K/V, {kv_heads} KV heads, pages of 16; roofline for an {gpu.name}: "
+        f"{gpu.bandwidth / 1e9:.0f} GB/s, {gpu.cores} cores x {gpu.lanes} lanes at {gpu.clock / 1e9:.2f} GHz, "
+        f"{gpu.launch * 1e6:.0f} us a launch, {gpu.latency * 1e9:.0f} ns load latency, {gpu.tg_memory // 1024} KiB "
+        f"threadgroup memory and {gpu.simdgroups} SIMD groups resident a core, exp2/tanh {gpu.transcendental} lane "
+        f"slots, a 32-lane reduction {gpu.reduction} shuffles, a shuffle a SIMD instruction; in flight per SIMD "
+        "group: a tile's K rows (new) or one K and one V row (baseline). Per key = per key of one KV head (its G "
+        "query heads); device bytes count once per threadgroup. To be confirmed on a Mac: "
+        "python scripts/bench_kernels.py"
+    )
+    print(
+        f"{'batch':>5} {'ctx':>6} {'G':>2} {'D':>4} {'kernel':>8} {'split':>5} {'thr':>5} {'tg mem':>7} "
+        f"{'dev/KV':>7} {'vec%':>5} {'B/load':>6} {'red/key':>8} {'shf/key':>8} {'exp/key':>8} {'bar/tg':>6} "
+        f"{'est GB/s':>8} {'of BW':>6}"
+    )
     counted: dict = {}
     for head_dim in args.model_head_dims:
         for group in args.model_groups:
@@ -236,24 +273,47 @@ def model(args) -> None:
                         key = (rival.name, context, group, head_dim, split)
                         if key not in counted:
                             counted[key] = count(rival.kernels, context, group, head_dim, split)
-                        _row(batch, context, group, head_dim, rival.name, split, counted[key], kv_heads,
-                             rival.in_flight(group, head_dim), gpu)
+                        _row(
+                            batch,
+                            context,
+                            group,
+                            head_dim,
+                            rival.name,
+                            split,
+                            counted[key],
+                            kv_heads,
+                            rival.in_flight(group, head_dim),
+                            gpu,
+                        )
 
 
 def _row(batch, context, group, head_dim, name, split, launches, kv_heads, in_flight, gpu) -> None:
     kv = 2 * context * head_dim * 2  # K and V of one KV head, float16
-    total = {f: sum(getattr(c, f) for c in launches) for f in ("read_bytes", "written_bytes", "loads", "load_bytes",
-                                                                "vector_load_bytes", "reductions", "shuffles",
-                                                                "transcendentals", "barriers")}
+    total = {
+        f: sum(getattr(c, f) for c in launches)
+        for f in (
+            "read_bytes",
+            "written_bytes",
+            "loads",
+            "load_bytes",
+            "vector_load_bytes",
+            "reductions",
+            "shuffles",
+            "transcendentals",
+            "barriers",
+        )
+    }
     main = launches[0]
     rate = kv * batch * kv_heads / estimate(launches, batch * kv_heads, in_flight, group, head_dim, context, gpu)
-    print(f"{batch:>5} {context:>6} {group:>2} {head_dim:>4} {name:>8} {'yes' if split else 'no':>5} "
-          f"{main.threads:>5} {main.threadgroup_memory:>7} "
-          f"{(total['read_bytes'] + total['written_bytes']) / kv:>7.3f} "
-          f"{100 * total['vector_load_bytes'] / max(1, total['load_bytes']):>5.0f} "
-          f"{total['load_bytes'] / max(1, total['loads']):>6.1f} {total['reductions'] / context:>8.2f} "
-          f"{total['shuffles'] / context:>8.2f} {total['transcendentals'] / context:>8.1f} "
-          f"{total['barriers'] / max(1, main.threadgroups):>6.2f} {rate / 1e9:>8.0f} {rate / gpu.bandwidth:>6.0%}")
+    print(
+        f"{batch:>5} {context:>6} {group:>2} {head_dim:>4} {name:>8} {'yes' if split else 'no':>5} "
+        f"{main.threads:>5} {main.threadgroup_memory:>7} "
+        f"{(total['read_bytes'] + total['written_bytes']) / kv:>7.3f} "
+        f"{100 * total['vector_load_bytes'] / max(1, total['load_bytes']):>5.0f} "
+        f"{total['load_bytes'] / max(1, total['loads']):>6.1f} {total['reductions'] / context:>8.2f} "
+        f"{total['shuffles'] / context:>8.2f} {total['transcendentals'] / context:>8.1f} "
+        f"{total['barriers'] / max(1, main.threadgroups):>6.2f} {rate / 1e9:>8.0f} {rate / gpu.bandwidth:>6.0%}"
+    )
 
 
 def main() -> None:
@@ -285,21 +345,29 @@ def main() -> None:
         attention, what = PagedAttentionKernels(), "Metal paged-attention kernels"
     else:
         attention, what = reference_attention, "the pure-MLX reference path (no Metal on this machine)"
-    print(f"paged: {what}; device {mx.default_device()}, MLX {mx.__version__}, {args.dtype}, "
-          f"{args.q_heads}/{args.kv_heads} heads, head_dim {args.head_dim}, block {args.page_size}, "
-          + (f"{args.kv_bits}-bit K/V in groups of {args.kv_group_size} (baseline: mlx-lm's quantized attention)"
-             if args.kv_bits else "float K/V (baseline: MLX's SDPA)"))
+    print(
+        f"paged: {what}; device {mx.default_device()}, MLX {mx.__version__}, {args.dtype}, "
+        f"{args.q_heads}/{args.kv_heads} heads, head_dim {args.head_dim}, pages of {args.page_size}, "
+        + (
+            f"{args.kv_bits}-bit K/V in groups of {args.kv_group_size} (baseline: mlx-lm's quantized attention)"
+            if args.kv_bits
+            else "float K/V (baseline: MLX's SDPA)"
+        )
+    )
     print(f"{'batch':>6} {'context':>8} {'paged GB/s':>11} {'base GB/s':>10} {'paged/base time':>16}")
-    per_token = kv_bytes_per_token(1, args.kv_heads, args.head_dim, getattr(mx, args.dtype), args.kv_bits,
-                                   args.kv_group_size)
+    per_token = kv_bytes_per_token(
+        1, args.kv_heads, args.head_dim, getattr(mx, args.dtype), args.kv_bits, args.kv_group_size
+    )
     for batch in args.batches:
         for context in args.contexts:
             kv_bytes = batch * context * per_token
             if kv_bytes > 8 * 2**30:
                 continue
             paged, sdpa = case(attention, batch, context, args)
-            print(f"{batch:>6} {context:>8} {kv_bytes / paged / 1e9:>11.2f} {kv_bytes / sdpa / 1e9:>10.2f} "
-                  f"{paged / sdpa:>16.2f}")
+            print(
+                f"{batch:>6} {context:>8} {kv_bytes / paged / 1e9:>11.2f} {kv_bytes / sdpa / 1e9:>10.2f} "
+                f"{paged / sdpa:>16.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,7 @@ def greedy(logits: mx.array) -> mx.array:
 def mlxkv_chat(model, tokenizer, turns: list[list[int]], reply_len: int, caching: bool) -> dict:
     """TTFT per turn; each turn's prompt is the whole conversation so far plus the new message."""
     length = sum(map(len, turns)) + reply_len * len(turns)
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=length,
-                                                      prefix_caching=caching))
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=length, prefix_caching=caching))
     conversation, ttft, cached, replies = [], [], [], []
     for message in turns:
         request = engine.add_request(conversation + message, SamplingParams(max_tokens=reply_len, ignore_eos=True))
@@ -59,8 +58,9 @@ def mlx_lm_chat(model, turns: list[list[int]], reply_len: int) -> dict:
     ttft, replies = [], []
     for message in turns:
         start, tokens = time.perf_counter(), []
-        for token, _ in generate_step(mx.array(message), model, max_tokens=reply_len, sampler=greedy,
-                                      prompt_cache=cache):
+        for token, _ in generate_step(
+            mx.array(message), model, max_tokens=reply_len, sampler=greedy, prompt_cache=cache
+        ):
             if not tokens:
                 ttft.append(time.perf_counter() - start)
             tokens.append(int(token))
@@ -68,20 +68,29 @@ def mlx_lm_chat(model, turns: list[list[int]], reply_len: int) -> dict:
     return {"ttft": ttft, "replies": replies}
 
 
-def shared_prefix(model, tokenizer, prompts: list[list[int]], output_len: int, caching: bool,
-                  max_num_seqs: int) -> dict:
+def shared_prefix(
+    model, tokenizer, prompts: list[list[int]], output_len: int, caching: bool, max_num_seqs: int
+) -> dict:
     """Every prompt at once; output throughput and mean TTFT from the common start."""
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=max_num_seqs, prefix_caching=caching,
-                                                      max_model_len=max(map(len, prompts)) + output_len))
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(
+            max_num_seqs=max_num_seqs, prefix_caching=caching, max_model_len=max(map(len, prompts)) + output_len
+        ),
+    )
     start = time.perf_counter()
     requests = [engine.add_request(p, SamplingParams(max_tokens=output_len, ignore_eos=True)) for p in prompts]
     while engine.has_unfinished():
         engine.step()
     wall = time.perf_counter() - start
-    return {"tok/s": sum(len(r.output_ids) for r in requests) / wall,
-            "TTFT mean s": float(np.mean([r.first_token_time - start for r in requests])),
-            "wall s": wall, "prompt tokens reused": float(engine.stats().prefix_cache.cached_tokens),
-            "outputs": [r.output_ids for r in requests]}
+    return {
+        "tok/s": sum(len(r.output_ids) for r in requests) / wall,
+        "TTFT mean s": float(np.mean([r.first_token_time - start for r in requests])),
+        "wall s": wall,
+        "prompt tokens reused": float(engine.stats().prefix_cache.cached_tokens),
+        "outputs": [r.output_ids for r in requests],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,35 +115,47 @@ def main(argv: list[str] | None = None) -> None:
         return rng.integers(1, model.args.vocab_size, n).tolist()
 
     turns = [words(args.turn_len) for _ in range(args.turns)]
-    chats = {"on": lambda: mlxkv_chat(model, tokenizer, turns, args.reply_len, True),
-             "off": lambda: mlxkv_chat(model, tokenizer, turns, args.reply_len, False),
-             "mlx-lm": lambda: mlx_lm_chat(model, turns, args.reply_len)}
+    chats = {
+        "on": lambda: mlxkv_chat(model, tokenizer, turns, args.reply_len, True),
+        "off": lambda: mlxkv_chat(model, tokenizer, turns, args.reply_len, False),
+        "mlx-lm": lambda: mlx_lm_chat(model, turns, args.reply_len),
+    }
     runs: dict[str, list[dict]] = {name: [] for name in chats}
     for repeat in range(args.repeats):
-        order = list(chats)[repeat % 3:] + list(chats)[: repeat % 3]  # no engine always goes first
+        order = list(chats)[repeat % 3 :] + list(chats)[: repeat % 3]  # no engine always goes first
         for name in order:
             runs[name].append(chats[name]())
     ttft = {name: np.median([r["ttft"] for r in results], axis=0) for name, results in runs.items()}
     on, ref = runs["on"][0], runs["mlx-lm"][0]
-    print(f"\n(a) {args.turns}-turn chat, {args.turn_len}-token messages, {args.reply_len}-token replies: "
-          f"time to first token (s), median of {args.repeats}")
-    print(f"{'turn':>4} {'prompt':>7} {'reused':>7} {'computed':>9} {'mlxkv cache on':>15} {'mlxkv cache off':>16} "
-          f"{'mlx-lm':>10}")
+    print(
+        f"\n(a) {args.turns}-turn chat, {args.turn_len}-token messages, {args.reply_len}-token replies: "
+        f"time to first token (s), median of {args.repeats}"
+    )
+    print(
+        f"{'turn':>4} {'prompt':>7} {'reused':>7} {'computed':>9} {'mlxkv cache on':>15} {'mlxkv cache off':>16} "
+        f"{'mlx-lm':>10}"
+    )
     prompt = 0
     for i in range(args.turns):
         prompt += args.turn_len + (args.reply_len if i else 0)
-        print(f"{i + 1:>4} {prompt:>7} {on['cached'][i]:>7} {prompt - on['cached'][i]:>9} {ttft['on'][i]:>15.3f} "
-              f"{ttft['off'][i]:>16.3f} {ttft['mlx-lm'][i]:>10.3f}")
+        print(
+            f"{i + 1:>4} {prompt:>7} {on['cached'][i]:>7} {prompt - on['cached'][i]:>9} {ttft['on'][i]:>15.3f} "
+            f"{ttft['off'][i]:>16.3f} {ttft['mlx-lm'][i]:>10.3f}"
+        )
     same = all(r["replies"] == on["replies"] for r in runs["on"] + runs["off"])
     print(f"replies identical with caching on and off: {same}; equal to mlx-lm's: {on['replies'] == ref['replies']}")
 
     system = words(args.system_len)
     prompts = [system + words(args.question_len) for _ in range(args.num_requests)]
     shared_prefix(model, tokenizer, prompts[:2], 2, True, args.max_num_seqs)  # warm-up
-    shared = {"prefix caching on": shared_prefix(model, tokenizer, prompts, args.output_len, True, args.max_num_seqs),
-              "prefix caching off": shared_prefix(model, tokenizer, prompts, args.output_len, False, args.max_num_seqs)}
-    print(f"\n(b) {args.num_requests} requests sharing a {args.system_len}-token system prompt, "
-          f"{args.question_len}-token questions, {args.output_len} tokens out, {args.max_num_seqs} at once")
+    shared = {
+        "prefix caching on": shared_prefix(model, tokenizer, prompts, args.output_len, True, args.max_num_seqs),
+        "prefix caching off": shared_prefix(model, tokenizer, prompts, args.output_len, False, args.max_num_seqs),
+    }
+    print(
+        f"\n(b) {args.num_requests} requests sharing a {args.system_len}-token system prompt, "
+        f"{args.question_len}-token questions, {args.output_len} tokens out, {args.max_num_seqs} at once"
+    )
     columns = ["tok/s", "TTFT mean s", "wall s", "prompt tokens reused"]
     print(f"{'':20}" + "".join(f"{c:>22}" for c in columns))
     for name, row in shared.items():
@@ -144,9 +165,11 @@ def main(argv: list[str] | None = None) -> None:
 
     last = args.turns - 1
     speedup = shared["prefix caching on"]["tok/s"] / shared["prefix caching off"]["tok/s"]
-    print(f"chat_ttft_turn{last + 1}_over_turn1={ttft['on'][last] / ttft['on'][0]:.3f} "
-          f"chat_turn{last + 1}_ttft_vs_mlx_lm={ttft['on'][last] / ttft['mlx-lm'][last]:.3f} "
-          f"shared_prefix_speedup={speedup:.3f}")
+    print(
+        f"chat_ttft_turn{last + 1}_over_turn1={ttft['on'][last] / ttft['on'][0]:.3f} "
+        f"chat_turn{last + 1}_ttft_vs_mlx_lm={ttft['on'][last] / ttft['mlx-lm'][last]:.3f} "
+        f"shared_prefix_speedup={speedup:.3f}"
+    )
 
 
 if __name__ == "__main__":

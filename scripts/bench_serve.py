@@ -64,8 +64,14 @@ def peak_rss_gib(pid: int) -> float:
 async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int) -> dict:
     """One streaming completion: its token times, the tokens its usage reports, and how many
     times the connection was refused or reset before the first token (then it is retried)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start, times, tokens, retries = time.perf_counter(), [], 0, 0
     while True:
         try:
@@ -103,9 +109,14 @@ async def load(url: str, model: str, prompts: list[str], concurrency: int, outpu
         wall = time.perf_counter() - start
     ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
     itl = np.concatenate([np.diff(r["times"]) for r in results if len(r["times"]) > 1] or [np.zeros(0)])
-    return {"tok/s": sum(r["tokens"] for r in results) / wall, "TTFT p50 s": np.percentile(ttft, 50),
-            "TTFT p99 s": np.percentile(ttft, 99), "ITL p50 ms": 1e3 * np.percentile(itl, 50),
-            "ITL p99 ms": 1e3 * np.percentile(itl, 99), "retries": float(sum(r["retries"] for r in results))}
+    return {
+        "tok/s": sum(r["tokens"] for r in results) / wall,
+        "TTFT p50 s": np.percentile(ttft, 50),
+        "TTFT p99 s": np.percentile(ttft, 99),
+        "ITL p50 ms": 1e3 * np.percentile(itl, 50),
+        "ITL p99 ms": 1e3 * np.percentile(itl, 99),
+        "retries": float(sum(r["retries"] for r in results)),
+    }
 
 
 def servers(model: str, port: int, max_model_len: int) -> dict[str, list[str]]:
@@ -113,10 +124,32 @@ def servers(model: str, port: int, max_model_len: int) -> dict[str, list[str]]:
     `max_model_len` tokens; mlx-lm grows its caches as it goes."""
     python = sys.executable
     return {
-        "mlx_lm.server": [python, "-m", "mlx_lm", "server", "--model", model, "--port", str(port),
-                          "--log-level", "WARNING"],
-        "mlxkv serve": [python, "-m", "mlxkv", "serve", "--model", model, "--port", str(port),
-                        "--max-num-seqs", "16", "--max-model-len", str(max_model_len)],
+        "mlx_lm.server": [
+            python,
+            "-m",
+            "mlx_lm",
+            "server",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+        ],
+        "mlxkv serve": [
+            python,
+            "-m",
+            "mlxkv",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "16",
+            "--max-model-len",
+            str(max_model_len),
+        ],
     }
 
 
@@ -135,8 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     model = str(args.model or DEFAULT_MODEL)
     rng = np.random.default_rng(args.seed)
     words = TEXT.split()
-    workloads = {c: [" ".join(rng.choice(words, int(rng.integers(*args.prompt_words))))
-                     for _ in range(c * args.requests_per_client)] for c in args.concurrency}
+    workloads = {
+        c: [
+            " ".join(rng.choice(words, int(rng.integers(*args.prompt_words))))
+            for _ in range(c * args.requests_per_client)
+        ]
+        for c in args.concurrency
+    }
     print(f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}")
     rows: dict[tuple[str, int], dict] = {}
     logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))

@@ -1,11 +1,12 @@
 """What paging buys: KV memory, waste and concurrency of mlxkv paged, mlxkv contiguous and mlx-lm.
 
-One chat-like workload runs through mlxkv's paged layout (at several block sizes, and with
+One chat-like workload runs through mlxkv's paged layout (at several page sizes, and with
 8-bit and 4-bit pages), mlxkv's contiguous layout (one max-length slot per sequence) and
-mlx-lm's BatchGenerator, all
-measured the same way after every step: KV bytes allocated to sequences and KV bytes holding
-tokens. It writes `layout-comparison.md`, `samples.json` and PNG charts (with the `plot`
-extra) into `--out`, and prints a final summary line.
+mlx-lm's BatchGenerator, all measured the same way after every step: KV bytes allocated to
+sequences and KV bytes holding tokens. A row the model cannot run (quantized pages need a group
+size that divides its head_dim) is skipped, with one printed line saying why. It writes
+`layout-comparison.md`, `samples.json` and PNG charts (with the `plot` extra) into `--out`,
+and prints a final summary line.
 
 Concurrency within `--kv-budget` is the number of this workload's sequences that fit in the
 budget at the KV bytes each one held, time-weighted, in that layout.
@@ -29,15 +30,17 @@ from harness import (
     model_kv_bytes_per_token,
     run_mlx_lm,
     run_mlxkv,
+    runnable,
 )
 from mlx_lm import load as mlx_lm_load
 
 from mlxkv.cache.storage import dtype_name
 from mlxkv.config import EngineConfig, parse_memory
+from mlxkv.engine.kv_budget import context_length
 from mlxkv.engine.model_runner import kv_shape
 from mlxkv.models.loading import DEMO_MODEL
 
-BLOCK_SIZES = (8, 16, 32, 64)
+PAGE_SIZES = (8, 16, 32, 64)
 KV_BITS = (8, 4)
 
 
@@ -96,28 +99,33 @@ def plot(out: Path, runs: dict[str, Run], rows: dict[str, dict[str, float]]) -> 
     except ImportError:
         return []
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name in ("mlxkv paged (block 16)", "mlxkv contiguous", "mlx-lm BatchGenerator"):
+    for name in ("mlxkv paged (pages of 16)", "mlxkv contiguous", "mlx-lm BatchGenerator"):
         run = runs[name]
         t = [s.time - run.start for s in run.samples]
-        line, = ax.plot(t, [s.allocated / 2**20 for s in run.samples], label=f"{name}: allocated")
-        ax.plot(t, [s.holding / 2**20 for s in run.samples], ls="--", color=line.get_color(),
-                label=f"{name}: holding tokens")
+        (line,) = ax.plot(t, [s.allocated / 2**20 for s in run.samples], label=f"{name}: allocated")
+        ax.plot(
+            t,
+            [s.holding / 2**20 for s in run.samples],
+            ls="--",
+            color=line.get_color(),
+            label=f"{name}: holding tokens",
+        )
     ax.set(xlabel="seconds", ylabel="KV MiB", title="KV memory over time")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "memory-over-time.png", dpi=120)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([str(b) for b in BLOCK_SIZES], [rows[f"mlxkv paged (block {b})"]["waste %"] for b in BLOCK_SIZES])
-    ax.set(xlabel="block size (tokens)", ylabel="waste % (time-weighted)", title="Paged KV waste per block size")
+    ax.bar([str(b) for b in PAGE_SIZES], [rows[f"mlxkv paged (pages of {b})"]["waste %"] for b in PAGE_SIZES])
+    ax.set(xlabel="page size (tokens)", ylabel="waste % (time-weighted)", title="Paged KV waste per page size")
     fig.tight_layout()
-    fig.savefig(out / "waste-per-block-size.png", dpi=120)
+    fig.savefig(out / "waste-per-page-size.png", dpi=120)
     fig, ax = plt.subplots(figsize=(6, 4))
-    names = ["mlxkv paged (block 16)", "mlxkv contiguous", "mlx-lm BatchGenerator"]
+    names = ["mlxkv paged (pages of 16)", "mlxkv contiguous", "mlx-lm BatchGenerator"]
     ax.bar(["paged", "contiguous", "mlx-lm"], [rows[n]["sequences in budget"] for n in names])
     ax.set(ylabel="sequences", title="Concurrent sequences within the KV budget")
     fig.tight_layout()
     fig.savefig(out / "concurrency.png", dpi=120)
-    return ["memory-over-time.png", "waste-per-block-size.png", "concurrency.png"]
+    return ["memory-over-time.png", "waste-per-page-size.png", "concurrency.png"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,8 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", choices=("longtail", "uniform", "fixed"), default="longtail")
     parser.add_argument("--prompt-len", type=int, default=160, help="median (longtail), mean (uniform) or value")
     parser.add_argument("--output-len", type=int, default=120, help="median (longtail), mean (uniform) or value")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="most tokens per sequence, the contiguous layout's page [default: the model's context]")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="most tokens per sequence, the contiguous layout's page [default: the model's context]",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=32, help="concurrent sequences, every run")
     parser.add_argument("--kv-budget", default="256MiB")
     parser.add_argument("--seed", type=int, default=0)
@@ -137,48 +149,64 @@ def main(argv: list[str] | None = None) -> None:
 
     budget = parse_memory(args.kv_budget)
     model, tokenizer = mlx_lm_load(str(args.model))
-    max_len = args.max_model_len or model.args.max_position_embeddings
+    max_len = context_length(args.max_model_len, getattr(model.args, "max_position_embeddings", None))
     workload = make_workload(args, model.args.vocab_size, max_len)
     bytes_per_token = model_kv_bytes_per_token(model)
     args.out.mkdir(parents=True, exist_ok=True)
 
     runs: dict[str, Run] = {}
     common = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len)
-    for block in BLOCK_SIZES:
-        config = EngineConfig(kv_layout="paged", page_size=block, **common)
-        runs[f"mlxkv paged (block {block})"] = run_mlxkv(model, tokenizer, workload, config, f"paged {block}")[0]
+    for size in PAGE_SIZES:
+        config = EngineConfig(kv_layout="paged", page_size=size, **common)
+        runs[f"mlxkv paged (pages of {size})"] = run_mlxkv(model, tokenizer, workload, config, f"paged {size}")[0]
     for bits in KV_BITS:
         config = EngineConfig(kv_layout="paged", page_size=16, kv_bits=bits, **common)
-        runs[f"mlxkv paged {bits}-bit (block 16)"] = run_mlxkv(model, tokenizer, workload, config, f"{bits}-bit")[0]
+        name = f"mlxkv paged {bits}-bit (pages of 16)"
+        if runnable(model, config, name):
+            runs[name] = run_mlxkv(model, tokenizer, workload, config, f"{bits}-bit")[0]
     config = EngineConfig(kv_layout="contiguous", **common)
     runs["mlxkv contiguous"] = run_mlxkv(model, tokenizer, workload, config, "contiguous")[0]
     runs["mlx-lm BatchGenerator"] = run_mlx_lm(model, workload, args.max_num_seqs, bytes_per_token)
 
     rows = {name: summarise(run, workload, budget) for name, run in runs.items()}
-    floor = 100 * page_floor(runs["mlxkv paged (block 16)"], 16)
-    header = (f"{workload.size} requests ({args.lengths} lengths, {sum(map(len, workload.prompts))} prompt and "
-              f"{sum(workload.output_lens)} output tokens), model {args.model.name}, batch cap {args.max_num_seqs}, "
-              f"contiguous slot {max_len} tokens, KV budget {budget / 2**20:.0f} MiB; {platform.machine()} "
-              f"{platform.system()}, MLX {mx.__version__} on {mx.default_device()}, BLAS: {blas_in_use()}; "
-              f"{time.strftime('%Y-%m-%d')}. Paged waste floor at block 16: {floor:.2f} %.")
+    floor = 100 * page_floor(runs["mlxkv paged (pages of 16)"], 16)
+    header = (
+        f"{workload.size} requests ({args.lengths} lengths, {sum(map(len, workload.prompts))} prompt and "
+        f"{sum(workload.output_lens)} output tokens), model {args.model.name}, batch cap {args.max_num_seqs}, "
+        f"contiguous slot {max_len} tokens, KV budget {budget / 2**20:.0f} MiB; {platform.machine()} "
+        f"{platform.system()}, MLX {mx.__version__} on {mx.default_device()}, BLAS: {blas_in_use()}; "
+        f"{time.strftime('%Y-%m-%d')}. Paged waste floor at pages of 16: {floor:.2f} %."
+    )
     write_markdown(args.out, rows, header)
-    (args.out / "samples.json").write_text(json.dumps(
-        {name: {"bytes_per_token": r.bytes_per_token, "samples": [asdict(s) for s in r.samples]}
-         for name, r in runs.items()}))
+    (args.out / "samples.json").write_text(
+        json.dumps(
+            {
+                name: {"bytes_per_token": r.bytes_per_token, "samples": [asdict(s) for s in r.samples]}
+                for name, r in runs.items()
+            }
+        )
+    )
     charts = plot(args.out, runs, rows)
     print((args.out / "layout-comparison.md").read_text())
     print("charts: " + (", ".join(charts) if charts else "none (pip install 'mlxkv[plot]' for PNG charts)"))
-    paged, contiguous, mlx_lm = (rows[n] for n in ("mlxkv paged (block 16)", "mlxkv contiguous", "mlx-lm BatchGenerator"))
+    paged, contiguous, mlx_lm = (
+        rows[n] for n in ("mlxkv paged (pages of 16)", "mlxkv contiguous", "mlx-lm BatchGenerator")
+    )
     print(f"paged_floor={floor:.2f}%")
     dtype = dtype_name(kv_shape(model)[3])
-    quantized = [f"kv{b}bit_sequences_vs_{dtype}="
-                 f"{rows[f'mlxkv paged {b}-bit (block 16)']['sequences in budget'] / paged['sequences in budget']:.2f}x"
-                 for b in KV_BITS]
-    print(f"paged_waste={paged['waste %']:.2f}% contiguous_waste={contiguous['waste %']:.2f}% "
-          f"mlx_lm_waste={mlx_lm['waste %']:.2f}% "
-          f"concurrency_gain_vs_mlx_lm={paged['sequences in budget'] / mlx_lm['sequences in budget']:.2f}x "
-          f"concurrency_gain_vs_contiguous={paged['sequences in budget'] / contiguous['sequences in budget']:.2f}x "
-          + " ".join(quantized))
+    quantized = [
+        f"kv{b}bit_sequences_vs_{dtype}="
+        f"{rows[f'mlxkv paged {b}-bit (pages of 16)']['sequences in budget'] / paged['sequences in budget']:.2f}x"
+        for b in KV_BITS
+        if f"mlxkv paged {b}-bit (pages of 16)" in rows
+    ]
+    print(
+        f"paged_waste={paged['waste %']:.2f}% contiguous_waste={contiguous['waste %']:.2f}% "
+        f"mlx_lm_waste={mlx_lm['waste %']:.2f}% "
+        f"concurrency_gain_vs_mlx_lm={paged['sequences in budget'] / mlx_lm['sequences in budget']:.2f}x "
+        f"concurrency_gain_vs_contiguous={paged['sequences in budget'] / contiguous['sequences in budget']:.2f}x",
+        *quantized,
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import BatchGenerator
 
 from mlxkv import SamplingParams
-from mlxkv.cache.storage import kv_bytes_per_token
+from mlxkv.cache.storage import check_quantization, kv_bytes_per_token
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
 from mlxkv.engine.model_runner import kv_shape
@@ -53,6 +53,17 @@ def load_bench_model(path: Path | None):
 def model_kv_bytes_per_token(model) -> int:
     """K and V bytes one token of `model` takes across all layers, in the model's dtype."""
     return kv_bytes_per_token(*kv_shape(model))
+
+
+def runnable(model, config: EngineConfig, name: str) -> bool:
+    """Whether mlxkv can run `model` with `config`, checked as its cache checks it (quantized pages need
+    a group size that divides head_dim); if not, one printed line says why, and the caller skips row `name`."""
+    try:
+        check_quantization(config.kv_bits, config.kv_group_size, kv_shape(model)[2])
+    except ValueError as reason:
+        print(f"skipped: {name}: {reason}")
+        return False
+    return True
 
 
 @dataclass
@@ -113,9 +124,13 @@ class Run:
         ttft = [self.token_times[i][0] - (self.start + a) for i, a in enumerate(workload.arrivals)]
         itl = np.concatenate([np.diff(t) for t in self.token_times.values()])
         generated = sum(len(t) for t in self.token_times.values())
-        return {"tok/s": generated / (self.end - self.start), "TTFT mean s": float(np.mean(ttft)),
-                "TTFT p99 s": float(np.percentile(ttft, 99)), "ITL p50 ms": 1e3 * float(np.percentile(itl, 50)),
-                "ITL p99 ms": 1e3 * float(np.percentile(itl, 99))}
+        return {
+            "tok/s": generated / (self.end - self.start),
+            "TTFT mean s": float(np.mean(ttft)),
+            "TTFT p99 s": float(np.percentile(ttft, 99)),
+            "ITL p50 ms": 1e3 * float(np.percentile(itl, 50)),
+            "ITL p99 ms": 1e3 * float(np.percentile(itl, 99)),
+        }
 
 
 def _arrived(pending: list[int], workload: Workload, start: float) -> tuple[list[int], list[int]]:
@@ -162,8 +177,14 @@ def _mlx_lm_sample(gen: BatchGenerator, live: dict[int, int], workload: Workload
     held = sum(int(np.maximum(np.array(b.prompt_cache[0].offset), 0).sum()) for b in batches)
     requests = [live[uid] for uid in gen._generation_batch.uids if uid in live]
     lengths = [len(workload.prompts[i]) + len(run.token_times.get(i, ())) for i in requests]
-    return Sample(now, allocated, held * run.bytes_per_token, lengths, sum(len(b.uids) for b in batches),
-                  exact=not gen._prompt_batch.uids)
+    return Sample(
+        now,
+        allocated,
+        held * run.bytes_per_token,
+        lengths,
+        sum(len(b.uids) for b in batches),
+        exact=not gen._prompt_batch.uids,
+    )
 
 
 def run_mlxkv(model, tokenizer, workload: Workload, config: EngineConfig, name: str) -> tuple[Run, LLMEngine]:
@@ -176,16 +197,22 @@ def run_mlxkv(model, tokenizer, workload: Workload, config: EngineConfig, name: 
     while pending or engine.has_unfinished():
         arrived, pending = _arrived(pending, workload, run.start)
         for i in arrived:
-            engine.add_request(workload.prompts[i], SamplingParams(max_tokens=workload.output_lens[i],
-                                                                   ignore_eos=True), request_id=str(i))
+            engine.add_request(
+                workload.prompts[i],
+                SamplingParams(max_tokens=workload.output_lens[i], ignore_eos=True),
+                request_id=str(i),
+            )
         outputs = engine.step()
         now = time.perf_counter()
         for out in outputs:
             run.token_times.setdefault(int(out.request_id), []).append(now)
         usage = engine.cache.usage()
         running = engine.scheduler.running
-        run.samples.append(Sample(now, usage.bytes_allocated, usage.bytes_holding_tokens,
-                                  [r.num_computed for r in running], len(running)))
+        run.samples.append(
+            Sample(
+                now, usage.bytes_allocated, usage.bytes_holding_tokens, [r.num_computed for r in running], len(running)
+            )
+        )
         if not outputs and not engine.has_unfinished():
             time.sleep(0.001)
     run.end = time.perf_counter()

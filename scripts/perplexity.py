@@ -31,8 +31,24 @@ from mlxkv.attention import AttentionSpec, choose_attention
 from mlxkv.engine.model_runner import ModelRunner, kv_shape, layer_variants
 from mlxkv.models.loading import DEMO_MODEL
 
-MODULES = ("argparse", "bisect", "csv", "datetime", "difflib", "fractions", "functools", "heapq", "itertools",
-           "json", "pathlib", "random", "shlex", "statistics", "string", "textwrap")
+MODULES = (
+    "argparse",
+    "bisect",
+    "csv",
+    "datetime",
+    "difflib",
+    "fractions",
+    "functools",
+    "heapq",
+    "itertools",
+    "json",
+    "pathlib",
+    "random",
+    "shlex",
+    "statistics",
+    "string",
+    "textwrap",
+)
 
 
 def held_out_text(modules: tuple[str, ...] = MODULES) -> str:
@@ -68,11 +84,28 @@ def score(model, windows: list[np.ndarray], group_size: int, page_size: int, chu
     layers, kv_heads, head_dim, dtype = kv_shape(model)
 
     def runner(bits: int | None) -> ModelRunner:
-        spec = AttentionSpec(dtype, model.args.num_attention_heads, kv_heads, head_dim, page_size, bits, group_size,
-                             layer_variants(model))
-        cache = KVCacheManager(layers, kv_heads, head_dim, max_num_seqs=1, max_model_len=max(map(len, windows)),
-                               page_size=page_size, dtype=dtype, prefix_caching=False, kv_bits=bits,
-                               kv_group_size=group_size)
+        spec = AttentionSpec(
+            dtype,
+            model.args.num_attention_heads,
+            kv_heads,
+            head_dim,
+            page_size,
+            bits,
+            group_size,
+            layer_variants(model),
+        )
+        cache = KVCacheManager(
+            layers,
+            kv_heads,
+            head_dim,
+            max_num_seqs=1,
+            max_model_len=max(map(len, windows)),
+            page_size=page_size,
+            dtype=dtype,
+            prefix_caching=False,
+            kv_bits=bits,
+            kv_group_size=group_size,
+        )
         return ModelRunner(model, cache, choose_attention(None, spec))
 
     runners = {bits: runner(bits) for bits in FORMATS}
@@ -80,12 +113,13 @@ def score(model, windows: list[np.ndarray], group_size: int, page_size: int, chu
     for tokens in windows:
         seqs = {bits: runner.cache.claim(1)[0] for bits, runner in runners.items()}
         for lo in range(0, len(tokens) - 1, chunk):
-            ids = tokens[lo:min(lo + chunk, len(tokens) - 1)]
-            targets = mx.array(tokens[lo + 1:lo + 1 + len(ids)])
+            ids = tokens[lo : min(lo + chunk, len(tokens) - 1)]
+            targets = mx.array(tokens[lo + 1 : lo + 1 + len(ids)])
             logprobs = {}
             for bits, runner in runners.items():
-                logits = runner.head(runner.hidden(ids, runner.cache.append([seqs[bits]], [len(ids)]),
-                                                   np.zeros(1, np.int32))).astype(mx.float32)
+                logits = runner.head(
+                    runner.hidden(ids, runner.cache.append([seqs[bits]], [len(ids)]), np.zeros(1, np.int32))
+                ).astype(mx.float32)
                 logprobs[bits] = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             reference = logprobs[None]
             for bits, lp in logprobs.items():
@@ -102,14 +136,18 @@ def score(model, windows: list[np.ndarray], group_size: int, page_size: int, chu
 
 def windows_of(tokenizer, text: str, window: int, limit: int) -> list[np.ndarray]:
     ids = np.asarray(tokenizer.encode(text), np.int32)[:limit]
-    return [ids[lo:lo + window] for lo in range(0, len(ids), window) if len(ids) - lo > 1]
+    return [ids[lo : lo + window] for lo in range(0, len(ids), window) if len(ids) - lo > 1]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEMO_MODEL, help="mlx-lm checkpoint [default: the demo model]")
-    parser.add_argument("--window", type=int, default=128,
-                        help="tokens per window [default: 128, the context the demo model was trained on]")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=128,
+        help="tokens per window [default: 128, the context the demo model was trained on]",
+    )
     parser.add_argument("--max-tokens", type=int, default=16384, help="most tokens of each text to score")
     parser.add_argument("--chunk", type=int, default=128, help="tokens computed per step")
     parser.add_argument("--page-size", type=int, default=16)
@@ -118,28 +156,45 @@ def main(argv: list[str] | None = None) -> None:
 
     model, tokenizer = mlx_lm_load(str(args.model))
     dtype = str(kv_shape(model)[3]).split(".")[-1]
-    print(f"model {args.model.name}; every token attends its K/V as the pages hold them; {platform.machine()} "
-          f"{sys.platform}, Python {platform.python_version()}, MLX {mx.__version__} on {mx.default_device()}, "
-          f"BLAS: {blas_in_use()}")
-    texts = {"held-out": held_out_text(),
-             "training": "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics))}
+    print(
+        f"model {args.model.name}; every token attends its K/V as the pages hold them; {platform.machine()} "
+        f"{sys.platform}, Python {platform.python_version()}, MLX {mx.__version__} on {mx.default_device()}, "
+        f"BLAS: {blas_in_use()}"
+    )
+    texts = {
+        "held-out": held_out_text(),
+        "training": "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)),
+    }
     ratios = {}
     for name, text in texts.items():
         windows = windows_of(tokenizer, text, args.window, args.max_tokens)
         scores = score(model, windows, args.kv_group_size, args.page_size, args.chunk)
-        print(f"\n{name} text: {sum(map(len, windows))} tokens in {len(windows)} windows of up to {args.window}"
-              + (f" (docstrings of {len(MODULES)} standard-library modules)" if name == "held-out" else
-                 " (the language reference the demo model learnt)"))
+        print(
+            f"\n{name} text: {sum(map(len, windows))} tokens in {len(windows)} windows of up to {args.window}"
+            + (
+                f" (docstrings of {len(MODULES)} standard-library modules)"
+                if name == "held-out"
+                else " (the language reference the demo model learnt)"
+            )
+        )
         print(f"{'KV pages':>26} {'perplexity':>11} {'vs float':>9} {'KL nats/token':>14} {'same top-1':>11}")
         base = math.exp(scores[None].nll / scores[None].count)
         for bits, got in scores.items():
             ppl = math.exp(got.nll / got.count)
             label = dtype if bits is None else f"{bits}-bit, groups of {args.kv_group_size}"
-            print(f"{label:>26} {ppl:>11.3f} {100 * (ppl / base - 1):>+8.2f}% {got.kl / got.count:>14.5f} "
-                  f"{100 * got.agree / got.count:>10.2f}%")
+            print(
+                f"{label:>26} {ppl:>11.3f} {100 * (ppl / base - 1):>+8.2f}% {got.kl / got.count:>14.5f} "
+                f"{100 * got.agree / got.count:>10.2f}%"
+            )
             ratios[(name, bits)] = ppl / base
-    print("\n" + " ".join(f"ppl_ratio_{bits}bit_{name.replace('-', '_')}={ratios[(name, bits)]:.4f}"
-                          for name in texts for bits in (8, 4)))
+    print(
+        "\n"
+        + " ".join(
+            f"ppl_ratio_{bits}bit_{name.replace('-', '_')}={ratios[(name, bits)]:.4f}"
+            for name in texts
+            for bits in (8, 4)
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -30,9 +30,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|endoftext|>"
 CONFIG = dict(
-    model_type="llama", hidden_size=256, num_hidden_layers=3, intermediate_size=512,
-    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=2048,
-    rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=2048,
+    model_type="llama",
+    hidden_size=256,
+    num_hidden_layers=3,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    vocab_size=2048,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
 )
 
 
@@ -46,8 +54,12 @@ def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(docs, trainer)
     return tokenizer
 
@@ -73,9 +85,14 @@ def save(model: nn.Module, tokenizer: Tokenizer, out: Path, meta: dict) -> None:
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(CONFIG | {"torch_dtype": "float16"}, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS,
-                        "bos_token": None, "unk_token": None, "model_max_length": CONFIG["max_position_embeddings"],
-                        "clean_up_tokenization_spaces": False}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS,
+        "bos_token": None,
+        "unk_token": None,
+        "model_max_length": CONFIG["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
@@ -101,7 +118,8 @@ def main() -> None:
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"model: {params / 1e6:.2f}M parameters")
     schedule = optim.join_schedules(
-        [optim.linear_schedule(0.0, args.lr, 100), optim.cosine_decay(args.lr, args.steps - 100, args.lr / 20)], [100])
+        [optim.linear_schedule(0.0, args.lr, 100), optim.cosine_decay(args.lr, args.steps - 100, args.lr / 20)], [100]
+    )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.1)
 
     def loss_fn(model, inputs, targets):
@@ -119,9 +137,17 @@ def main() -> None:
         if step % 100 == 0 or step == 1:
             elapsed = time.perf_counter() - start
             print(f"step {step}: loss {loss.item():.3f} ({elapsed:.0f}s)", flush=True)
-    meta = dict(vars(args), out=None, final_loss=round(loss.item(), 4), tokens=int(tokens.size),
-                parameters=int(params), python=sys.version.split()[0], mlx=mx.__version__,
-                seconds=round(time.perf_counter() - start), corpus="pydoc_data.topics (PSF licence)")
+    meta = dict(
+        vars(args),
+        out=None,
+        final_loss=round(loss.item(), 4),
+        tokens=int(tokens.size),
+        parameters=int(params),
+        python=sys.version.split()[0],
+        mlx=mx.__version__,
+        seconds=round(time.perf_counter() - start),
+        corpus="pydoc_data.topics (PSF licence)",
+    )
     save(model, tokenizer, args.out, meta)
     print(f"saved to {args.out} (loss {loss.item():.3f}, perplexity {math.exp(loss.item()):.1f})")
 

@@ -4,13 +4,34 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 
-import bench_prefix  # noqa: E402
+import bench_prefix
 
 
 def test_a_small_run_reuses_all_but_the_new_tokens_and_prints_the_summary(checkpoint, capsys):
-    bench_prefix.main(["--model", str(checkpoint("llama-fp32")), "--turns", "3", "--turn-len", "20", "--reply-len",
-                       "5", "--repeats", "1", "--num-requests", "6", "--system-len", "40", "--question-len", "8",
-                       "--output-len", "4", "--max-num-seqs", "4"])
+    bench_prefix.main(
+        [
+            "--model",
+            str(checkpoint("llama-fp32")),
+            "--turns",
+            "3",
+            "--turn-len",
+            "20",
+            "--reply-len",
+            "5",
+            "--repeats",
+            "1",
+            "--num-requests",
+            "6",
+            "--system-len",
+            "40",
+            "--question-len",
+            "8",
+            "--output-len",
+            "4",
+            "--max-num-seqs",
+            "4",
+        ]
+    )
     out = capsys.readouterr().out
     rows = re.findall(r"^ +(\d) +(\d+) +(\d+) +(\d+) +[\d.]+ +[\d.]+ +[\d.]+$", out, re.MULTILINE)
     assert [(turn, computed) for turn, _, _, computed in rows] == [("1", "20"), ("2", "21"), ("3", "21")]
@@ -18,5 +39,9 @@ def test_a_small_run_reuses_all_but_the_new_tokens_and_prints_the_summary(checkp
     assert "outputs identical with caching on and off: True" in out
     # the first 4 are admitted together and each computes the prefix; the other 2 reuse its 2 full pages
     assert re.search(r"^prefix caching on +[\d.]+ +[\d.]+ +[\d.]+ +64\.000$", out, re.MULTILINE)
-    assert re.search(r"^chat_ttft_turn3_over_turn1=[\d.]+ chat_turn3_ttft_vs_mlx_lm=[\d.]+ "
-                     r"shared_prefix_speedup=[\d.]+$", out, re.MULTILINE)
+    assert re.search(
+        r"^chat_ttft_turn3_over_turn1=[\d.]+ chat_turn3_ttft_vs_mlx_lm=[\d.]+ "
+        r"shared_prefix_speedup=[\d.]+$",
+        out,
+        re.MULTILINE,
+    )

@@ -4,15 +4,35 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 
-import bench_serve  # noqa: E402
+import bench_serve
 
 
 def test_a_small_run_drives_both_servers_and_prints_the_summary(checkpoint, capsys):
-    bench_serve.main(["--model", str(checkpoint("llama-fp32")), "--concurrency", "1", "3", "--requests-per-client",
-                      "1", "--output-len", "4", "--prompt-words", "2", "6", "--max-model-len", "128"])
+    bench_serve.main(
+        [
+            "--model",
+            str(checkpoint("llama-fp32")),
+            "--concurrency",
+            "1",
+            "3",
+            "--requests-per-client",
+            "1",
+            "--output-len",
+            "4",
+            "--prompt-words",
+            "2",
+            "6",
+            "--max-model-len",
+            "128",
+        ]
+    )
     out = capsys.readouterr().out
     rows = re.findall(r"^(mlx_lm\.server|mlxkv serve) +(\d+) +([\d.]+) ", out, re.MULTILINE)
     assert sorted((name, clients) for name, clients, _ in rows) == [
-        ("mlx_lm.server", "1"), ("mlx_lm.server", "3"), ("mlxkv serve", "1"), ("mlxkv serve", "3")]
+        ("mlx_lm.server", "1"),
+        ("mlx_lm.server", "3"),
+        ("mlxkv serve", "1"),
+        ("mlxkv serve", "3"),
+    ]
     assert all(float(rate) > 0 for _, _, rate in rows)
     assert re.search(r"^serve_throughput_ratio_c3=[\d.]+ serve_throughput_ratio_c1=[\d.]+$", out, re.MULTILINE)

@@ -8,9 +8,9 @@ from mlx_lm import load as mlx_lm_load
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 
-import perplexity  # noqa: E402
+import perplexity
 
-from mlxkv.models.loading import DEMO_MODEL  # noqa: E402
+from mlxkv.models.loading import DEMO_MODEL
 
 
 def test_float_pages_score_as_mlx_lm_and_quantized_ones_drift_by_bits():
