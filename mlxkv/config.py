@@ -35,33 +35,50 @@ class EngineConfig:
     """
 
     kv_layout: KVLayout | str | None = setting(
-        None, "KV layout: paged or contiguous [default: $MLXKV_KV_LAYOUT, else paged].", convert=resolve_layout,
-        cli_type=str)
+        None,
+        "KV layout: paged or contiguous [default: $MLXKV_KV_LAYOUT, else paged].",
+        convert=resolve_layout,
+        cli_type=str,
+    )
     page_size: int = setting(16, "Tokens per KV page.", POSITIVE, flags=("--page-size", "--block-size"))
     num_pages: int | None = setting(
-        None, "KV pages in the pool (paged layout), instead of --kv-cache-memory.", optional(POSITIVE),
-        flags=("--num-pages", "--num-blocks"))
+        None,
+        "KV pages in the pool (paged layout), instead of --kv-cache-memory.",
+        optional(POSITIVE),
+        flags=("--num-pages", "--num-blocks"),
+    )
     kv_cache_memory: int | str | None = setting(
-        None, "KV cache size, such as 2GB or 512MiB [default: what the sequences need, at most "
-        "--kv-cache-fraction of the memory left].", convert=parse_memory, cli_type=str)
+        None,
+        "KV cache size, such as 2GB or 512MiB [default: what the sequences need, at most "
+        "--kv-cache-fraction of the memory left].",
+        convert=parse_memory,
+        cli_type=str,
+    )
     kv_cache_fraction: float = setting(
-        0.5, "Share of the memory left beside the weights that the KV cache takes, when no size is given.",
-        number(0, 1, low_open=True))
+        0.5,
+        "Share of the memory left beside the weights that the KV cache takes, when no size is given.",
+        number(0, 1, low_open=True),
+    )
     max_num_seqs: int = setting(16, "Most sequences computed at once.", POSITIVE)
     max_num_batched_tokens: int = setting(512, "Most tokens one engine step computes.", POSITIVE)
     max_model_len: int | None = setting(
-        None, "Most tokens one sequence may hold [default: the model's context].", optional(POSITIVE))
+        None, "Most tokens one sequence may hold [default: the model's context].", optional(POSITIVE)
+    )
     prefix_caching: bool = setting(
-        True, "Reuse the KV pages of a prompt prefix computed before (paged layout).", BOOLEAN)
-    kv_bits: int | None = setting(
-        None, "Quantize the KV pages to 8 or 4 bits [default: the model's dtype].", KV_BITS)
-    kv_group_size: int = setting(64, "Values sharing one scale and bias in quantized pages: 32, 64 or 128.",
-                                 KV_GROUP_SIZES)
+        True, "Reuse the KV pages of a prompt prefix computed before (paged layout).", BOOLEAN
+    )
+    kv_bits: int | None = setting(None, "Quantize the KV pages to 8 or 4 bits [default: the model's dtype].", KV_BITS)
+    kv_group_size: int = setting(
+        64, "Values sharing one scale and bias in quantized pages: 32, 64 or 128.", KV_GROUP_SIZES
+    )
     attention: str | None = setting(
-        None, "Attention: metal or reference [default: $MLXKV_ATTENTION, else metal where available].",
-        optional(one_of("metal", "reference")))
+        None,
+        "Attention: metal or reference [default: $MLXKV_ATTENTION, else metal where available].",
+        optional(one_of("metal", "reference")),
+    )
     pipeline: bool = setting(
-        True, "Start each step before reading the tokens of the one before (no: read every step first).", BOOLEAN)
+        True, "Start each step before reading the tokens of the one before (no: read every step first).", BOOLEAN
+    )
 
     def __post_init__(self) -> None:
         validate(self)

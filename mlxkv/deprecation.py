@@ -33,10 +33,12 @@ def renamed_keywords(**old_names: str) -> Callable[[type[T]], type[T]]:
                 names = [item.name for item in fields(cls)]
                 unknown = sorted(set(kwargs) - set(names))
                 if unknown:
-                    raise TypeError(f"{cls.__name__} has no setting {unknown[0]!r}; its settings are {', '.join(names)}")
+                    raise TypeError(
+                        f"{cls.__name__} has no setting {unknown[0]!r}; its settings are {', '.join(names)}"
+                    )
             init(self, *args, **kwargs)
 
-        cls.__init__ = __init__  # type: ignore[misc]
+        cls.__init__ = __init__  # type: ignore[method-assign,assignment]
         return cls
 
     return decorate

@@ -7,10 +7,11 @@ fields are derived from it.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,11 @@ def number(low: float, high: float | None = None, *, low_open: bool = False, hig
         expected = f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
 
     def accepts(v: Any) -> bool:
-        return _is_real(v) and (v > low if low_open else v >= low) and (
-            high is None or (v < high if high_open else v <= high))
+        return (
+            _is_real(v)
+            and (v > low if low_open else v >= low)
+            and (high is None or (v < high if high_open else v <= high))
+        )
 
     return Check(accepts, expected)
 
@@ -75,8 +79,15 @@ def require(name: str, value: Any, check: Check) -> Any:
     return value
 
 
-def setting(default: Any, help: str, check: Check | None = None, *, flags: tuple[str, ...] = (),
-            convert: Callable[[Any], Any] | None = None, cli_type: Any = None) -> Any:
+def setting(
+    default: Any,
+    help: str,
+    check: Check | None = None,
+    *,
+    flags: tuple[str, ...] = (),
+    convert: Callable[[Any], Any] | None = None,
+    cli_type: Any = None,
+) -> Any:
     """A settings field: `default`, a one-sentence `help` (the CLI's), the values it accepts, how a
     given value is normalised first (`convert`), and its CLI flags and type where the field's name
     and type do not make them (`--page-size` for `page_size`)."""
@@ -94,3 +105,21 @@ def validate(record: Any) -> None:
         if item.metadata.get("check") is not None:
             require(item.name, value, item.metadata["check"])
 
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def keywords_of(settings: type) -> Callable[[F], F]:
+    """Decorator: a function taking `**settings` shows the record's fields as its keywords (help(),
+    editors), in place of `**settings`."""
+
+    def decorate(function: F) -> F:
+        own = [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        keywords = [
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+            for f in fields(settings)
+        ]
+        function.__signature__ = inspect.Signature(own + keywords)  # type: ignore[attr-defined]
+        return function
+
+    return decorate

@@ -4,8 +4,14 @@ import pytest
 
 from mlxkv.models.random_model import make_checkpoint
 
-HEAD_DIM_64 = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=320)  # head_dim 64: every KV group size divides it
+HEAD_DIM_64 = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+)  # head_dim 64: every KV group size divides it
 SPECS = {
     "llama-fp32": dict(model_type="llama", dtype="float32"),
     "llama-fp16": dict(model_type="llama", dtype="float16"),

@@ -25,13 +25,33 @@ def scramble_free_pages(cache, rng):
         cache.pool.free(("scramble", int(page)))
 
 
-def packed_step(layout, page_size, kv_heads, head_dim, dtype, contexts, query_lens, seed=0, max_model_len=128,
-                kv_bits=None, kv_group_size=64):
+def packed_step(
+    layout,
+    page_size,
+    kv_heads,
+    head_dim,
+    dtype,
+    contexts,
+    query_lens,
+    seed=0,
+    max_model_len=128,
+    kv_bits=None,
+    kv_group_size=64,
+):
     """A cache filled in interleaved chunks (pages out of order), then one packed step."""
     rng = np.random.default_rng(seed)
-    cache = KVCacheManager(1, kv_heads, head_dim, max_num_seqs=len(contexts) + 3, max_model_len=max_model_len,
-                           layout=layout, page_size=page_size, dtype=dtype, kv_bits=kv_bits,
-                           kv_group_size=kv_group_size)
+    cache = KVCacheManager(
+        1,
+        kv_heads,
+        head_dim,
+        max_num_seqs=len(contexts) + 3,
+        max_model_len=max_model_len,
+        layout=layout,
+        page_size=page_size,
+        dtype=dtype,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+    )
     if layout == "paged":
         scramble_free_pages(cache, rng)
     ids = cache.claim(len(contexts))
@@ -54,8 +74,9 @@ def mlx_lm_greedy(path, prompt, max_tokens=MAX_TOKENS):
     """mlx-lm's own greedy tokens for `prompt`, up to (not including) EOS."""
     model, tokenizer = mlx_lm_load(str(path))
     tokens = []
-    for token, _ in mlx_lm_generate.generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                                                  sampler=lambda x: mx.argmax(x, axis=-1)):
+    for token, _ in mlx_lm_generate.generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1)
+    ):
         if int(token) in tokenizer.eos_token_ids:
             break
         tokens.append(int(token))
@@ -68,8 +89,14 @@ def mlx_lm_quantized_greedy(path, prompt, bits, max_tokens=MAX_TOKENS):
     model, _ = mlx_lm_load(str(path))
     tokens, gaps = [], []
     for token, logprobs in mlx_lm_generate.generate_step(
-            mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1),
-            kv_bits=bits, kv_group_size=64, quantized_kv_start=0):
+        mx.array(prompt),
+        model,
+        max_tokens=max_tokens,
+        sampler=lambda x: mx.argmax(x, axis=-1),
+        kv_bits=bits,
+        kv_group_size=64,
+        quantized_kv_start=0,
+    ):
         second, first = mx.sort(logprobs)[-2:].tolist()
         tokens.append(int(token))
         gaps.append(first - second)
@@ -98,9 +125,13 @@ def mutant_kernels(old: str, new: str):
 
 def uncompilable_kernels(**kw):
     """A `metal_kernel` factory whose kernels fail as Metal's compiler does on a bad source."""
+
     def launch(**_):
-        raise RuntimeError(f"[metal::Device] Unable to build metal library from source\n"
-                           f"{kw['name']}:12:5: error: no matching function for call to 'attend_keys'")
+        raise RuntimeError(
+            f"[metal::Device] Unable to build metal library from source\n"
+            f"{kw['name']}:12:5: error: no matching function for call to 'attend_keys'"
+        )
+
     return launch
 
 
@@ -119,8 +150,12 @@ def start_server(*flags: str, port: int | None = None) -> tuple[subprocess.Popen
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mlxkv", "serve", "--port", str(port), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxkv", "serve", "--port", str(port), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:

@@ -38,26 +38,39 @@ API = [
     (lambda llm, m: SamplingParams(stop=5), ValueError, "stop must be a non-empty string or a list of them, got 5"),
     (lambda llm, m: SamplingParams(stop=[""]), ValueError, r"stop must be .* got \(''?,\)"),
     (lambda llm, m: SamplingParams(ignore_eos="no"), ValueError, "ignore_eos must be True or False, got 'no'"),
-    (lambda llm, m: SamplingParams(logprobs=21), ValueError, r"logprobs must be an integer in \[0, 20\] or None, got 21"),
+    (
+        lambda llm, m: SamplingParams(logprobs=21),
+        ValueError,
+        r"logprobs must be an integer in \[0, 20\] or None, got 21",
+    ),
     (lambda llm, m: llm.generate(b"abc"), TypeError, "prompts must be text, token ids, or a list of those, got bytes"),
     (lambda llm, m: llm.generate(5.0), TypeError, "prompts must be text, token ids, or a list of those, got float"),
     (lambda llm, m: llm.generate([[1.5, 2]]), TypeError, "prompt token ids must be integers, got 1.5"),
     (lambda llm, m: llm.generate([["5", "6"]]), TypeError, "prompt token ids must be integers, got '5'"),
     (lambda llm, m: llm.generate([[True, 2]]), TypeError, "prompt token ids must be integers, got True"),
-    (lambda llm, m: llm.generate(np.array([[1.0, 2.0]])), TypeError,
-     "a prompt array must be 1-D integer token ids, got 1-D float64"),
+    (
+        lambda llm, m: llm.generate(np.array([[1.0, 2.0]])),
+        TypeError,
+        "a prompt array must be 1-D integer token ids, got 1-D float64",
+    ),
     (lambda llm, m: llm.generate([[]]), ValueError, "prompt is empty"),
     (lambda llm, m: llm.generate(""), ValueError, "prompt is empty"),
     (lambda llm, m: llm.generate([[1, 999]]), ValueError, r"prompt token ids must be in \[0, 320\), got \[999\]"),
     (lambda llm, m: llm.generate([[-1]]), ValueError, r"prompt token ids must be in \[0, 320\), got \[-1\]"),
     (lambda llm, m: llm.generate([1, 2], [SamplingParams()] * 2), ValueError, "got 1 prompts but 2 SamplingParams"),
     (lambda llm, m: llm.generate([1, 2], 5), TypeError, "params must be SamplingParams, got int"),
-    (lambda llm, m: llm.generate([NORMAL, list(range(70))], SamplingParams(max_tokens=4)), RequestTooLong,
-     "prompt of 70 tokens plus max_tokens=4 needs 73 KV slots; one request can hold at most 64"),
+    (
+        lambda llm, m: llm.generate([NORMAL, list(range(70))], SamplingParams(max_tokens=4)),
+        RequestTooLong,
+        "prompt of 70 tokens plus max_tokens=4 needs 73 KV slots; one request can hold at most 64",
+    ),
     (lambda llm, m: llm.stream(list(range(60)), SamplingParams(max_tokens=10)), RequestTooLong, "needs 69 KV slots"),
     (lambda llm, m: llm.engine.abort("nope"), UnknownSequenceError, "unknown sequence id 'nope'"),
-    (lambda llm, m: llm.engine.add_request([1], request_id=1.5), TypeError,
-     "request_id must be a string or an integer, got float"),
+    (
+        lambda llm, m: llm.engine.add_request([1], request_id=1.5),
+        TypeError,
+        "request_id must be a string or an integer, got float",
+    ),
     (lambda llm, m: LLM(m, kv_layout="dense"), ValueError, "kv_layout='dense' is not a KV layout"),
     (lambda llm, m: LLM(m, page_size=None), ValueError, "page_size must be a positive integer, got None"),
     (lambda llm, m: LLM(m, max_num_seqs=-1), ValueError, "max_num_seqs must be a positive integer, got -1"),
@@ -66,16 +79,21 @@ API = [
     (lambda llm, m: LLM(m, attention=5), ValueError, "attention must be 'metal', 'reference' or None, got 5"),
     (lambda llm, m: LLM(m, attention="cuda"), ValueError, "attention must be 'metal', 'reference' or None, got 'cuda'"),
     (lambda llm, m: LLM(m, kv_cache_memory="0.5"), ValueError, r"kv_cache_memory must be a size .* got '0.5'"),
-    (lambda llm, m: LLM(m, kv_cache_memory="999999GB"), ValueError,
-     r"kv_cache_memory=999999.0 GB asks for 999999.0 GB of KV cache, but at most [\d.]+ GB fits"),
+    (
+        lambda llm, m: LLM(m, kv_cache_memory="999999GB"),
+        ValueError,
+        r"kv_cache_memory=999999.0 GB asks for 999999.0 GB of KV cache, but at most [\d.]+ GB fits",
+    ),
     (lambda llm, m: LLM(m, num_pages=10**12), ValueError, "num_pages=1000000000000 asks for .* of KV cache"),
     (lambda llm, m: LLM(m, kv_cache_fraction=2), ValueError, r"kv_cache_fraction must be a number in \(0, 1\]"),
-    (lambda llm, m: LLM(m, prefix_caching="yes"), ValueError,
-     "prefix_caching must be True or False, got 'yes'"),
+    (lambda llm, m: LLM(m, prefix_caching="yes"), ValueError, "prefix_caching must be True or False, got 'yes'"),
     (lambda llm, m: llm.generate(NORMAL, cache_salt=""), ValueError, "cache_salt must be None or a non-empty string"),
-    (lambda llm, m: llm.stream(NORMAL, cache_salt=7), ValueError, "cache_salt must be None or a non-empty string, got 7"),
-    (lambda llm, m: LLM(m, kv_layout="contiguous", num_pages=4), ValueError,
-     "num_pages applies to the paged layout"),
+    (
+        lambda llm, m: llm.stream(NORMAL, cache_salt=7),
+        ValueError,
+        "cache_salt must be None or a non-empty string, got 7",
+    ),
+    (lambda llm, m: LLM(m, kv_layout="contiguous", num_pages=4), ValueError, "num_pages applies to the paged layout"),
     (lambda llm, m: LLM(5), ModelLoadError, "model must be a checkpoint directory or a Hugging Face repo id, got int"),
     (lambda llm, m: LLM("/nonexistent/model"), ModelLoadError, "model path '/nonexistent/model' does not exist"),
 ]
@@ -121,18 +139,22 @@ def test_bad_cli_input_is_one_clear_line_and_a_failing_exit(checkpoint, args, st
 
 
 def test_a_normal_cli_request_after_the_bad_ones_gets_its_reference_text(checkpoint):
-    result = CliRunner().invoke(app, ["generate", "--model", str(checkpoint("llama-fp32")), "--prompt", "The quick",
-                                      "-m", "8", "--no-verbose"])
+    result = CliRunner().invoke(
+        app, ["generate", "--model", str(checkpoint("llama-fp32")), "--prompt", "The quick", "-m", "8", "--no-verbose"]
+    )
     assert result.exit_code == 0
     _, tokenizer = load(checkpoint("llama-fp32"))
     tokens = mlx_lm_greedy(checkpoint("llama-fp32"), tokenizer.encode("The quick"), max_tokens=8)
     assert result.stdout == tokenizer.decode(tokens) + "\n"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--port", "99999"], r"Invalid value for '--port': .*65535"),
-    (["--max-queue", "-1"], r"Invalid value for '--max-queue': .*greater than or equal to 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--port", "99999"], r"Invalid value for '--port': .*65535"),
+        (["--max-queue", "-1"], r"Invalid value for '--max-queue': .*greater than or equal to 0"),
+    ],
+)
 def test_bad_serve_options_are_refused_before_anything_loads(args, message):
     result = CliRunner().invoke(app, ["serve", *args])
     assert result.exit_code == 2 and re.search(message, result.stderr), result.stderr

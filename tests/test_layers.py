@@ -60,7 +60,9 @@ def test_no_module_imports_from_a_higher_layer():
 
 
 def test_every_subpackage_and_module_has_a_layer():
-    entries = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    entries = {p.stem for p in PACKAGE.glob("*.py")} | {
+        p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()
+    }
     assert entries - {"__init__", "__main__"} == set(LAYERS)
 
 

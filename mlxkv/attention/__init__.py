@@ -12,5 +12,12 @@ from .kernels import PagedAttentionKernels
 from .reference import gather_kv, reference_attention
 from .variant import PLAIN, Variant
 
-__all__ = ["PLAIN", "AttentionSpec", "PagedAttentionKernels", "Variant", "choose_attention", "gather_kv",
-           "reference_attention"]
+__all__ = [
+    "PLAIN",
+    "AttentionSpec",
+    "PagedAttentionKernels",
+    "Variant",
+    "choose_attention",
+    "gather_kv",
+    "reference_attention",
+]

@@ -34,8 +34,9 @@ class AttentionSpec:
     variants: Sequence[Variant]
 
 
-def choose_attention(choice: str | None, spec: AttentionSpec,
-                     kernels: PagedAttentionKernels | None = None) -> AttentionFn:
+def choose_attention(
+    choice: str | None, spec: AttentionSpec, kernels: PagedAttentionKernels | None = None
+) -> AttentionFn:
     """The attention for `spec`: `choice` ('metal' or 'reference'), else `MLXKV_ATTENTION`, else
     Metal where available. Kernels (`kernels`, else MLX's) are first checked against the reference
     path; if they fail, the reference path runs and one warning says which kernel failed and why,
@@ -44,13 +45,27 @@ def choose_attention(choice: str | None, spec: AttentionSpec,
         if _backend(choice) == "reference":
             return reference_attention
         kernels = PagedAttentionKernels()
-    problem = kernels.warm(spec.dtype, spec.head_dim, spec.page_size, spec.q_heads, spec.kv_heads, spec.kv_bits,
-                           spec.kv_group_size, spec.variants)
+    problem = kernels.warm(
+        spec.dtype,
+        spec.head_dim,
+        spec.page_size,
+        spec.q_heads,
+        spec.kv_heads,
+        spec.kv_bits,
+        spec.kv_group_size,
+        spec.variants,
+    )
     if problem is None:
         return kernels
-    logger.warning("the Metal kernels fail their start-up check for this model (%s, head_dim %d, pages of %d, "
-                   "GQA %d): %s; attention runs on the reference path instead", dtype_name(spec.dtype), spec.head_dim,
-                   spec.page_size, spec.q_heads // spec.kv_heads, problem)
+    logger.warning(
+        "the Metal kernels fail their start-up check for this model (%s, head_dim %d, pages of %d, "
+        "GQA %d): %s; attention runs on the reference path instead",
+        dtype_name(spec.dtype),
+        spec.head_dim,
+        spec.page_size,
+        spec.q_heads // spec.kv_heads,
+        problem,
+    )
     return reference_attention
 
 
@@ -62,6 +77,8 @@ def _backend(choice: str | None) -> str:
     if value not in ("metal", "reference"):
         raise ValueError(f"{source}={value!r} is not an attention backend; expected 'metal' or 'reference'")
     if value == "metal" and not mx.metal.is_available():
-        raise ValueError(f"{source}='metal' but Metal is not available on this machine "
-                         "(mx.metal.is_available() is False); use 'reference'")
+        raise ValueError(
+            f"{source}='metal' but Metal is not available on this machine "
+            "(mx.metal.is_available() is False); use 'reference'"
+        )
     return value

@@ -20,9 +20,18 @@ from .reference import in_packed_order
 from .variant import PLAIN, Variant, visible
 
 
-def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array, values: mx.array, k_pages: Pages,
-                          v_pages: Pages, batch: KVBatch, own_kv: np.ndarray | None, scale: float,
-                          variant: Variant = PLAIN) -> mx.array:
+def first_chunk_attention(
+    attention: Callable,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    k_pages: Pages,
+    v_pages: Pages,
+    batch: KVBatch,
+    own_kv: np.ndarray | None,
+    scale: float,
+    variant: Variant = PLAIN,
+) -> mx.array:
     """`attention` over the pages for the packed batch's tokens, except the first `own_kv[b]`
     tokens of each row b (a chunk that starts its sequence), which attend causally to each
     other's `keys` and `values` as computed, through MLX's SDPA as mlx-lm's prefill does.
@@ -32,12 +41,18 @@ def first_chunk_attention(attention: Callable, queries: mx.array, keys: mx.array
     parts = []
     for row in np.flatnonzero(own_kv):
         lo, n = int(batch.query_starts[row]), int(own_kv[row])
-        q, k, v = (x[lo:lo + n].swapaxes(0, 1)[None] for x in (queries, keys, values))
+        q, k, v = (x[lo : lo + n].swapaxes(0, 1)[None] for x in (queries, keys, values))
         parts.append((_own_attention(q, k, v, scale, variant)[0].swapaxes(0, 1), np.arange(lo, lo + n)))
     rest = np.setdiff1d(np.arange(batch.num_tokens), np.concatenate([p[1] for p in parts]))
     if rest.size:
-        parts.append((attention(queries[mx.array(rest.astype(np.int32))], k_pages, v_pages, batch.skip(own_kv), scale,
-                                variant), rest))
+        parts.append(
+            (
+                attention(
+                    queries[mx.array(rest.astype(np.int32))], k_pages, v_pages, batch.skip(own_kv), scale, variant
+                ),
+                rest,
+            )
+        )
     return in_packed_order(parts)
 
 
@@ -46,11 +61,11 @@ def _own_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, variant:
     mlx-lm model computes it: MLX's SDPA with the window's mask and the sinks, or written out
     with the soft-cap before the mask (Gemma 2)."""
     pos = np.arange(q.shape[2])
-    plain = variant.window is None and variant.softcap is None
-    mask = "causal" if plain else mx.array(visible(pos[:, None], pos[None], variant.window))
+    allowed = mx.array(visible(pos[:, None], pos[None], variant.window))
     if variant.softcap is None:
+        mask = "causal" if variant.window is None else allowed
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=variant.sinks)
     group = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, group, axis=1), mx.repeat(v, group, axis=1)
     scores = mx.tanh(((q * scale) @ k.swapaxes(-1, -2)) / variant.softcap) * variant.softcap
-    return mx.softmax(mx.where(mask, scores, -mx.inf), axis=-1, precise=True).astype(v.dtype) @ v
+    return mx.softmax(mx.where(allowed, scores, -mx.inf), axis=-1, precise=True).astype(v.dtype) @ v

@@ -12,14 +12,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 
 from ..cache.batch import KVBatch
-from ..cache.storage import Pages, QuantizedPages
+from ..cache.storage import Pages, QuantizedPages, arrays_of
 from .prefill import PREFILL_FROM, with_chunks_on_sdpa
 from .reference import reference_attention
 from .variant import PLAIN, Variant
@@ -27,18 +28,20 @@ from .variant import PLAIN, Variant
 _PACKAGED = Path(__file__).parents[1] / "metal"  # inside the wheel
 METAL_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).parents[2] / "metal"
 
-SIMDGROUPS = 4          # SIMD groups a threadgroup aims for (128 threads): more key splits when fewer head sets
+SIMDGROUPS = 4  # SIMD groups a threadgroup aims for (128 threads): more key splits when fewer head sets
 THREADGROUP_MEMORY = 32 * 1024  # bytes of threadgroup memory an Apple GPU gives a threadgroup
-PARTITION = 512         # keys per split-K partition
+PARTITION = 512  # keys per split-K partition
 THREADGROUPS_PER_CORE = 4  # split-K when a decode step would give the GPU's cores fewer threadgroups than this
 # GPU cores by the last letter of MLX's architecture name (applegpu_g14c: an M2 Max): phone, base,
 # Pro, Max, Ultra chips. The smallest of each class, so that a split is never missed for want of cores.
 GPU_CORES = {"p": 4, "g": 8, "s": 14, "c": 24, "d": 48}
-KV_INPUTS = {False: ["k_pages", "v_pages"],  # float pages; quantized ones pass their three arrays each
-             True: ["k_pages", "k_scales", "k_biases", "v_pages", "v_scales", "v_biases"]}
+KV_INPUTS = {
+    False: ["k_pages", "v_pages"],  # float pages; quantized ones pass their three arrays each
+    True: ["k_pages", "k_scales", "k_biases", "v_pages", "v_scales", "v_biases"],
+}
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}  # largest |kernel - reference|
 
-Factory = Callable[..., Callable]
+Factory = Callable[..., Any]  # mx.fast.metal_kernel, or the simulator's
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,13 @@ class LaunchShape:
         return (self.splits - 1) * self.heads * (self.head_dim + 2) * 4 if self.splits > 1 else 8
 
     def template(self) -> list[tuple[str, int]]:
-        return [("HG", self.heads), ("H", self.heads_per_simdgroup), ("KT", self.keys_per_tile),
-                ("KS", self.splits), ("NSG", self.simdgroups)]
+        return [
+            ("HG", self.heads),
+            ("H", self.heads_per_simdgroup),
+            ("KT", self.keys_per_tile),
+            ("KS", self.splits),
+            ("NSG", self.simdgroups),
+        ]
 
 
 def launch_shape(group: int, head_dim: int, page_size: int) -> LaunchShape:
@@ -104,8 +112,9 @@ def gpu_cores() -> int:
     return GPU_CORES.get(str(info.get("architecture", "g"))[-1:], GPU_CORES["g"])
 
 
-def _check_batch(dtype: mx.Dtype, head_dim: int, page_size: int, q_heads: int, kv_heads: int,
-                 kv_bits: int | None, kv_group_size: int):
+def _check_batch(
+    dtype: mx.Dtype, head_dim: int, page_size: int, q_heads: int, kv_heads: int, kv_bits: int | None, kv_group_size: int
+):
     """A small batch for the start-up check: a decode row over two split-K partitions, pages
     out of order, and a 3-token prefill chunk whose page table fits MLX's `constant` space."""
     contexts, query_lens = np.array([PARTITION + 3, 5], np.int32), np.array([1, 3], np.int32)
@@ -116,11 +125,12 @@ def _check_batch(dtype: mx.Dtype, head_dim: int, page_size: int, q_heads: int, k
     batch = KVBatch((0, 1), query_lens, contexts, tables, page_size)
     keys = mx.random.split(mx.random.key(0), 3)
     shape = (int(pages.sum()), kv_heads, page_size, head_dim)
-    k_pages, v_pages = (mx.random.normal(shape, key=k).astype(dtype) for k in keys[:2])
+    floats = [mx.random.normal(shape, key=k).astype(dtype) for k in keys[:2]]
+    stored: list[Pages] = list(floats)
     if kv_bits is not None:
-        k_pages, v_pages = (QuantizedPages.quantize(array, kv_bits, kv_group_size) for array in (k_pages, v_pages))
+        stored = [QuantizedPages.quantize(array, kv_bits, kv_group_size) for array in floats]
     queries = mx.random.normal((4, q_heads, head_dim), key=keys[2]).astype(dtype)
-    return queries, k_pages, v_pages, batch
+    return queries, stored[0], stored[1], batch
 
 
 class PagedAttentionKernels:
@@ -132,8 +142,13 @@ class PagedAttentionKernels:
     after a different K/V reader prologue. Each template variant compiles once per process.
     """
 
-    def __init__(self, metal_kernel: Factory = mx.fast.metal_kernel, verbose: bool = False,
-                 cores: int | None = None, prefill_from: int = PREFILL_FROM) -> None:
+    def __init__(
+        self,
+        metal_kernel: Factory = mx.fast.metal_kernel,
+        verbose: bool = False,
+        cores: int | None = None,
+        prefill_from: int = PREFILL_FROM,
+    ) -> None:
         self.verbose = verbose
         self.cores = gpu_cores() if cores is None else cores
         self.prefill_from = prefill_from
@@ -144,27 +159,53 @@ class PagedAttentionKernels:
             if quantized is not None:
                 source = (METAL_DIR / ("kv_quantized.metal" if quantized else "kv_float.metal")).read_text() + source
                 name += "_quantized" if quantized else ""
-            return metal_kernel(name=f"mlxkv_{name}", input_names=input_names, output_names=output_names,
-                                source=source, header=header)
+            return metal_kernel(
+                name=f"mlxkv_{name}", input_names=input_names, output_names=output_names, source=source, header=header
+            )
 
         self.direct, self.partitioned = {}, {}
         for quantized, kv in KV_INPUTS.items():
             inputs = ["queries", *kv, "page_tables", "token_rows", "token_pos", "scale", "window", "softcap", "sinks"]
             self.direct[quantized] = build("paged_attention", inputs, ["out"], quantized)
-            self.partitioned[quantized] = build("paged_attention_partitioned", inputs + ["partitions"],
-                                                ["partial_acc", "partial_ml"], quantized)
+            self.partitioned[quantized] = build(
+                "paged_attention_partitioned", inputs + ["partitions"], ["partial_acc", "partial_ml"], quantized
+            )
         self.reduce = build("paged_attention_reduce", ["partial_acc", "partial_ml", "sinks"], ["out"])
 
-    def __call__(self, queries: mx.array, k_pages: Pages, v_pages: Pages, batch: KVBatch,
-                 scale: float | None = None, variant: Variant = PLAIN, split: bool | None = None) -> mx.array:
+    def __call__(
+        self,
+        queries: mx.array,
+        k_pages: Pages,
+        v_pages: Pages,
+        batch: KVBatch,
+        scale: float | None = None,
+        variant: Variant = PLAIN,
+        split: bool | None = None,
+    ) -> mx.array:
         """Same contract as `reference_attention`: chunks of `prefill_from` tokens or more on
         MLX's SDPA, the other rows on the paged kernel (`split` forces its split-K on or off)."""
         scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
-        return with_chunks_on_sdpa(lambda *args: self.paged(*args, split=split), queries, k_pages, v_pages, batch, scale,
-                                   variant, self.prefill_from)
+        return with_chunks_on_sdpa(
+            partial(self.paged, split=split),
+            queries,
+            k_pages,
+            v_pages,
+            batch,
+            scale,
+            variant,
+            self.prefill_from,
+        )
 
-    def paged(self, queries: mx.array, k_pages: Pages, v_pages: Pages, batch: KVBatch, scale: float,
-              variant: Variant = PLAIN, split: bool | None = None) -> mx.array:
+    def paged(
+        self,
+        queries: mx.array,
+        k_pages: Pages,
+        v_pages: Pages,
+        batch: KVBatch,
+        scale: float,
+        variant: Variant = PLAIN,
+        split: bool | None = None,
+    ) -> mx.array:
         """The paged kernel for every row. Each of `variant`'s window, soft-cap and sinks is a
         template switch, so plain attention pays for none of them."""
         tokens, q_heads, head_dim = queries.shape
@@ -174,32 +215,70 @@ class PagedAttentionKernels:
         longest = int(batch.context_lens.max()) if tokens else 0
         if split is None:
             split = tokens * tiles < THREADGROUPS_PER_CORE * self.cores and longest > PARTITION
-        quantized = isinstance(k_pages, QuantizedPages)
-        kv = [*k_pages.parts, *v_pages.parts] if quantized else [k_pages, v_pages]
+        kv = [*arrays_of(k_pages), *arrays_of(v_pages)]
+        packing = [("BITS", k_pages.bits), ("GS", k_pages.group_size)] if isinstance(k_pages, QuantizedPages) else []
+        quantized = bool(packing)
         sinks = mx.zeros((1,), mx.float32) if variant.sinks is None else variant.sinks.astype(mx.float32)
-        args = [queries, *kv, *_batch_inputs(batch), mx.array(scale, mx.float32),
-                mx.array(variant.window or 0, mx.int32), mx.array(variant.softcap or 0.0, mx.float32), sinks]
-        template = [("T", queries.dtype), ("D", head_dim), ("PS", k_pages.shape[2]), ("G", group), *shape.template(),
-                    ("WINDOWED", variant.window is not None),
-                    ("SOFTCAP", variant.softcap is not None), ("SINKS", variant.sinks is not None)]
-        if quantized:
-            template += [("BITS", k_pages.bits), ("GS", k_pages.group_size)]
+        args = [
+            queries,
+            *kv,
+            *_batch_inputs(batch),
+            mx.array(scale, mx.float32),
+            mx.array(variant.window or 0, mx.int32),
+            mx.array(variant.softcap or 0.0, mx.float32),
+            sinks,
+        ]
+        template = [
+            ("T", queries.dtype),
+            ("D", head_dim),
+            ("PS", k_pages.shape[2]),
+            ("G", group),
+            *shape.template(),
+            ("WINDOWED", variant.window is not None),
+            ("SOFTCAP", variant.softcap is not None),
+            ("SINKS", variant.sinks is not None),
+        ]
+        template += packing
         threads = 32 * shape.simdgroups
         launch = dict(threadgroup=(threads, 1, 1), verbose=self.verbose)
         if not split:
-            return self.direct[quantized](inputs=args, template=template, grid=(threads, tiles, tokens),
-                               output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
+            return self.direct[quantized](
+                inputs=args,
+                template=template,
+                grid=(threads, tiles, tokens),
+                output_shapes=[queries.shape],
+                output_dtypes=[queries.dtype],
+                **launch,
+            )[0]
         parts = max(1, -(-longest // PARTITION))
         acc, ml = self.partitioned[quantized](
-            inputs=args + [mx.array(parts, mx.int32)], template=template + [("PARTITION", PARTITION)],
+            inputs=args + [mx.array(parts, mx.int32)],
+            template=template + [("PARTITION", PARTITION)],
             grid=(threads, tiles, tokens * parts),
             output_shapes=[(tokens, tiles, parts, shape.heads, head_dim), (tokens, tiles, parts, shape.heads, 2)],
-            output_dtypes=[mx.float32, mx.float32], **launch)
-        return self.reduce(inputs=[acc, ml, sinks], template=template, grid=(threads, tiles, tokens),
-                           output_shapes=[queries.shape], output_dtypes=[queries.dtype], **launch)[0]
+            output_dtypes=[mx.float32, mx.float32],
+            **launch,
+        )
+        return self.reduce(
+            inputs=[acc, ml, sinks],
+            template=template,
+            grid=(threads, tiles, tokens),
+            output_shapes=[queries.shape],
+            output_dtypes=[queries.dtype],
+            **launch,
+        )[0]
 
-    def warm(self, dtype: mx.Dtype, head_dim: int, page_size: int, q_heads: int, kv_heads: int,
-             kv_bits: int | None = None, kv_group_size: int = 64, variants: Sequence[Variant] = (PLAIN,)) -> str | None:
+    def warm(
+        self,
+        dtype: mx.Dtype,
+        head_dim: int,
+        page_size: int,
+        q_heads: int,
+        kv_heads: int,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        variants: Sequence[Variant] = (PLAIN,),
+    ) -> str | None:
         """Compile both paths for one model's shapes, pages and attention variants (one check per
         template: window, soft-cap and sinks each on or off) and check them against the reference.
 
@@ -207,18 +286,21 @@ class PagedAttentionKernels:
         and why (it did not compile or run, or its numbers differ), so the caller can fall
         back to the reference path instead of crashing or writing wrong text.
         """
-        queries, k_pages, v_pages, batch = _check_batch(dtype, head_dim, page_size, q_heads, kv_heads, kv_bits,
-                                                      kv_group_size)
+        queries, k_pages, v_pages, batch = _check_batch(
+            dtype, head_dim, page_size, q_heads, kv_heads, kv_bits, kv_group_size
+        )
         templates = {(v.window is None, v.softcap is None, v.sinks is None): v for v in variants}
         for variant in templates.values():
             expected = reference_attention(queries, k_pages, v_pages, batch, None, variant).astype(mx.float32)
             for split, name in ((False, "paged_attention"), (True, "paged_attention_partitioned + _reduce")):
                 try:
                     out = self(queries, k_pages, v_pages, batch, None, variant, split=split)
-                    diff = mx.abs(out.astype(mx.float32) - expected).max().item()
+                    diff = cast(float, mx.abs(out.astype(mx.float32) - expected).max().item())
                 except Exception as exc:  # a compile error from Metal's compiler, or any launch failure
                     return f"{name} failed to compile or run: {str(exc).strip().splitlines()[0]}"
                 if not diff <= TOLERANCE[dtype]:
-                    return (f"{name} differs from the reference attention by up to {diff:.3g} "
-                            f"(tolerance {TOLERANCE[dtype]})")
+                    return (
+                        f"{name} differs from the reference attention by up to {diff:.3g} "
+                        f"(tolerance {TOLERANCE[dtype]})"
+                    )
         return None

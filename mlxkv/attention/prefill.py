@@ -23,25 +23,44 @@ from .variant import PLAIN, Variant, visible
 PREFILL_FROM = 8  # query tokens from which a chunk runs on SDPA; a Mac measures it: scripts/bench_kernels.py --prefill
 
 
-def chunk_attention(queries: mx.array, k_pages: Pages, v_pages: Pages, table: np.ndarray, context: int, scale: float,
-                    variant: Variant = PLAIN) -> mx.array:
+def chunk_attention(
+    queries: mx.array,
+    k_pages: Pages,
+    v_pages: Pages,
+    table: np.ndarray,
+    context: int,
+    scale: float,
+    variant: Variant = PLAIN,
+) -> mx.array:
     """Attention for one sequence's chunk of `queries` (`[tokens, q_heads, head_dim]`), the
     last tokens of its `context`, over its pages `table` through MLX's SDPA."""
     tokens, page_size = queries.shape[0], k_pages.shape[2]
     first = 0 if variant.window is None else max(0, context - tokens - variant.window + 1) // page_size * page_size
-    keys, values = (gather_kv(pages, table[None, first // page_size:], context - first)[:, :, :context - first]
-                    for pages in (k_pages, v_pages))
-    mask = "causal"
+    keys, values = (
+        gather_kv(pages, table[None, first // page_size :], context - first)[:, :, : context - first]
+        for pages in (k_pages, v_pages)
+    )
+    mask: str | mx.array = "causal"
     if variant.window is not None:
-        mask = mx.array(visible(np.arange(context - tokens, context)[:, None], np.arange(first, context)[None, :],
-                                variant.window))
-    out = mx.fast.scaled_dot_product_attention(queries.swapaxes(0, 1)[None], keys, values, scale=scale, mask=mask,
-                                               sinks=variant.sinks)
+        mask = mx.array(
+            visible(np.arange(context - tokens, context)[:, None], np.arange(first, context)[None, :], variant.window)
+        )
+    out = mx.fast.scaled_dot_product_attention(
+        queries.swapaxes(0, 1)[None], keys, values, scale=scale, mask=mask, sinks=variant.sinks
+    )
     return out[0].swapaxes(0, 1)
 
 
-def with_chunks_on_sdpa(attention: Callable, queries: mx.array, k_pages: Pages, v_pages: Pages, batch: KVBatch,
-                        scale: float, variant: Variant = PLAIN, smallest: int = PREFILL_FROM) -> mx.array:
+def with_chunks_on_sdpa(
+    attention: Callable,
+    queries: mx.array,
+    k_pages: Pages,
+    v_pages: Pages,
+    batch: KVBatch,
+    scale: float,
+    variant: Variant = PLAIN,
+    smallest: int = PREFILL_FROM,
+) -> mx.array:
     """`attention` for the batch's decode rows and short chunks, `chunk_attention` for each
     chunk of at least `smallest` tokens. Soft-capped scores (Gemma 2) have no SDPA form and
     stay with `attention`."""
@@ -51,11 +70,29 @@ def with_chunks_on_sdpa(attention: Callable, queries: mx.array, k_pages: Pages, 
     parts = []
     for row in chunks:
         lo, hi = int(batch.query_starts[row]), int(batch.query_starts[row] + batch.query_lens[row])
-        parts.append((chunk_attention(queries[lo:hi], k_pages, v_pages, batch.page_tables[row],
-                                      int(batch.context_lens[row]), scale, variant), np.arange(lo, hi)))
+        parts.append(
+            (
+                chunk_attention(
+                    queries[lo:hi],
+                    k_pages,
+                    v_pages,
+                    batch.page_tables[row],
+                    int(batch.context_lens[row]),
+                    scale,
+                    variant,
+                ),
+                np.arange(lo, hi),
+            )
+        )
     rest = np.setdiff1d(np.arange(len(batch.query_lens)), chunks)
     if rest.size:
         tokens = np.flatnonzero(~np.isin(batch.token_rows, chunks))
-        parts.append((attention(queries[mx.array(tokens.astype(np.int32))], k_pages, v_pages, batch.select(rest),
-                                scale, variant), tokens))
+        parts.append(
+            (
+                attention(
+                    queries[mx.array(tokens.astype(np.int32))], k_pages, v_pages, batch.select(rest), scale, variant
+                ),
+                tokens,
+            )
+        )
     return in_packed_order(parts)

@@ -21,8 +21,8 @@ def gather_kv(pages: Pages, page_tables: np.ndarray, length: int) -> mx.array:
     """The first `length` tokens of each row's pages as `[rows, kv_heads, tokens, head_dim]`.
 
     Tokens past a row's own context are whatever the pages hold; callers mask them. Quantized
-    pages are gathered packed and dequantized after the gather (on the CPU the faster than
-    `mx.quantized_matmul` in half precision: docs/quantized-kv.md).
+    pages are gathered packed and dequantized after the gather, which on the CPU is faster than
+    `mx.quantized_matmul` in half precision (docs/quantized-kv.md).
     """
     return _gather_with(pages, _Gather.of(page_tables, length, pages.shape[1], pages.shape[2]))
 
@@ -35,16 +35,17 @@ class _Gather:
 
     rows: int
     length: int
-    page: mx.array | None      # one page: each row's page
-    indices: mx.array | None   # several: `[rows, kv_heads, pages]` into `[pages * kv_heads, ...]`
+    one_page: bool
+    index: mx.array  # one page: each row's page; several: `[rows, kv_heads, pages]` into `[pages * kv_heads, ...]`
+    keys: int  # keys per row in the gathered result: `length`, or whole pages
 
     @classmethod
     def of(cls, page_tables: np.ndarray, length: int, kv_heads: int, page_size: int) -> _Gather:
         pages = -(-length // page_size)
         if pages == 1:
-            return cls(len(page_tables), length, mx.array(page_tables[:, 0]), None)
+            return cls(len(page_tables), length, True, mx.array(page_tables[:, 0]), length)
         rows = page_tables[:, None, :pages] * kv_heads + np.arange(kv_heads, dtype=np.int32)[None, :, None]
-        return cls(len(page_tables), length, None, mx.array(rows))
+        return cls(len(page_tables), length, False, mx.array(rows), pages * page_size)
 
 
 def _gather_with(pages: Pages, where: _Gather) -> mx.array:
@@ -55,10 +56,10 @@ def _gather_with(pages: Pages, where: _Gather) -> mx.array:
 
 def _take(pages: mx.array, where: _Gather) -> mx.array:
     num_pages, kv_heads, page_size, row = pages.shape
-    if where.page is not None:
-        return mx.take(pages[:, :, :where.length], where.page, axis=0)
-    gathered = mx.take(pages.reshape(num_pages * kv_heads, page_size, row), where.indices, axis=0)
-    return gathered.reshape(where.rows, kv_heads, where.indices.shape[-1] * page_size, row)
+    if where.one_page:
+        return mx.take(pages[:, :, : where.length], where.index, axis=0)
+    gathered = mx.take(pages.reshape(num_pages * kv_heads, page_size, row), where.index, axis=0)
+    return gathered.reshape(where.rows, kv_heads, where.keys, row)
 
 
 def _softmax(scores: mx.array, sinks: mx.array | None = None) -> mx.array:
@@ -83,9 +84,9 @@ class _Group:
 
     width: int
     token_ids: np.ndarray
-    queries: mx.array | None   # `token_ids` as an index; None when they are all the batch's tokens in order
+    queries: mx.array | None  # `token_ids` as an index; None when they are all the batch's tokens in order
     gather: _Gather
-    allowed: mx.array          # `[rows, 1, 1, width, keys]`
+    allowed: mx.array  # `[rows, 1, 1, width, keys]`
 
 
 @lru_cache(maxsize=16)
@@ -105,14 +106,23 @@ def _plan(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> 
     for row in np.flatnonzero(q_lens > 1):
         for lo in range(0, int(q_lens[row]), QUERY_TILE):
             n = min(QUERY_TILE, int(q_lens[row]) - lo)
-            pieces.append((starts[row:row + 1] + lo, n, np.array([ctx[row] - q_lens[row] + lo + n]),
-                           tables[row:row + 1]))
+            pieces.append(
+                (starts[row : row + 1] + lo, n, np.array([ctx[row] - q_lens[row] + lo + n]), tables[row : row + 1])
+            )
     groups = [_group(*piece, kv_heads, page_size, window, batch.num_tokens) for piece in pieces]
     return groups, _unpermutation(np.concatenate([g.token_ids for g in groups]) if groups else np.zeros(0, np.int64))
 
 
-def _group(starts: np.ndarray, width: int, ctx: np.ndarray, tables: np.ndarray, kv_heads: int, page_size: int,
-           window: int | None, total: int) -> _Group:
+def _group(
+    starts: np.ndarray,
+    width: int,
+    ctx: np.ndarray,
+    tables: np.ndarray,
+    kv_heads: int,
+    page_size: int,
+    window: int | None,
+    total: int,
+) -> _Group:
     """Rows of `width` queries each, from token `starts[i]`, the last one at position `ctx[i] - 1`,
     in a batch of `total` tokens."""
     token_ids = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
@@ -120,14 +130,15 @@ def _group(starts: np.ndarray, width: int, ctx: np.ndarray, tables: np.ndarray, 
     first_page = 0 if window is None else max(0, int(query_pos.min()) - window + 1) // page_size
     length = int(ctx.max()) - first_page * page_size
     gather = _Gather.of(tables[:, first_page:], length, kv_heads, page_size)
-    keys = length if gather.page is not None else gather.indices.shape[-1] * page_size
-    allowed = visible(query_pos[:, :, None], first_page * page_size + np.arange(keys)[None, None, :], window)
+    allowed = visible(query_pos[:, :, None], first_page * page_size + np.arange(gather.keys)[None, None, :], window)
     everything = token_ids.size == total and np.array_equal(token_ids, np.arange(total))
     queries = None if everything else mx.array(token_ids.astype(np.int32))
     return _Group(width, token_ids, queries, gather, mx.array(allowed[:, None, None]))
 
 
-def _attend(queries: mx.array, k_pages: Pages, v_pages: Pages, group: _Group, scale: float, variant: Variant) -> mx.array:
+def _attend(
+    queries: mx.array, k_pages: Pages, v_pages: Pages, group: _Group, scale: float, variant: Variant
+) -> mx.array:
     """Attention for one group of rows (its queries in packed order)."""
     # why: written out rather than through MLX's SDPA, whose exp is the slower on the CPU (docs/benchmarks.md)
     n, width = group.gather.rows, group.width
@@ -156,8 +167,14 @@ def _as(array: mx.array, dtype: mx.Dtype) -> mx.array:
     return array if array.dtype == dtype else array.astype(dtype)
 
 
-def reference_attention(queries: mx.array, k_pages: Pages, v_pages: Pages, batch: KVBatch,
-                        scale: float | None = None, variant: Variant = PLAIN) -> mx.array:
+def reference_attention(
+    queries: mx.array,
+    k_pages: Pages,
+    v_pages: Pages,
+    batch: KVBatch,
+    scale: float | None = None,
+    variant: Variant = PLAIN,
+) -> mx.array:
     """Attention for a packed batch of decode rows and prefill chunks, with GQA.
 
     `queries` is `[tokens, q_heads, head_dim]`, packed row after row as in `batch`; each

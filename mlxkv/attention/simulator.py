@@ -42,29 +42,60 @@ from .kernels import METAL_DIR
 RUNTIME = METAL_DIR / "sim" / "runtime.h"
 CACHE = Path(os.environ.get("MLXKV_SIM_CACHE", Path.home() / ".cache" / "mlxkv" / "sim"))
 
-MLX_TYPES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.int32: "int32_t",
-             mx.uint32: "uint32_t", mx.int64: "int64_t", mx.uint8: "uint8_t", mx.int8: "int8_t",
-             mx.int16: "int16_t", mx.uint16: "uint16_t", mx.bool_: "bool"}
+MLX_TYPES = {
+    mx.float32: "float",
+    mx.float16: "float16_t",
+    mx.bfloat16: "bfloat16_t",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.uint16: "uint16_t",
+    mx.bool_: "bool",
+}
 
 # MLX's attributes, in the order its signatures list them (read off MLX's own output).
 ATTRIBUTES = {
-    "dispatch_quadgroups_per_threadgroup": "uint", "dispatch_simdgroups_per_threadgroup": "uint",
-    "dispatch_threads_per_threadgroup": "uint3", "grid_origin": "uint3", "grid_size": "uint3",
-    "quadgroup_index_in_threadgroup": "uint", "quadgroups_per_threadgroup": "uint",
-    "simdgroup_index_in_threadgroup": "uint", "simdgroups_per_threadgroup": "uint",
-    "thread_execution_width": "uint", "thread_index_in_quadgroup": "uint", "thread_index_in_simdgroup": "uint",
-    "thread_index_in_threadgroup": "uint", "thread_position_in_grid": "uint3",
-    "thread_position_in_threadgroup": "uint3", "threadgroup_position_in_grid": "uint3",
-    "threadgroups_per_grid": "uint3", "threads_per_grid": "uint3", "threads_per_simdgroup": "uint",
+    "dispatch_quadgroups_per_threadgroup": "uint",
+    "dispatch_simdgroups_per_threadgroup": "uint",
+    "dispatch_threads_per_threadgroup": "uint3",
+    "grid_origin": "uint3",
+    "grid_size": "uint3",
+    "quadgroup_index_in_threadgroup": "uint",
+    "quadgroups_per_threadgroup": "uint",
+    "simdgroup_index_in_threadgroup": "uint",
+    "simdgroups_per_threadgroup": "uint",
+    "thread_execution_width": "uint",
+    "thread_index_in_quadgroup": "uint",
+    "thread_index_in_simdgroup": "uint",
+    "thread_index_in_threadgroup": "uint",
+    "thread_position_in_grid": "uint3",
+    "thread_position_in_threadgroup": "uint3",
+    "threadgroup_position_in_grid": "uint3",
+    "threadgroups_per_grid": "uint3",
+    "threads_per_grid": "uint3",
+    "threads_per_simdgroup": "uint",
     "threads_per_threadgroup": "uint3",
 }
 # How the runtime provides each attribute it supports.
-RUNTIME_ATTRIBUTES = {name: f"t.{name}" for name in (
-    "simdgroup_index_in_threadgroup", "simdgroups_per_threadgroup", "thread_index_in_simdgroup",
-    "thread_index_in_threadgroup", "thread_position_in_grid", "thread_position_in_threadgroup",
-    "threadgroup_position_in_grid", "threadgroups_per_grid", "threads_per_grid", "threads_per_simdgroup",
-    "threads_per_threadgroup")} | {"grid_size": "t.threads_per_grid", "thread_execution_width": "t.threads_per_simdgroup"}
-
+RUNTIME_ATTRIBUTES = {
+    name: f"t.{name}"
+    for name in (
+        "simdgroup_index_in_threadgroup",
+        "simdgroups_per_threadgroup",
+        "thread_index_in_simdgroup",
+        "thread_index_in_threadgroup",
+        "thread_position_in_grid",
+        "thread_position_in_threadgroup",
+        "threadgroup_position_in_grid",
+        "threadgroups_per_grid",
+        "threads_per_grid",
+        "threads_per_simdgroup",
+        "threads_per_threadgroup",
+    )
+} | {"grid_size": "t.threads_per_grid", "thread_execution_width": "t.threads_per_simdgroup"}
 
 
 @dataclass
@@ -164,8 +195,15 @@ def _template_text(template: Sequence[tuple[str, object]]) -> tuple[str, str]:
 class SimKernel:
     """A kernel built by `metal_kernel`; call it as an `mx.fast.metal_kernel` kernel."""
 
-    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
-                 header: str, atomic_outputs: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        input_names: Sequence[str],
+        output_names: Sequence[str],
+        source: str,
+        header: str,
+        atomic_outputs: bool,
+    ) -> None:
         if atomic_outputs:
             raise SimulatorError("atomic outputs are not simulated")
         self.name, self.source, self.header = name, source, header
@@ -182,14 +220,14 @@ class SimKernel:
             space = "constant" if array.size < 8 else "device"
             params.append(Param(f"const {space} {t}* {name}", data, name))
             if f"{name}_shape" in self.source:
-                params.append(Param(f"const constant int* {name}_shape", np.array(array.shape, np.int32),
-                                    f"{name}_shape"))
+                params.append(
+                    Param(f"const constant int* {name}_shape", np.array(array.shape, np.int32), f"{name}_shape")
+                )
             if f"{name}_strides" in self.source:
                 strides = np.array(data.strides, np.int64) // data.itemsize
                 params.append(Param(f"const constant int64_t* {name}_strides", strides, f"{name}_strides"))
             if f"{name}_ndim" in self.source:
-                params.append(Param(f"const constant int& {name}_ndim", np.array(array.ndim, np.int32),
-                                    f"{name}_ndim"))
+                params.append(Param(f"const constant int& {name}_ndim", np.array(array.ndim, np.int32), f"{name}_ndim"))
         for name, shape, dtype in zip(self.output_names, output_shapes, output_dtypes):
             t = MLX_TYPES[dtype]
             empty = _host(mx.zeros(tuple(shape), dtype))
@@ -219,8 +257,12 @@ class SimKernel:
 
         def rewrite(text: str) -> str:
             return THREADGROUP_DECL.sub(
-                lambda m: f'auto& {m.group(2)} = sim::tg_alloc<threadgroup {m.group(1)}{m.group(3)}>'
-                          f'({next(arrays)}, "{m.group(2)}");', text)
+                lambda m: (
+                    f"auto& {m.group(2)} = sim::tg_alloc<threadgroup {m.group(1)}{m.group(3)}>"
+                    f'({next(arrays)}, "{m.group(2)}");'
+                ),
+                text,
+            )
 
         buffers = [p for p in params if p.data is not None]
         casts = []
@@ -231,33 +273,55 @@ class SimKernel:
                 casts.append(f"*({p.type[:-1]}*)g_buf[{buffers.index(p)}]")
             else:
                 casts.append(f"({p.type})g_buf[{buffers.index(p)}]")
-        return "\n".join([
-            f'#include "{_runtime_copy()}"',
-            '#line 1 "header"', rewrite(self.header),
-            '#line 1 "signature"', decl,
-            f"void kernel_body({', '.join(p.declaration for p in params)}) {{",
-            '#line 1 "body"', rewrite(self.source), "}",
-            '#line 1 "launcher"',
-            f"static void* g_buf[{max(1, len(buffers))}];",
-            f"static void call(const sim::ThreadIds& t) {{ kernel_body{args}({', '.join(casts)}); }}",
-            "int main(int argc, char** argv) { return sim::launch(argc, argv, g_buf, call); }", "",
-        ])
+        return "\n".join(
+            [
+                f'#include "{_runtime_copy()}"',
+                '#line 1 "header"',
+                rewrite(self.header),
+                '#line 1 "signature"',
+                decl,
+                f"void kernel_body({', '.join(p.declaration for p in params)}) {{",
+                '#line 1 "body"',
+                rewrite(self.source),
+                "}",
+                '#line 1 "launcher"',
+                f"static void* g_buf[{max(1, len(buffers))}];",
+                f"static void call(const sim::ThreadIds& t) {{ kernel_body{args}({', '.join(casts)}); }}",
+                "int main(int argc, char** argv) { return sim::launch(argc, argv, g_buf, call); }",
+                "",
+            ]
+        )
 
-    def __call__(self, *, inputs: Sequence[mx.array], output_shapes, output_dtypes, grid, threadgroup,
-                 template: Sequence[tuple[str, object]] = (), init_value: float | None = None,
-                 verbose: bool = False, stream=None, check_races: bool = True) -> list[mx.array]:
+    def __call__(
+        self,
+        *,
+        inputs: Sequence[mx.array],
+        output_shapes,
+        output_dtypes,
+        grid,
+        threadgroup,
+        template: Sequence[tuple[str, object]] = (),
+        init_value: float | None = None,
+        verbose: bool = False,
+        stream=None,
+        check_races: bool = True,
+    ) -> list[mx.array]:
         inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
         params = self.params(inputs, output_shapes, output_dtypes)
         unit = self.translation_unit(params, list(template))
         if verbose:
             print(f"Simulated signature of `{self.name}`:\n  " + ",\n  ".join(self.signature(params)))
-        constant = [p.name for p in params
-                    if p.name in self.input_names and p.type.startswith("const constant") and p.type.endswith("*")]
-        counting = _counted is not None
+        constant = [
+            p.name
+            for p in params
+            if p.name in self.input_names and p.type.startswith("const constant") and p.type.endswith("*")
+        ]
+        counted = _counted
+        counting = counted is not None
         binary = _compile(unit, {"header": self.header, "body": self.source}, constant, counting)
         forward, counters = _run(binary, params, grid, threadgroup, init_value, reverse=False, counting=counting)
-        if counting:
-            _counted.append(Counters(self.name, **counters))
+        if counted is not None:
+            counted.append(Counters(self.name, **counters))
         if check_races and not counting:  # a counted launch runs once
             backward, _ = _run(binary, params, grid, threadgroup, init_value, reverse=True)
             for name, a, b in zip(self.output_names, forward, backward):
@@ -267,12 +331,20 @@ class SimKernel:
                     raise SimulatorError(
                         f"kernel '{self.name}': output '{name}' depends on the order threads run in "
                         f"(element {i}: {a.reshape(-1)[i]} forward, {b.reshape(-1)[i]} reversed); "
-                        "a missing barrier or a race")
+                        "a missing barrier or a race"
+                    )
         return [_to_mx(a, dtype) for a, dtype in zip(forward, output_dtypes)]
 
 
-def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
-                 header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False) -> SimKernel:
+def metal_kernel(
+    name: str,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    source: str,
+    header: str = "",
+    ensure_row_contiguous: bool = True,
+    atomic_outputs: bool = False,
+) -> SimKernel:
     """Same arguments as `mx.fast.metal_kernel`; the kernel runs in the CPU simulator."""
     return SimKernel(name, input_names, output_names, source, header, atomic_outputs)
 
@@ -287,9 +359,11 @@ BUILD_FLAGS = ["-std=c++20", "-O0", "-w"]  # -O1 runs no faster on these small l
 # Every load and store hooked; -O1 keeps locals in registers, off the hooks.
 COUNT_FLAGS = ["-O1", "-DSIM_COUNT", "-fsanitize-coverage=func,trace-loads,trace-stores"]
 ADDRESS_SPACES = {"1": "device", "2": "constant", "3": "threadgroup"}
-NOT_VIABLE = re.compile(r"(header|body):(\d+):(\d+): note: candidate function(?: template)?(?: \[with [^\]]*\])? "
-                        r"not viable: cannot pass pointer to address space '(\w+)' as a pointer to address "
-                        r"space '(\w+)' in (\d+)\w* argument")
+NOT_VIABLE = re.compile(
+    r"(header|body):(\d+):(\d+): note: candidate function(?: template)?(?: \[with [^\]]*\])? "
+    r"not viable: cannot pass pointer to address space '(\w+)' as a pointer to address "
+    r"space '(\w+)' in (\d+)\w* argument"
+)
 
 
 # C++14 that Metal's language leaves out, which clang accepts: (pattern, what it is).
@@ -354,9 +428,11 @@ def compiler() -> Compiler:
         return ZIG
     if shutil.which("clang++") and _clang_major("clang++") >= 17:
         return Compiler(("clang++",))
-    raise SimulatorError("the Metal simulator needs clang++ 17 or newer, which type-checks address spaces as "
-                         "Metal's compiler does: pip install ziglang (the test extra brings it), a clang++-17 "
-                         "or newer on the PATH, or MLXKV_SIM_CXX naming one")
+    raise SimulatorError(
+        "the Metal simulator needs clang++ 17 or newer, which type-checks address spaces as "
+        "Metal's compiler does: pip install ziglang (the test extra brings it), a clang++-17 "
+        "or newer on the PATH, or MLXKV_SIM_CXX naming one"
+    )
 
 
 def _metal_words(text: str) -> str:
@@ -369,7 +445,7 @@ def _metal_words(text: str) -> str:
 
 def _parameter(source: str, line: int, column: int, index: int) -> str:
     """The text of parameter `index` (1-based) of the function declared at `line`:`column` of `source`."""
-    text = "\n".join(source.splitlines()[line - 1:])[column - 1:]
+    text = "\n".join(source.splitlines()[line - 1 :])[column - 1 :]
     depth, params, start = 0, [], text.index("(") + 1
     for i in range(start - 1, len(text)):
         if text[i] in "(<[":
@@ -389,11 +465,15 @@ def _explain(stderr: str, sources: dict[str, str], constant_inputs: list[str]) -
     notes = []
     for file, line, column, have, want, arg in NOT_VIABLE.findall(_metal_words(stderr)):
         param = _parameter(sources[file], int(line), int(column), int(arg))
-        notes.append(f"argument {arg} is a {have} pointer, but parameter `{param}` "
-                     f"({file} line {line}) takes a {want} one; Metal converts neither way")
+        notes.append(
+            f"argument {arg} is a {have} pointer, but parameter `{param}` "
+            f"({file} line {line}) takes a {want} one; Metal converts neither way"
+        )
     if notes and constant_inputs:
-        notes.append(f"MLX passes inputs of fewer than 8 elements in the constant address space, as it does "
-                     f"{', '.join(constant_inputs)} in this call: template the helper on the pointer type")
+        notes.append(
+            f"MLX passes inputs of fewer than 8 elements in the constant address space, as it does "
+            f"{', '.join(constant_inputs)} in this call: template the helper on the pointer type"
+        )
     return "".join(f"\n  {n}" for n in notes)
 
 
@@ -417,15 +497,16 @@ def _precompiled_runtime(cxx: Compiler, flags: list[str]) -> Path:
     """The runtime copy built once as a precompiled header for `flags`: parsing it and the
     standard headers it includes is most of the time a kernel takes to compile."""
     runtime = _runtime_copy()
-    key = hashlib.sha256("\n".join([runtime.name, str(runtime.stat().st_mtime_ns), cxx.name, *flags]).encode())
-    key = key.hexdigest()[:24]
+    digest = hashlib.sha256("\n".join([runtime.name, str(runtime.stat().st_mtime_ns), cxx.name, *flags]).encode())
+    key = digest.hexdigest()[:24]
     pch = CACHE / f"{runtime.stem}-{key}.pch"
     if not pch.exists():
         wrapper = pch.with_suffix(".h")  # included, so that the runtime stays a system header
         wrapper.write_text(f'#include "{runtime}"\n')
         partial = pch.with_suffix(f".{os.getpid()}.tmp")
-        built = subprocess.run([*cxx.command, *flags, "-x", "c++-header", str(wrapper), "-o", str(partial)],
-                               capture_output=True, text=True)
+        built = subprocess.run(
+            [*cxx.command, *flags, "-x", "c++-header", str(wrapper), "-o", str(partial)], capture_output=True, text=True
+        )
         if built.returncode != 0:
             raise SimulatorError("the simulator's runtime does not compile:\n" + built.stderr[:3000])
         partial.replace(pch)
@@ -449,47 +530,79 @@ def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], cou
     source.write_text(unit)
     check_pch = _precompiled_runtime(cxx, CHECK_FLAGS)
     scratch = binary.with_suffix(f".{os.getpid()}.o")
-    checked = subprocess.run([*cxx.command, *CHECK_FLAGS, *cxx.check_only(scratch), "-include-pch", str(check_pch),
-                              str(source)], capture_output=True, text=True)
+    checked = subprocess.run(
+        [*cxx.command, *CHECK_FLAGS, *cxx.check_only(scratch), "-include-pch", str(check_pch), str(source)],
+        capture_output=True,
+        text=True,
+    )
     scratch.unlink(missing_ok=True)
     if checked.returncode != 0:
-        raise SimulatorError("kernel does not compile as Metal (address spaces, C++14, pedantic):\n"
-                             + _metal_words("\n".join(checked.stderr.splitlines()[:30]))
-                             + _explain(checked.stderr, sources, constant_inputs))
+        raise SimulatorError(
+            "kernel does not compile as Metal (address spaces, C++14, pedantic):\n"
+            + _metal_words("\n".join(checked.stderr.splitlines()[:30]))
+            + _explain(checked.stderr, sources, constant_inputs)
+        )
     partial = binary.with_suffix(f".{os.getpid()}.tmp")
-    built = subprocess.run([*cxx.command, *build_flags, "-include-pch", str(_precompiled_runtime(cxx, build_flags)),
-                            "-o", str(partial), str(source)], capture_output=True, text=True)
+    built = subprocess.run(
+        [
+            *cxx.command,
+            *build_flags,
+            "-include-pch",
+            str(_precompiled_runtime(cxx, build_flags)),
+            "-o",
+            str(partial),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if built.returncode != 0:
         raise SimulatorError("kernel does not compile:\n" + "\n".join(built.stderr.splitlines()[:30]))
     partial.replace(binary)
     return binary
 
 
-def _run(binary: Path, params: list[Param], grid, threadgroup, init_value, reverse: bool,
-         counting: bool = False) -> tuple[list[np.ndarray], dict[str, int]]:
+def _run(
+    binary: Path,
+    params: list[Param],
+    grid: Sequence[int],
+    threadgroup: Sequence[int],
+    init_value: float | None,
+    reverse: bool,
+    counting: bool = False,
+) -> tuple[list[np.ndarray], dict[str, int]]:
     """Run the compiled kernel once; returns the outputs (numpy, host layout) and, when
     `counting`, the counters the run wrote."""
-    buffers = [p for p in params if p.data is not None]
-    outputs = [p for p in buffers if p.output]
+    buffers = [(p, p.data) for p in params if p.data is not None]
     with tempfile.TemporaryDirectory() as tmp:
-        lines = [f"grid {' '.join(map(str, grid))}", f"threadgroup {' '.join(map(str, threadgroup))}",
-                 f"reverse {int(reverse)}"]
-        for i, p in enumerate(buffers):
-            data = p.data
+        lines = [
+            f"grid {' '.join(map(str, grid))}",
+            f"threadgroup {' '.join(map(str, threadgroup))}",
+            f"reverse {int(reverse)}",
+        ]
+        for i, (p, data) in enumerate(buffers):
             if p.output:
-                data = np.full_like(data, init_value) if init_value is not None else np.frombuffer(
-                    b"\xff" * data.nbytes, dtype=data.dtype).reshape(data.shape)
+                data = (
+                    np.full_like(data, init_value)
+                    if init_value is not None
+                    else np.frombuffer(b"\xff" * data.nbytes, dtype=data.dtype).reshape(data.shape)
+                )
             path = Path(tmp) / f"b{i}"
             path.write_bytes(np.ascontiguousarray(data).tobytes())
             lines.append(f"buffer {p.name} {data.nbytes} {data.itemsize} {int(p.output)} {path}")
         manifest = Path(tmp) / "manifest"
         manifest.write_text("\n".join(lines) + "\n")
         counters = Path(tmp) / "counters"
-        proc = subprocess.run([str(binary), str(manifest), *([str(counters)] if counting else [])],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [str(binary), str(manifest), *([str(counters)] if counting else [])], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             raise SimulatorError(proc.stderr.strip() or f"kernel process exited with {proc.returncode}")
-        counted = {k: int(v) for k, v in (line.split() for line in counters.read_text().splitlines())} \
-            if counting else {}
-        return [np.frombuffer((Path(tmp) / f"b{buffers.index(p)}").read_bytes(), dtype=p.data.dtype)
-                .reshape(p.data.shape) for p in outputs], counted
+        counted = (
+            {k: int(v) for k, v in (line.split() for line in counters.read_text().splitlines())} if counting else {}
+        )
+        return [
+            np.frombuffer((Path(tmp) / f"b{i}").read_bytes(), dtype=data.dtype).reshape(data.shape)
+            for i, (p, data) in enumerate(buffers)
+            if p.output
+        ], counted

@@ -17,7 +17,17 @@ from .prefix_cache import PrefixCacheStats
 from .storage import KVStorage, kv_bytes_per_token
 from .usage import KVUsage
 
-__all__ = ["KVBatch", "KVCacheManager", "KVLayout", "KVStorage", "KVUsage", "PagePool", "PageTable",
-           "PrefixCacheStats", "kv_bytes_per_token", "resolve_layout"]
+__all__ = [
+    "KVBatch",
+    "KVCacheManager",
+    "KVLayout",
+    "KVStorage",
+    "KVUsage",
+    "PagePool",
+    "PageTable",
+    "PrefixCacheStats",
+    "kv_bytes_per_token",
+    "resolve_layout",
+]
 
 __getattr__ = module_getattr(__name__, {"BlockTable": ("PageTable", PageTable)})

@@ -32,7 +32,8 @@ class KVBatch:
     @cached_property
     def query_starts(self) -> np.ndarray:
         """Where each row's new tokens begin in the packed batch."""
-        return np.cumsum(self.query_lens) - self.query_lens
+        starts: np.ndarray = np.cumsum(self.query_lens) - self.query_lens
+        return starts
 
     @cached_property
     def positions(self) -> np.ndarray:
@@ -57,7 +58,8 @@ class KVBatch:
     def slot_mapping(self) -> np.ndarray:
         """The slot of every new token, packed like the queries (`page * page_size + offset`)."""
         pages, offsets = self.token_pages
-        return (pages * self.page_size + offsets).astype(np.int32)
+        slots: np.ndarray = (pages * self.page_size + offsets).astype(np.int32)
+        return slots
 
     def write_rows(self, kv_heads: int) -> mx.array:
         """Where each new token's K/V go in one layer's K (or V) pages seen as
@@ -66,7 +68,7 @@ class KVBatch:
 
     def for_window(self, window: int | None) -> KVBatch:
         """The batch of the layers with this sliding window (their own pages), else this one."""
-        return (self.by_window or {}).get(window, self)
+        return self.by_window.get(window, self) if self.by_window and window is not None else self
 
     def select(self, rows: np.ndarray) -> KVBatch:
         """The same step for these rows only (their tokens packed in the same order)."""
@@ -82,14 +84,24 @@ class KVBatch:
 @lru_cache(maxsize=8)
 def _selected(batch: KVBatch, rows: tuple[int, ...]) -> KVBatch:
     index = np.array(rows, np.int64)
-    return KVBatch(tuple(batch.seq_ids[r] for r in rows), batch.query_lens[index], batch.context_lens[index],
-                   batch.page_tables[index], batch.page_size)
+    return KVBatch(
+        tuple(batch.seq_ids[r] for r in rows),
+        batch.query_lens[index],
+        batch.context_lens[index],
+        batch.page_tables[index],
+        batch.page_size,
+    )
 
 
 @lru_cache(maxsize=8)
 def _skipped(batch: KVBatch, leading: tuple[int, ...]) -> KVBatch:
-    return KVBatch(batch.seq_ids, (batch.query_lens - np.array(leading)).astype(np.int32), batch.context_lens,
-                   batch.page_tables, batch.page_size)
+    return KVBatch(
+        batch.seq_ids,
+        (batch.query_lens - np.array(leading)).astype(np.int32),
+        batch.context_lens,
+        batch.page_tables,
+        batch.page_size,
+    )
 
 
 @lru_cache(maxsize=8)

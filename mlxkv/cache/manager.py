@@ -45,9 +45,10 @@ def _counts(num_new_tokens: Sequence[int]) -> list[int]:
         counts = np.asarray(num_new_tokens)
     except (TypeError, ValueError):  # ragged nesting
         counts = None
-    if counts is None or counts.size and (counts.ndim != 1 or counts.dtype.kind not in "iu" or counts.min() < 0):
+    if counts is None or (counts.size and (counts.ndim != 1 or counts.dtype.kind not in "iu" or counts.min() < 0)):
         raise ValueError(f"num_new_tokens must be non-negative integers, got {list(num_new_tokens)}")
-    return counts.tolist()
+    values: list[int] = counts.tolist()
+    return values
 
 
 def _stable_width(pages: int, limit: int) -> int:
@@ -55,8 +56,7 @@ def _stable_width(pages: int, limit: int) -> int:
     return min(limit, 1 << max(0, pages - 1).bit_length())
 
 
-@renamed_keywords(max_seqs="max_num_seqs", max_seq_len="max_model_len", block_size="page_size",
-                  num_blocks="num_pages")
+@renamed_keywords(max_seqs="max_num_seqs", max_seq_len="max_model_len", block_size="page_size", num_blocks="num_pages")
 class KVCacheManager:
     """Per-sequence KV caches over one page pool, in either layout.
 
@@ -104,8 +104,14 @@ class KVCacheManager:
         layer_windows: Sequence[int | None] | None = None,
         window_pages: dict[int, int] | None = None,
     ) -> None:
-        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                            ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("page_size", page_size)):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+            ("page_size", page_size),
+        ):
             require(name, value, POSITIVE)
         require("prefix_caching", prefix_caching, BOOLEAN)
         check_quantization(kv_bits, kv_group_size, head_dim)
@@ -128,16 +134,24 @@ class KVCacheManager:
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._row_of: dict[int, int] = {}
         shared = [i for i, w in enumerate(windows) if not (grouped and w)]
-        self._where = {layer: (None, index) for index, layer in enumerate(shared)}
-        self.storage = KVStorage(len(shared), self.pool.capacity, num_kv_heads, self.pool.page_size, head_dim, dtype,
-                                 kv_bits, kv_group_size)
+        self._where: dict[int, tuple[int | None, int]] = {layer: (None, index) for index, layer in enumerate(shared)}
+        self.storage = KVStorage(
+            len(shared), self.pool.capacity, num_kv_heads, self.pool.page_size, head_dim, dtype, kv_bits, kv_group_size
+        )
         self.windowed: dict[int, WindowGroup] = {}
         for window in sorted({w for w in windows if w}) if grouped else ():
             layers = [i for i, w in enumerate(windows) if w == window]
-            pages = (window_pages or {}).get(window) or window_pool_pages(window, page_size, max_num_seqs, max_model_len)
-            self.windowed[window] = WindowGroup(window, layers, PagePool(pages, page_size), KVStorage(
-                len(layers), pages, num_kv_heads, page_size, head_dim, dtype, kv_bits, kv_group_size), {},
-                np.zeros_like(self._rows))
+            pages = (window_pages or {}).get(window) or window_pool_pages(
+                window, page_size, max_num_seqs, max_model_len
+            )
+            self.windowed[window] = WindowGroup(
+                window,
+                layers,
+                PagePool(pages, page_size),
+                KVStorage(len(layers), pages, num_kv_heads, page_size, head_dim, dtype, kv_bits, kv_group_size),
+                {},
+                np.zeros_like(self._rows),
+            )
             self._where.update({layer: (window, index) for index, layer in enumerate(layers)})
         self._tables: dict[int, PageTable] = {}
         self._next_id = 0
@@ -214,7 +228,7 @@ class KVCacheManager:
             raise ValueError(f"seq_ids must be distinct, got {list(seq_ids)}")
         with self._lock:
             tables = self._tables_of(seq_ids)
-            needed = {None: [table.pages_needed(n) for table, n in zip(tables, counts)]}
+            needed: dict[int | None, list[int]] = {None: [table.pages_needed(n) for table, n in zip(tables, counts)]}
             if sum(needed[None]) > self.pool.free_count:
                 raise KVCacheExhausted(sum(needed[None]), self.pool.free_count)
             rows = {window: [group.tables[seq_id] for seq_id in seq_ids] for window, group in self.windowed.items()}
@@ -223,10 +237,11 @@ class KVCacheManager:
                     table.slide(table.num_tokens - window + 1)
                 needed[window] = [table.pages_needed(n) for table, n in zip(rows[window], counts)]
                 if sum(needed[window]) > group.pool.free_count:
-                    raise KVCacheExhausted(sum(needed[window]), group.pool.free_count,
-                                           f"pages of window-{window} layers")
-            for window, group_tables in [*rows.items(), (None, tables)]:
-                for table, count, pages in zip(group_tables, counts, needed[window]):
+                    raise KVCacheExhausted(
+                        sum(needed[window]), group.pool.free_count, f"pages of window-{window} layers"
+                    )
+            for group_key, group_tables in [*rows.items(), (None, tables)]:
+                for table, count, pages in zip(group_tables, counts, needed[group_key]):
                     table.extend(count, pages)
             return self._batches(seq_ids, tables, counts)
 
@@ -316,13 +331,31 @@ class KVCacheManager:
         with self._lock:
             shared_twice = self.pool.extra_refs * self.page_size  # shared pages are full
             tokens = sum(t.num_tokens for t in self._tables.values()) - shared_twice
-            windowed = tuple((window, KVUsage(self.layout, group.pool.used_count, group.pool.capacity, self.page_size,
-                                              sum(t.num_tokens - t.dropped * self.page_size
-                                                  for t in group.tables.values()),
-                                              group.storage.bytes_per_token))
-                             for window, group in self.windowed.items())
-            return KVUsage(self.layout, self.pool.used_count, self.pool.capacity, self.page_size,
-                           tokens, self.storage.bytes_per_token, self.pool.cached_free_count, self.kv_bits, windowed)
+            windowed = tuple(
+                (
+                    window,
+                    KVUsage(
+                        self.layout,
+                        group.pool.used_count,
+                        group.pool.capacity,
+                        self.page_size,
+                        sum(t.num_tokens - t.dropped * self.page_size for t in group.tables.values()),
+                        group.storage.bytes_per_token,
+                    ),
+                )
+                for window, group in self.windowed.items()
+            )
+            return KVUsage(
+                self.layout,
+                self.pool.used_count,
+                self.pool.capacity,
+                self.page_size,
+                tokens,
+                self.storage.bytes_per_token,
+                self.pool.cached_free_count,
+                self.kv_bits,
+                windowed,
+            )
 
     @property
     def free_pages(self) -> int:
@@ -351,22 +384,31 @@ class KVCacheManager:
 
     def _tables_of(self, seq_ids: Sequence[int]) -> list[PageTable]:
         """The tables of live sequences (one lookup pass, as a step asks for hundreds)."""
-        tables = [self._tables.get(seq_id) for seq_id in seq_ids]
-        if None in tables:
-            raise UnknownSequenceError(seq_ids[tables.index(None)])
-        return tables
+        try:
+            return [self._tables[seq_id] for seq_id in seq_ids]
+        except KeyError as missing:
+            raise UnknownSequenceError(missing.args[0]) from None
 
     def _batches(self, seq_ids: tuple[int, ...], tables: list[PageTable], counts: list[int]) -> KVBatch:
         """The batch of `tables` after their last `counts[b]` tokens were appended, with the
         same batch in each window group's pages."""
         rows = [self._row_of[seq_id] for seq_id in seq_ids]
         query_lens = np.array(counts, np.int32)
-        by_window = {window: self._batch(seq_ids, [group.tables[s] for s in seq_ids], group.rows, rows, query_lens)
-                     for window, group in self.windowed.items()}
+        by_window = {
+            window: self._batch(seq_ids, [group.tables[s] for s in seq_ids], group.rows, rows, query_lens)
+            for window, group in self.windowed.items()
+        }
         return self._batch(seq_ids, tables, self._rows, rows, query_lens, by_window or None)
 
-    def _batch(self, seq_ids: tuple[int, ...], tables: list[PageTable], matrix: np.ndarray, rows: list[int],
-               query_lens: np.ndarray, by_window: dict[int, KVBatch] | None = None) -> KVBatch:
+    def _batch(
+        self,
+        seq_ids: tuple[int, ...],
+        tables: list[PageTable],
+        matrix: np.ndarray,
+        rows: list[int],
+        query_lens: np.ndarray,
+        by_window: dict[int, KVBatch] | None = None,
+    ) -> KVBatch:
         """One pool's batch, its page tables cut from the tables' `rows` of its page `matrix`."""
         width = _stable_width(max((t.num_pages for t in tables), default=1), self.max_pages_per_seq)
         context_lens = np.array([t.num_tokens for t in tables], np.int32)

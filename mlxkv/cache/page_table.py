@@ -25,8 +25,20 @@ class PageTable:
     last handed to it.
     """
 
-    __slots__ = ("pool", "page_size", "owner", "max_tokens", "num_tokens", "row", "num_pages", "keys",
-                 "num_computed", "dropped", "tokens", "root")
+    __slots__ = (
+        "pool",
+        "page_size",
+        "owner",
+        "max_tokens",
+        "num_tokens",
+        "row",
+        "num_pages",
+        "keys",
+        "num_computed",
+        "dropped",
+        "tokens",
+        "root",
+    )
 
     def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int, row: np.ndarray | None = None) -> None:
         """`row`: where to keep the page row (a zeroed int32 row of a matrix holding many
@@ -47,7 +59,8 @@ class PageTable:
     @property
     def pages(self) -> list[int]:
         """The pages held, in order (a copy)."""
-        return self.row[: self.num_pages].tolist()
+        pages: list[int] = self.row[: self.num_pages].tolist()
+        return pages
 
     @property
     def position_base(self) -> int:
@@ -84,7 +97,7 @@ class PageTable:
 
     def _grow(self, new_pages: int) -> None:
         if new_pages:
-            self.row[self.num_pages:self.num_pages + new_pages] = self.pool.alloc(self.owner, new_pages)
+            self.row[self.num_pages : self.num_pages + new_pages] = self.pool.alloc(self.owner, new_pages)
             self.num_pages += new_pages
 
     def slide(self, first_token: int) -> int:
@@ -92,17 +105,18 @@ class PageTable:
         read again (a sliding-window layer's); their entries stay, pointing at page 0, so
         later pages keep their index. Returns how many pages went back."""
         keep = min(max(0, first_token) // self.page_size, self.num_pages)
-        gone = self.row[self.dropped:keep].tolist()
+        gone = self.row[self.dropped : keep].tolist()
         self.pool.release_pages(self.owner, gone)
-        self.row[self.dropped:keep] = 0
+        self.row[self.dropped : keep] = 0
         self.dropped = max(self.dropped, keep)
         return len(gone)
 
     def slots(self, start: int, stop: int) -> np.ndarray:
         """The slots of tokens `start` .. `stop - 1` (int32), in O(stop - start)."""
         positions = np.arange(start, stop, dtype=np.int64)
-        return (self.row[positions // self.page_size].astype(np.int64) * self.page_size
-                + positions % self.page_size).astype(np.int32)
+        return (
+            self.row[positions // self.page_size].astype(np.int64) * self.page_size + positions % self.page_size
+        ).astype(np.int32)
 
     @property
     def pages_in_use(self) -> int:
@@ -131,7 +145,9 @@ class PageTable:
         is not taken, a partial one is, and the token is written again. Returns the tokens
         now in place."""
         if self.num_pages:
-            raise ValueError(f"sequence {self.owner} already holds pages; a prefix is reused only before its first step")
+            raise ValueError(
+                f"sequence {self.owner} already holds pages; a prefix is reused only before its first step"
+            )
         self.root, size, last = root_key(salt), self.page_size, len(tokens) - 1
         shared = []
         for first in range(0, last // size * size, size):

@@ -65,8 +65,9 @@ class PagePool:
         """Let `request_id` hold pages that are in use or cached (one more reference each)."""
         pages = list(pages)
         for page in pages:
-            if not (isinstance(page, int) and 0 <= page < self.capacity) or \
-                    (self._refs[page] == 0 and page not in self._cached_free):
+            if not (isinstance(page, int) and 0 <= page < self.capacity) or (
+                self._refs[page] == 0 and page not in self._cached_free
+            ):
                 raise ValueError(f"page {page!r} is neither an allocated nor a cached page of this pool")
         for page in pages:
             if self._refs[page] == 0:

@@ -53,7 +53,7 @@ class QuantizedPages:
     def nbytes(self) -> int:
         return sum(part.nbytes for part in self.parts)
 
-    def dequantize(self, parts: tuple[mx.array, mx.array, mx.array] | None = None) -> mx.array:
+    def dequantize(self, parts: tuple[mx.array, ...] | None = None) -> mx.array:
         """`parts` (rows taken alike from the three arrays; default all of them) as floats.
 
         Equal to `mx.dequantize` bit for bit; the packed words are read as bytes (4-bit: split
@@ -78,29 +78,30 @@ def check_quantization(bits: int | None, group_size: int, head_dim: int) -> None
     if bits is not None and head_dim % group_size:
         fits = [str(g) for g in (32, 64, 128) if head_dim % g == 0]
         if not fits:
-            raise ValueError(f"the model's head_dim={head_dim} is not a multiple of 32, the smallest "
-                             "kv_group_size, so its KV cannot be quantized; use kv_bits=None")
-        raise ValueError(f"kv_group_size={group_size} must divide the model's head_dim={head_dim}; "
-                         f"use {' or '.join(fits)}")
+            raise ValueError(
+                f"the model's head_dim={head_dim} is not a multiple of 32, the smallest "
+                "kv_group_size, so its KV cannot be quantized; use kv_bits=None"
+            )
+        raise ValueError(
+            f"kv_group_size={group_size} must divide the model's head_dim={head_dim}; use {' or '.join(fits)}"
+        )
 
 
 def resolve_dtype(dtype: mx.Dtype | str) -> mx.Dtype:
     """`dtype` as an MLX dtype; only float16, bfloat16 and float32 are KV dtypes."""
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    if dtype in DTYPES.values():
+    if isinstance(dtype, mx.Dtype) and dtype in DTYPES.values():
         return dtype
     raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
-                       bits: int | None = None, group_size: int = 64) -> int:
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, bits: int | None = None, group_size: int = 64
+) -> int:
     """K and V bytes one token takes across all layers (with `bits`: packed values plus the
     scale and bias of each group, in `dtype`)."""
-    if bits is None:
-        row = head_dim * dtype.size
-    else:
-        row = head_dim * bits // 8 + 2 * (head_dim // group_size) * dtype.size
+    row = head_dim * dtype.size if bits is None else head_dim * bits // 8 + 2 * (head_dim // group_size) * dtype.size
     return 2 * num_layers * num_kv_heads * row
 
 
@@ -117,7 +118,8 @@ def _scatter_rows(pages: mx.array, rows: mx.array, new: mx.array) -> mx.array:
     return flat.reshape(pages.shape)
 
 
-def _arrays(pages: Pages) -> tuple[mx.array, ...]:
+def arrays_of(pages: Pages) -> tuple[mx.array, ...]:
+    """The MLX arrays that hold `pages`: one for float pages, three for quantized ones."""
     return pages.parts if isinstance(pages, QuantizedPages) else (pages,)
 
 
@@ -161,7 +163,7 @@ class KVStorage:
 
     def _zeroed(self, num_layers: int) -> tuple[list[Pages], list[Pages]]:
         keys, values = ([self._zeroed_pages() for _ in range(num_layers)] for _ in range(2))
-        mx.eval([_arrays(pages) for pages in keys + values])
+        mx.eval([arrays_of(pages) for pages in keys + values])
         return keys, values
 
     def _zeroed_pages(self) -> Pages:
@@ -175,7 +177,7 @@ class KVStorage:
     @property
     def tensors(self) -> list[mx.array]:
         """Every MLX array of every layer's pages, to evaluate them at the end of a step."""
-        return [part for pages in self.keys + self.values for part in _arrays(pages)]
+        return [part for pages in self.keys + self.values for part in arrays_of(pages)]
 
     @property
     def num_layers(self) -> int:
@@ -183,8 +185,9 @@ class KVStorage:
 
     @property
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
-                                  self.bits, self.group_size)
+        return kv_bytes_per_token(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.bits, self.group_size
+        )
 
     @property
     def nbytes(self) -> int:
@@ -226,9 +229,9 @@ class KVStorage:
 
     def _scattered(self, pages: Pages, rows: mx.array, new: mx.array) -> Pages:
         if isinstance(pages, QuantizedPages):
-            parts = mx.quantize(new, group_size=self.group_size, bits=self.bits)
-            return QuantizedPages(*(_scatter_rows(part, rows, data) for part, data in zip(pages.parts, parts)),
-                                  self.bits, self.group_size)
+            parts = mx.quantize(new, group_size=pages.group_size, bits=pages.bits)
+            words, scales, biases = (_scatter_rows(part, rows, data) for part, data in zip(pages.parts, parts))
+            return QuantizedPages(words, scales, biases, pages.bits, pages.group_size)
         return _scatter_rows(pages, rows, new)
 
     def _check(self, name: str, array: mx.array, tokens: int) -> None:
@@ -241,6 +244,4 @@ class KVStorage:
                 f"head_dim={self.head_dim}), got {tuple(array.shape)}"
             )
         if array.dtype != self.dtype:
-            raise ValueError(
-                f"{name} must have the cache dtype {dtype_name(self.dtype)}, got {array.dtype}"
-            )
+            raise ValueError(f"{name} must have the cache dtype {dtype_name(self.dtype)}, got {array.dtype}")

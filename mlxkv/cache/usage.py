@@ -44,6 +44,8 @@ class KVUsage:
         cached = f", {self.pages_cached} more cached" if self.pages_cached else ""
         bits = f", {self.kv_bits}-bit" if self.kv_bits else ""
         windows = "".join(f", window-{w} layers {u.pages_used}/{u.pages_total}" for w, u in self.windowed)
-        return (f"{self.layout.value}{bits}, {self.pages_used}/{self.pages_total} pages of {self.page_size} tokens "
-                f"in use{cached}{windows} (pool {size}), {self.bytes_holding_tokens / 2**20:.2f} of "
-                f"{self.bytes_allocated / 2**20:.2f} MiB in use holding tokens")
+        return (
+            f"{self.layout.value}{bits}, {self.pages_used}/{self.pages_total} pages of {self.page_size} tokens "
+            f"in use{cached}{windows} (pool {size}), {self.bytes_holding_tokens / 2**20:.2f} of "
+            f"{self.bytes_allocated / 2**20:.2f} MiB in use holding tokens"
+        )

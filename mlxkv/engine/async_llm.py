@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 
 import mlx.core as mx
@@ -30,24 +30,33 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="mlxkv-engine", daemon=True)
         self._thread.start()
         atexit.register(self.shutdown)
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | int | None = None, cache_salt: str | None = None) -> AsyncIterator[str]:
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | int | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[str, None]:
         """Yield the completion's text deltas as the engine produces them."""
         async with aclosing(self.outputs(prompt, params, request_id, cache_salt)) as outputs:
             async for output in outputs:  # leaving early closes `outputs` at once, which aborts
                 if output.delta:
                     yield output.delta
 
-    async def outputs(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                      request_id: str | int | None = None,
-                      cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def outputs(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | int | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield every `RequestOutput` of one request (text, tokens, log-probabilities, usage),
         the last one with `finished` set."""
         request_id = self.engine.new_request_id() if request_id is None else request_key(request_id)

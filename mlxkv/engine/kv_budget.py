@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -36,11 +37,29 @@ def _gb(size: int) -> str:
     return f"{size / 1e9:.1f} GB"
 
 
-def build_kv_cache(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype,
-                   model_max_len: int | None, weights_bytes: int = 0,
-                   layer_windows: Sequence[int | None] | None = None) -> KVCacheManager:
-    """The KV cache for a model of this shape, checked against the memory left beside its weights
-    before anything is allocated.
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The cache `build_kv_cache` makes: how many sequences of how many tokens, the full-attention
+    layers' pages (paged layout), and each sliding-window group's pages."""
+
+    max_num_seqs: int
+    max_model_len: int
+    num_pages: int | None
+    layer_windows: list[int | None]
+    window_pages: dict[int, int]
+
+
+def plan_kv_cache(
+    config: EngineConfig,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: mx.Dtype,
+    model_max_len: int | None,
+    weights_bytes: int = 0,
+    layer_windows: Sequence[int | None] | None = None,
+) -> KVCachePlan:
+    """The KV cache for a model of this shape, checked against the memory left beside its weights.
 
     In the paged layout the pages of sliding-window layers (`layer_windows`) are a fixed, small
     pool (`window_pages` per window) taken from the budget first; the rest buys pages for the
@@ -48,7 +67,7 @@ def build_kv_cache(config: EngineConfig, num_layers: int, num_kv_heads: int, hea
     layout the budget buys whole `max_model_len` pages, at most `max_num_seqs`."""
     max_len = context_length(config.max_model_len, model_max_len)
     contiguous = config.kv_layout is KVLayout.CONTIGUOUS
-    windows = [None] * num_layers if contiguous or layer_windows is None else list(layer_windows)
+    windows: list[int | None] = [None] * num_layers if contiguous or layer_windows is None else list(layer_windows)
     per_layer = kv_bytes_per_token(1, num_kv_heads, head_dim, dtype, config.kv_bits, config.kv_group_size)
     bytes_per_token = per_layer * sum(w is None for w in windows)
     grouped = {w: window_pages(config, w) for w in set(windows) if w is not None}
@@ -57,34 +76,65 @@ def build_kv_cache(config: EngineConfig, num_layers: int, num_kv_heads: int, hea
     available = max(0, memory - weights_bytes - window_bytes)
     per_seq = max_len if contiguous else -(-max_len // config.page_size) * config.page_size
     asked_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None else None
-    budget = asked_memory - window_bytes if asked_memory else \
-        min(config.max_num_seqs * per_seq * bytes_per_token, int(config.kv_cache_fraction * available))
+    budget = (
+        asked_memory - window_bytes
+        if asked_memory
+        else min(config.max_num_seqs * per_seq * bytes_per_token, int(config.kv_cache_fraction * available))
+    )
     if config.num_pages is not None:
         asked, what = config.num_pages * config.page_size * bytes_per_token, f"num_pages={config.num_pages}"
     else:
         asked, what = budget, f"kv_cache_memory={_gb(budget)}"
     if asked > available:
-        raise ValueError(f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
-                         f"({_gb(memory)} the device can use, less {_gb(weights_bytes)} of weights)")
-
-    def manager(max_num_seqs: int, num_pages: int | None = None) -> KVCacheManager:
-        return KVCacheManager(num_layers, num_kv_heads, head_dim, max_num_seqs=max_num_seqs, max_model_len=max_len,
-                              layout=config.kv_layout, page_size=config.page_size, num_pages=num_pages, dtype=dtype,
-                              prefix_caching=config.prefix_caching, kv_bits=config.kv_bits,
-                              kv_group_size=config.kv_group_size, layer_windows=windows, window_pages=grouped)
-
+        raise ValueError(
+            f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
+            f"({_gb(memory)} the device can use, less {_gb(weights_bytes)} of weights)"
+        )
     if contiguous:
         sequences = min(config.max_num_seqs, budget // (max_len * bytes_per_token))
         if sequences == 0:
             raise ValueError(
                 f"the contiguous layout needs {max_len * bytes_per_token / 2**20:.1f} MiB per sequence "
                 f"(max_model_len={max_len}) but the KV budget is {budget / 2**20:.1f} MiB; "
-                "raise kv_cache_memory or lower max_model_len")
-        return manager(sequences)
+                "raise kv_cache_memory or lower max_model_len"
+            )
+        return KVCachePlan(sequences, max_len, None, windows, grouped)
     pages = config.num_pages or budget // (config.page_size * bytes_per_token)
     if pages <= 0:
         beside = f" beside the {window_bytes} bytes of the sliding-window layers' pages" if window_bytes else ""
         source = "kv_cache_memory" if asked_memory else f"kv_cache_fraction={config.kv_cache_fraction}"
-        raise ValueError(f"the KV budget ({source}) leaves {max(budget, 0)} bytes for the full-attention layers, "
-                         f"less than one page of {config.page_size} tokens{beside}")
-    return manager(config.max_num_seqs, pages)
+        raise ValueError(
+            f"the KV budget ({source}) leaves {max(budget, 0)} bytes for the full-attention layers, "
+            f"less than one page of {config.page_size} tokens{beside}"
+        )
+    return KVCachePlan(config.max_num_seqs, max_len, pages, windows, grouped)
+
+
+def build_kv_cache(
+    config: EngineConfig,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: mx.Dtype,
+    model_max_len: int | None,
+    weights_bytes: int = 0,
+    layer_windows: Sequence[int | None] | None = None,
+) -> KVCacheManager:
+    """The KV cache `plan_kv_cache` plans for a model of this shape, allocated."""
+    plan = plan_kv_cache(config, num_layers, num_kv_heads, head_dim, dtype, model_max_len, weights_bytes, layer_windows)
+    return KVCacheManager(
+        num_layers,
+        num_kv_heads,
+        head_dim,
+        max_num_seqs=plan.max_num_seqs,
+        max_model_len=plan.max_model_len,
+        layout=config.kv_layout,
+        page_size=config.page_size,
+        num_pages=plan.num_pages,
+        dtype=dtype,
+        prefix_caching=config.prefix_caching,
+        kv_bits=config.kv_bits,
+        kv_group_size=config.kv_group_size,
+        layer_windows=plan.layer_windows,
+        window_pages=plan.window_pages,
+    )

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -64,23 +65,47 @@ class LLMEngine:
     `step` touches MLX.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper, config: EngineConfig | None = None,
-                 kernels: PagedAttentionKernels | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: TokenizerWrapper,
+        config: EngineConfig | None = None,
+        kernels: PagedAttentionKernels | None = None,
+    ) -> None:
         """`kernels` replaces MLX's Metal kernels, whatever `config.attention` says (the tests pass
         the kernels running in the CPU simulator)."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         layers, kv_heads, head_dim, dtype = kv_shape(model)
-        weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+        parameters = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+        weights = sum(array.nbytes for _, array in parameters)
         variants = layer_variants(model)
-        self.cache = build_kv_cache(self.config, layers, kv_heads, head_dim, dtype,
-                                    getattr(model.args, "max_position_embeddings", None), weights,
-                                    [v.window for v in variants])
-        spec = AttentionSpec(dtype, model.args.num_attention_heads, kv_heads, head_dim, self.cache.page_size,
-                             self.cache.kv_bits, self.cache.kv_group_size, variants)
+        self.cache = build_kv_cache(
+            self.config,
+            layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            getattr(model.args, "max_position_embeddings", None),
+            weights,
+            [v.window for v in variants],
+        )
+        spec = AttentionSpec(
+            dtype,
+            model.args.num_attention_heads,
+            kv_heads,
+            head_dim,
+            self.cache.page_size,
+            self.cache.kv_bits,
+            self.cache.kv_group_size,
+            variants,
+        )
         attention = choose_attention(self.config.attention, spec, kernels)
-        logger.info("KV cache: %s; attention: %s", self.cache.usage(),
-                    "reference" if attention is reference_attention else "Metal kernels")
+        logger.info(
+            "KV cache: %s; attention: %s",
+            self.cache.usage(),
+            "reference" if attention is reference_attention else "Metal kernels",
+        )
         self.runner = ModelRunner(model, self.cache, attention)
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -99,9 +124,14 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """A snapshot of the requests, the KV cache and the prefix cache, for metrics and front ends."""
         with self._lock:
-            return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                               self.scheduler.num_preemptions, self.cache.usage(), self.cache.prefix_caching,
-                               replace(self.scheduler.prefix_stats))
+            return EngineStats(
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+                self.scheduler.num_preemptions,
+                self.cache.usage(),
+                self.cache.prefix_caching,
+                replace(self.scheduler.prefix_stats),
+            )
 
     @property
     def prefix_stats(self) -> PrefixCacheStats:
@@ -119,15 +149,24 @@ class LLMEngine:
                 pass
             return request_id
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | int | None = None, cache_salt: str | None = None) -> Request:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | int | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
         """Queue a prompt; raises `RequestTooLong` if it could never fit the KV cache.
         Requests reuse each other's cached prefix pages only when their `cache_salt`s are equal."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        request = Request(self.new_request_id() if request_id is None else request_key(request_id),
-                          self.encode(prompt), params, check_salt(cache_salt))
+        request = Request(
+            self.new_request_id() if request_id is None else request_key(request_id),
+            self.encode(prompt),
+            params,
+            check_salt(cache_salt),
+        )
         if request.max_kv_tokens > self.max_request_tokens:
             raise RequestTooLong(
                 f"prompt of {len(request.prompt_ids)} tokens plus max_tokens={params.max_tokens} needs "
@@ -187,10 +226,14 @@ class LLMEngine:
         sampling = [r for r, s in zip(batch.requests, batch.samples) if s]
         indices = [len(r.output_ids) for r in sampling]  # the output number each row samples
         try:
-            logits = self.runner.forward(batch, self._token_ids(batch, previous))
-            tokens = sample(logits, [r.sampler for r in sampling], indices) if sampling else mx.array([], mx.uint32)
+            logits = self.runner.forward(batch, self._token_ids(batch, previous))  # None when no row samples
+            tokens = (
+                sample(logits, [r.sampler for r in sampling], indices)
+                if logits is not None
+                else mx.array([], mx.uint32)
+            )
             wanted = [r.params.logprobs for r in sampling if r.params.logprobs is not None]
-            scored = logprobs(logits, tokens, max(wanted)) if wanted else ()
+            scored = logprobs(logits, tokens, max(wanted)) if logits is not None and wanted else ()
             started = time.perf_counter()
             mx.async_eval(tokens, *scored, self.cache.tensors)  # on a CPU build this runs most of the graph
             self.last_step_wait += time.perf_counter() - started
@@ -212,11 +255,13 @@ class LLMEngine:
     def _token_ids(batch: ScheduledBatch, previous: InFlight | None) -> mx.array:
         """The batch's input tokens, packed; a token still `PENDING` comes lazily from the step
         before, which sampled it."""
-        host = np.fromiter(itertools.chain.from_iterable(r.pending(n) for r, n in zip(batch.requests, batch.counts)),
-                           np.int32)
+        host = np.fromiter(
+            itertools.chain.from_iterable(r.pending(n) for r, n in zip(batch.requests, batch.counts)), np.int32
+        )
         waiting = np.flatnonzero(host == PENDING)
         if not waiting.size:
             return mx.array(host)
+        assert previous is not None  # only the step before samples a token its successor reads
         rows = {id(r): i for i, r in enumerate(previous.sampling)}
         owners = np.repeat(np.arange(len(batch.requests)), batch.counts)[waiting]
         source = mx.array(np.array([rows[id(batch.requests[o])] for o in owners], np.int32))
@@ -231,7 +276,8 @@ class LLMEngine:
             started = time.perf_counter()
             mx.eval(step.tokens, *step.scored)
             self.last_step_wait += time.perf_counter() - started
-            sampled, scored = step.tokens.tolist(), [a.tolist() for a in step.scored]
+            sampled = cast("list[int]", step.tokens.tolist())
+            scored = [cast("list[list[Any]]", a.tolist()) for a in step.scored]
         except Exception as exc:
             return self._recover_pipeline(step, exc)
         except BaseException:
@@ -240,9 +286,11 @@ class LLMEngine:
         now = time.perf_counter()
         with self._lock:
             scores = _token_logprobs(step.sampling, sampled, scored)
-            return [self._accept(request, index, token, score, now)
-                    for request, index, token, score in zip(step.sampling, step.indices, sampled, scores)
-                    if request.status is not Status.FINISHED]
+            return [
+                self._accept(request, index, token, score, now)
+                for request, index, token, score in zip(step.sampling, step.indices, sampled, scores)
+                if request.status is not Status.FINISHED
+            ]
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every unfinished request with `error` (for a failure no request can be blamed for)."""
@@ -259,8 +307,9 @@ class LLMEngine:
                 request.drop_pending()
             return self._recover(list(dict.fromkeys(undone)), step.batch.requests if error else [], error)
 
-    def _recover(self, batch: list[Request], culprits: list[Request] | None,
-                 error: Exception | None) -> list[RequestOutput]:
+    def _recover(
+        self, batch: list[Request], culprits: list[Request] | None, error: Exception | None
+    ) -> list[RequestOutput]:
         """Undo a failed step, then fail the requests that caused it (all of `batch` when that
         cannot be told).
 
@@ -268,7 +317,7 @@ class LLMEngine:
         freed, so K/V the step may have half-written is never read, and they recompute to
         the same tokens (sampling keys depend only on a request's seed and progress; with
         quantized pages, a recompute that finds only part of its pages cached attends
-        quantized K/V where it first attended exact ones, see `Scheduler.own_kv_span`). If the
+        quantized K/V where it first attended its own, see `Scheduler.own_kv_span`). If the
         KV tensors themselves cannot be evaluated any more, every running request is rolled
         back and the tensors start afresh, and so does the prefix cache whose pages they held.
         """
@@ -279,15 +328,18 @@ class LLMEngine:
             except Exception:
                 self.scheduler.roll_back(list(self.scheduler.running))
                 self.cache.reset()
-            return [self._fail(r, error) for r in (batch if culprits is None else culprits)
-                    if r.status is not Status.FINISHED]
+            if error is None:  # interrupted, not failed
+                return []
+            failed = batch if culprits is None else culprits
+            return [self._fail(r, error) for r in failed if r.status is not Status.FINISHED]
 
     def _fail(self, request: Request, error: Exception) -> RequestOutput:
         request.error = error
         return self._finish(request, "error")
 
-    def _accept(self, request: Request, index: int, token: int, score: TokenLogprob | None,
-                now: float) -> RequestOutput:
+    def _accept(
+        self, request: Request, index: int, token: int, score: TokenLogprob | None, now: float
+    ) -> RequestOutput:
         """Put `token`, read at time `now`, in its placeholder as output number `index`, and end
         the request if it is done (dropping what a later step computed for it)."""
         if request.first_token_time is None:
@@ -297,6 +349,7 @@ class LLMEngine:
             return self._finish(request, "stop")
         request.set_output(index, token)
         new = ((token,), (score,) if score else ())
+        assert request.stream is not None  # every request the engine admits has its stream
         if request.stream.add(token):
             request.truncate_outputs(index + 1)
             return self._finish(request, "stop", *new)
@@ -304,9 +357,11 @@ class LLMEngine:
             return self._finish(request, "length", *new)
         return self._output(request, *new)
 
-    def _finish(self, request: Request, reason: str, token_ids: tuple[int, ...] = (),
-                scores: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
+    def _finish(
+        self, request: Request, reason: str, token_ids: tuple[int, ...] = (), scores: tuple[TokenLogprob, ...] = ()
+    ) -> RequestOutput:
         request.drop_pending()
+        assert request.stream is not None
         request.stream.finish()
         request.finish_time = time.perf_counter()
         self.scheduler.finish(request, reason)
@@ -314,11 +369,21 @@ class LLMEngine:
         return self._output(request, token_ids, scores)
 
     @staticmethod
-    def _output(request: Request, token_ids: tuple[int, ...] = (),
-                scores: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
+    def _output(
+        request: Request, token_ids: tuple[int, ...] = (), scores: tuple[TokenLogprob, ...] = ()
+    ) -> RequestOutput:
         usage = Usage(len(request.prompt_ids), request.num_outputs, request.num_cached_tokens or 0)
-        return RequestOutput(request.request_id, request.stream.take_delta(), request.status is Status.FINISHED,
-                             request.finish_reason, request.error, token_ids, scores, usage)
+        assert request.stream is not None
+        return RequestOutput(
+            request.request_id,
+            request.stream.take_delta(),
+            request.status is Status.FINISHED,
+            request.finish_reason,
+            request.error,
+            token_ids,
+            scores,
+            usage,
+        )
 
     def reset_peak_usage(self) -> None:
         """Start tracking the KV cache's peak use afresh (e.g. per chat turn)."""
@@ -331,11 +396,16 @@ class LLMEngine:
             self.peak_usage = self.cache.usage()
 
 
-def _token_logprobs(sampling: list[Request], tokens: list[int], scored: list[list]) -> list[TokenLogprob | None]:
+def _token_logprobs(sampling: list[Request], tokens: list[int], scored: list[list[Any]]) -> list[TokenLogprob | None]:
     """Each sampled row's `TokenLogprob`, for the requests that asked (None for the others)."""
     if not scored:
         return [None] * len(sampling)
     chosen, ids, values = scored
-    return [None if r.params.logprobs is None else TokenLogprob(
-        token, chosen[row], tuple(sorted(zip(ids[row], values[row]), key=lambda p: -p[1])[: r.params.logprobs]))
-        for row, (r, token) in enumerate(zip(sampling, tokens))]
+    return [
+        None
+        if r.params.logprobs is None
+        else TokenLogprob(
+            token, chosen[row], tuple(sorted(zip(ids[row], values[row]), key=lambda p: -p[1])[: r.params.logprobs])
+        )
+        for row, (r, token) in enumerate(zip(sampling, tokens))
+    ]

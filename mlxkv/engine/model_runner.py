@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +19,7 @@ from ..cache.manager import KVCacheManager
 from ..models.adapters import Adapter, adapter_for
 from ..models.rotary import Positions
 from .scheduler import ScheduledBatch
+
 
 @dataclass(frozen=True)
 class StepContext:
@@ -36,7 +38,7 @@ class StepContext:
     own_kv: np.ndarray | None
     offset: int = 0
 
-    def make_mask(self, *args, **kwargs) -> None:
+    def make_mask(self, *args: object, **kwargs: object) -> None:
         return None
 
 
@@ -49,27 +51,40 @@ class PagedAttention(nn.Module):
     """
 
     def __init__(self, inner: nn.Module, layer: int, adapter: Adapter) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # nn.Module's __init__ has no annotations
         self.inner = inner
         self.layer = layer
         self.adapter = adapter
 
-    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
         cache = kwargs.get("cache", args[-1] if args else None)
         if not isinstance(cache, StepContext):
-            return self.inner(x, *args, **kwargs)
+            original: mx.array = self.inner(x, *args, **kwargs)
+            return original
         queries, keys, values = self.adapter(x, cache.positions)
         batch = cache.batch.for_window(self.adapter.variant.window)
         cache.cache.write(self.layer, batch, keys, values)
-        out = first_chunk_attention(cache.attention, queries, keys, values, *cache.cache.kv(self.layer), batch,
-                                    cache.own_kv, self.adapter.scale, self.adapter.variant)
-        return self.inner.o_proj(out.reshape(1, x.shape[1], -1))
+        out = first_chunk_attention(
+            cache.attention,
+            queries,
+            keys,
+            values,
+            *cache.cache.kv(self.layer),
+            batch,
+            cache.own_kv,
+            self.adapter.scale,
+            self.adapter.variant,
+        )
+        projected: mx.array = self.inner.o_proj(out.reshape(1, x.shape[1], -1))
+        return projected
 
 
 def layer_variants(model: nn.Module) -> list[Variant]:
     """How each layer attends (window, soft-cap, sinks), as its family's adapter reads it."""
-    return [adapter_for(model, i, getattr(layer.self_attn, "inner", layer.self_attn)).variant
-            for i, layer in enumerate(model.model.layers)]
+    return [
+        adapter_for(model, i, getattr(layer.self_attn, "inner", layer.self_attn)).variant
+        for i, layer in enumerate(model.model.layers)
+    ]
 
 
 def kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:
@@ -106,10 +121,11 @@ class ModelRunner:
         the first `own_kv[b]` tokens of row b attending their own K/V as computed (lazy)."""
         spans = np.asarray(own_kv, np.int32) if any(own_kv) else None  # a scan, not an array, in the common case
         context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, spans)
-        return self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))[0]
+        states: mx.array = self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))
+        return states[0]
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits for final hidden states."""
-        if getattr(self.model, "lm_head", None) is not None:
-            return self.model.lm_head(hidden)
-        return self.model.model.embed_tokens.as_linear(hidden)
+        lm_head = getattr(self.model, "lm_head", None) or self.model.model.embed_tokens.as_linear
+        logits: mx.array = lm_head(hidden)
+        return logits

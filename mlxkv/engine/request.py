@@ -11,6 +11,7 @@ from .sampling_params import SamplingParams
 from .text import TextStream
 
 PENDING = -1  # an output token sampled by a step whose result the host has not read yet
+NO_SEQUENCE = -1  # the seq_id of a request that holds no sequence in the KV cache (not running)
 
 
 class Status(enum.Enum):
@@ -37,7 +38,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)  # prompt then outputs, for slicing and hashing
     status: Status = Status.WAITING
-    seq_id: int | None = None
+    seq_id: int = NO_SEQUENCE
     num_computed: int = 0
     num_cached_tokens: int | None = None
     finish_reason: str | None = None
@@ -68,7 +69,7 @@ class Request:
         """Keep only the first `count` outputs (what later steps computed past them is dropped)."""
         self.num_pending -= min(self.num_pending, max(0, len(self.output_ids) - count))
         del self.output_ids[count:]
-        del self.all_token_ids[len(self.prompt_ids) + count:]
+        del self.all_token_ids[len(self.prompt_ids) + count :]
 
     def drop_pending(self) -> None:
         """Forget the outputs still `PENDING`."""
@@ -103,13 +104,15 @@ class Request:
 
     @property
     def prompt_tps(self) -> float:
-        """Prompt tokens per second until the first token."""
-        return len(self.prompt_ids) / max(self.first_token_time - self.arrival_time, 1e-9)
+        """Prompt tokens per second until the first token (or until now, before it)."""
+        first = self.first_token_time or time.perf_counter()
+        return len(self.prompt_ids) / max(first - self.arrival_time, 1e-9)
 
     @property
     def generation_tps(self) -> float:
-        """Generated tokens per second after the first token."""
-        return len(self.output_ids) / max(self.finish_time - self.first_token_time, 1e-9)
+        """Generated tokens per second after the first token (until the last, or now)."""
+        first, end = self.first_token_time, self.finish_time or time.perf_counter()
+        return len(self.output_ids) / max(end - first, 1e-9) if first is not None else 0.0
 
     @property
     def max_kv_tokens(self) -> int:

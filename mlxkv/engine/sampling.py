@@ -98,10 +98,12 @@ def _draw(logits: mx.array, params: list[SamplingParams], keys: mx.array) -> mx.
     logprobs = log_softmax(logits)
     top_p = [p.top_p for p in params]
     if min(top_p) < 1:
-        logprobs = mx.where(_column(top_p) < 1, apply_top_p(logprobs, _column(top_p)), logprobs)
+        thresholds = _column(top_p)  # apply_top_p broadcasts a column of per-row thresholds as it does a float
+        logprobs = mx.where(thresholds < 1, apply_top_p(logprobs, thresholds), logprobs)  # type: ignore[arg-type]
     if any(p.min_p > 0 for p in params):
-        floor = mx.max(logprobs, axis=-1, keepdims=True) + _column([math.log(p.min_p) if p.min_p > 0 else -math.inf
-                                                                    for p in params])
+        floor = mx.max(logprobs, axis=-1, keepdims=True) + _column(
+            [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params]
+        )
         logprobs = mx.where(logprobs < floor, -math.inf, logprobs)
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]

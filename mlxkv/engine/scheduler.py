@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ..cache.batch import KVBatch
 from ..cache.manager import KVCacheManager
 from ..cache.prefix_cache import PrefixCacheStats
-from .request import Request, Status
+from .request import NO_SEQUENCE, Request, Status
 
 logger = logging.getLogger("mlxkv")
 
@@ -85,7 +85,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work and reserve its KV slots; None when there is nothing to run."""
         plan = _Plan(self.max_num_batched_tokens)
-        decode, prefill = [], []
+        decode: list[Request] = []
+        prefill: list[Request] = []
         for request in self.running:
             if not request.done_sampling:
                 (decode if request.is_decode else prefill).append(request)
@@ -94,8 +95,12 @@ class Scheduler:
             for request in running:
                 if plan.budget and request not in plan.preempted:
                     self._make_room(plan, request)
-        while self.waiting and plan.budget and len(self.running) < self.max_num_seqs \
-                and self.cache.num_sequences < self.cache.max_num_seqs:
+        while (
+            self.waiting
+            and plan.budget
+            and len(self.running) < self.max_num_seqs
+            and self.cache.num_sequences < self.cache.max_num_seqs
+        ):
             request = self.waiting[0]
             if not self._admit(plan, request):
                 break
@@ -106,8 +111,13 @@ class Scheduler:
             return None
         requests, counts = list(plan.counts), list(plan.counts.values())
         samples = [n == r.num_remaining for r, n in zip(requests, counts)]
-        return ScheduledBatch(requests, counts, self.cache.append([r.seq_id for r in requests], counts), samples,
-                              self._own_kv_spans(requests))
+        return ScheduledBatch(
+            requests,
+            counts,
+            self.cache.append([r.seq_id for r in requests], counts),
+            samples,
+            self._own_kv_spans(requests),
+        )
 
     def own_kv_span(self, request: Request) -> int:
         """How many of `request`'s first tokens its next chunk computes from their own unquantized
@@ -128,7 +138,9 @@ class Scheduler:
     def commit(self, step: ScheduledBatch) -> None:
         """Count `step`'s tokens as computed, now that their K/V are evaluated, and cache the
         pages they filled (requests aborted meanwhile are skipped)."""
-        seq_ids, tokens, computed = [], [], []
+        seq_ids: list[int] = []
+        tokens: list[list[int]] = []
+        computed: list[int] = []
         for request, count in zip(step.requests, step.counts):
             if request.status is Status.RUNNING:
                 request.num_computed += count
@@ -144,7 +156,7 @@ class Scheduler:
             self.cache.release(request.seq_id)
         elif request in self.waiting:
             self.waiting.remove(request)
-        request.seq_id = None
+        request.seq_id = NO_SEQUENCE
         request.status = Status.FINISHED
         request.finish_reason = reason
 
@@ -155,7 +167,7 @@ class Scheduler:
         request.num_computed = self.cache.reuse_prefix(request.seq_id, request.all_token_ids, request.cache_salt)
         if not self._pick(plan, [request]):
             self.cache.release(request.seq_id)
-            request.seq_id, request.num_computed = None, 0
+            request.seq_id, request.num_computed = NO_SEQUENCE, 0
             return False
         if request.num_cached_tokens is None:
             request.num_cached_tokens = request.num_computed
@@ -174,8 +186,9 @@ class Scheduler:
                 counts.append(count)
                 left -= count
         pages = self.cache.pages_needed([r.seq_id for r in picked], counts)
-        if sum(pages) > self.cache.free_pages - plan.reserved or \
-                any(n < e for n, e in zip(counts, self._own_kv_spans(picked))):
+        if sum(pages) > self.cache.free_pages - plan.reserved or any(
+            n < e for n, e in zip(counts, self._own_kv_spans(picked))
+        ):
             return False
         plan.pick(picked, counts, pages)
         return True
@@ -198,15 +211,18 @@ class Scheduler:
 
     def _preempt_newest(self) -> Request:
         request = self.running.pop()
-        logger.debug("preempting request %s (%d tokens computed): no free KV page for the running requests",
-                     request.request_id, request.num_computed)
+        logger.debug(
+            "preempting request %s (%d tokens computed): no free KV page for the running requests",
+            request.request_id,
+            request.num_computed,
+        )
         self._requeue(request)
         self.num_preemptions += 1
         return request
 
     def _requeue(self, request: Request) -> None:
         self.cache.release(request.seq_id)
-        request.seq_id = None
+        request.seq_id = NO_SEQUENCE
         request.num_computed = 0
         request.status = Status.WAITING
         self.waiting.appendleft(request)

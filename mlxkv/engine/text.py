@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mlx_lm.tokenizer_utils import StreamingDetokenizer
+
 
 class TextStream:
     """Turns tokens into text as they come, ending before the first stop string.
@@ -12,7 +14,7 @@ class TextStream:
 
     __slots__ = ("_detokenizer", "_stop", "_longest", "text", "_sent", "stopped", "finished")
 
-    def __init__(self, detokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, detokenizer: StreamingDetokenizer, stop: tuple[str, ...]) -> None:
         self._detokenizer = detokenizer
         self._stop = stop
         self._longest = max((len(s) for s in stop), default=1) - 1

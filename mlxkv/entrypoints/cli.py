@@ -32,15 +32,27 @@ from .prompts import prompt_ids
 
 logger = logging.getLogger("mlxkv")
 
-app = typer.Typer(help="Local LLM inference with MLX over a paged KV cache.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  context_settings={"help_option_names": ["-h", "--help"]})
+app = typer.Typer(
+    help="Local LLM inference with MLX over a paged KV cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 
-MODEL = typer.Option(None, "--model", help="mlx-lm checkpoint directory or Hugging Face repo id "
-                                            "[default: the shipped demo model]", show_default=False)
+MODEL = typer.Option(
+    None,
+    "--model",
+    help="mlx-lm checkpoint directory or Hugging Face repo id [default: the shipped demo model]",
+    show_default=False,
+)
 SYSTEM = typer.Option(None, help="System prompt for the chat template.")
-VERBOSE = typer.Option(True, "--verbose/--no-verbose", help="Print the figures after the text; with "
-                                                             "--no-verbose only the text goes to stdout.")
+VERBOSE = typer.Option(
+    True,
+    "--verbose/--no-verbose",
+    help="Print the figures after the text; with --no-verbose only the text goes to stdout.",
+)
 SETTINGS = {"config": EngineConfig, "params": SamplingParams}  # a command's parameter -> the record it gets
 
 
@@ -64,8 +76,9 @@ def _option(item: Field[Any], hint: Any, default: Any) -> inspect.Parameter:
     return inspect.Parameter(item.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
 
 
-def with_settings(defaults: Mapping[str, Any] | None = None,
-                  fixed: Mapping[str, Any] | None = None) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def with_settings(
+    defaults: Mapping[str, Any] | None = None, fixed: Mapping[str, Any] | None = None
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a command one option per field of `EngineConfig` (if it takes `config`) and of
     `SamplingParams` (if it takes `params`), with `defaults` of its own; `fixed` fields are set, not
     offered. The command is called with the records built from the options; a bad value ends it
@@ -76,15 +89,22 @@ def with_settings(defaults: Mapping[str, Any] | None = None,
         signature = inspect.signature(command)
         records = {name: cls for name, cls in SETTINGS.items() if name in signature.parameters}
         offered = {name: [f for f in fields(cls) if f.name not in fixed] for name, cls in records.items()}
-        options = [_option(f, get_type_hints(records[name])[f.name], defaults.get(f.name, f.default))
-                   for name, items in offered.items() for f in items]
+        options = [
+            _option(f, get_type_hints(records[name])[f.name], defaults.get(f.name, f.default))
+            for name, items in offered.items()
+            for f in items
+        ]
 
         @functools.wraps(command)
         def run(**kwargs: Any) -> None:
             try:
-                built = {name: cls(**{f.name: kwargs.pop(f.name) for f in offered[name]},
-                                   **{k: v for k, v in fixed.items() if k in {f.name for f in fields(cls)}})
-                         for name, cls in records.items()}
+                built = {
+                    name: cls(
+                        **{f.name: kwargs.pop(f.name) for f in offered[name]},
+                        **{k: v for k, v in fixed.items() if k in {f.name for f in fields(cls)}},
+                    )
+                    for name, cls in records.items()
+                }
             except (ValueError, TypeError) as exc:
                 fail(exc)
             command(**kwargs, **built)
@@ -104,8 +124,11 @@ def show_version(value: bool) -> None:
 
 
 @app.callback()
-def main(_: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
-                                help="Print the version and exit.")) -> None:
+def main(
+    _: bool = typer.Option(
+        False, "--version", callback=show_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """Local LLM inference with MLX over a paged KV cache."""
     logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr)
 
@@ -147,7 +170,7 @@ def utf8(text: str | bytes, what: str) -> str:
     """`text` if it is valid UTF-8 (bytes decoded; undecodable input arrives as surrogates)."""
     try:
         return text.decode("utf-8") if isinstance(text, bytes) else text.encode("utf-8").decode("utf-8")
-    except UnicodeError as exc:
+    except (UnicodeDecodeError, UnicodeEncodeError) as exc:
         raise ValueError(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
@@ -171,7 +194,8 @@ def generate(
         text = utf8(sys.stdin.buffer.read(), "the prompt on stdin") if prompt == "-" else utf8(prompt, "--prompt")
         loaded = load(model)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": text}]
+            {"role": "user", "content": text}
+        ]
         ids = prompt_ids(loaded[1], messages, ignore_chat_template)
         context = context_length(config.max_model_len, getattr(loaded[0].args, "max_position_embeddings", None))
         config = replace(config, max_model_len=min(context, len(ids) + params.max_tokens))
@@ -228,8 +252,11 @@ def chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams, 
     ids = prompt_ids(llm.tokenizer, messages, False)
     room = llm.engine.max_request_tokens - len(ids) + 1
     if room < 1:
-        typer.echo(f"error: the conversation ({len(ids)} tokens) has outgrown the context of "
-                   f"{llm.engine.max_request_tokens} tokens; /reset starts a new one", err=True)
+        typer.echo(
+            f"error: the conversation ({len(ids)} tokens) has outgrown the context of "
+            f"{llm.engine.max_request_tokens} tokens; /reset starts a new one",
+            err=True,
+        )
         return messages[:-1]
     turn = replace(params, max_tokens=min(params.max_tokens, room))
     try:
@@ -272,8 +299,7 @@ def serve(
         fail(exc)
     logger.info("loaded in %.1f s", time.perf_counter() - started)
     llm = AsyncLLM(engine)
-    app_ = build_app(llm, model or "mlxkv-demo", api_key=api_key, allowed_origins=allowed_origins,
-                     max_queue=max_queue)
+    app_ = build_app(llm, model or "mlxkv-demo", api_key=api_key, allowed_origins=allowed_origins, max_queue=max_queue)
     logger.info("serving on http://%s:%d (chat page at /)", host, port)
     try:
         uvicorn.run(app_, host=host, port=port, log_level="warning")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.nn as nn
 import numpy as np
@@ -21,6 +20,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.stats import EngineStats
 from ..errors import RequestFailed
 from ..models.loading import load
+from ..settings import keywords_of
 
 Prompt = str | Sequence[int]
 
@@ -77,8 +77,14 @@ class LLM:
     `config`.
     """
 
-    def __init__(self, model: str | Path | tuple[nn.Module, TokenizerWrapper] | None = None, *,
-                 config: EngineConfig | None = None, **settings: Any) -> None:
+    @keywords_of(EngineConfig)
+    def __init__(
+        self,
+        model: str | Path | tuple[nn.Module, TokenizerWrapper] | None = None,
+        *,
+        config: EngineConfig | None = None,
+        **settings: Any,
+    ) -> None:
         if config is not None and settings:
             raise TypeError(f"LLM takes either config or settings as keywords, not both (got {', '.join(settings)})")
         config = config or EngineConfig(**settings)
@@ -86,33 +92,34 @@ class LLM:
         self.engine = LLMEngine(self.model, self.tokenizer, config)
         self._deltas: dict[str, deque[str]] = {}  # text waiting for each live request's consumer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[Completion]:
         """Complete every prompt, batched; results come back in prompt order. Prompts reuse
         cached prefix pages of earlier requests with the same `cache_salt`.
 
         Raises `RequestFailed` if a prompt's request fails (the others are aborted)."""
-        if _is_one_prompt(prompts):
-            prompts = [prompts]
-        elif not isinstance(prompts, (list, tuple, np.ndarray)):
-            raise TypeError(f"prompts must be text, token ids, or a list of those, got {type(prompts).__name__}")
-        one = not isinstance(params, Sequence) or isinstance(params, str)
-        params = [params or SamplingParams()] * len(prompts) if one else list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        requests = self._submit(prompts, params, cache_salt)
+        batch = _prompts(prompts)
+        if isinstance(params, Sequence) and not isinstance(params, str):
+            each = list(params)
+        else:
+            each = [params or SamplingParams()] * len(batch)
+        if len(each) != len(batch):
+            raise ValueError(f"got {len(batch)} prompts but {len(each)} SamplingParams")
+        requests = self._submit(batch, each, cache_salt)
         try:
             while any(r.finish_reason is None for r in requests):
                 self._step()
         finally:
             for request in requests:
                 self._forget(request)
-        failed = next((r for r in requests if r.error is not None), None)
-        if failed is not None:
-            raise RequestFailed(failed.request_id, failed.error) from failed.error
-        return [Completion(r.stream.text, list(r.output_ids), r.finish_reason, list(r.prompt_ids),
-                           r.num_cached_tokens) for r in requests]
+        for request in requests:
+            if request.error is not None:
+                raise RequestFailed(request.request_id, request.error) from request.error
+        return [_completion(r) for r in requests]
 
     def stats(self) -> EngineStats:
         """The engine's requests, KV cache and prefix cache, as a snapshot."""
@@ -130,8 +137,9 @@ class LLM:
             if deltas is not None and output.delta:
                 deltas.append(output.delta)
 
-    def _submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
-                cache_salt: str | None) -> list[Request]:
+    def _submit(
+        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: str | None
+    ) -> list[Request]:
         """Queue every prompt, or none: a bad one aborts those already queued."""
         requests: list[Request] = []
         try:
@@ -151,15 +159,29 @@ class LLM:
             self.engine.abort(request.request_id, missing_ok=True)
 
 
+def _completion(request: Request) -> Completion:
+    """The result of a finished request."""
+    assert request.stream is not None and request.finish_reason is not None
+    return Completion(
+        request.stream.text,
+        list(request.output_ids),
+        request.finish_reason,
+        list(request.prompt_ids),
+        request.num_cached_tokens or 0,
+    )
+
+
+def _prompts(prompts: object) -> list[Prompt]:
+    """`prompts` as a list of prompts: one prompt (text or token ids) or a list of them."""
+    if _is_one_prompt(prompts):
+        return [cast(Prompt, prompts)]
+    if not isinstance(prompts, (list, tuple, np.ndarray)):
+        raise TypeError(f"prompts must be text, token ids, or a list of those, got {type(prompts).__name__}")
+    return list(prompts)
+
+
 def _is_one_prompt(prompts: object) -> bool:
     """True for a single prompt (text, or token ids), False for a list of prompts."""
     if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
         return True
     return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], (int, np.integer))
-
-
-# `LLM(...)`'s keywords, as help() and editors show them: EngineConfig's fields.
-LLM.__init__.__signature__ = inspect.signature(LLM.__init__).replace(  # type: ignore[attr-defined]
-    parameters=[*list(inspect.signature(LLM.__init__).parameters.values())[:3],
-                *(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-                  for f in fields(EngineConfig))])

@@ -29,8 +29,10 @@ class EngineCollector(Collector):
             "kv_pages_total": ("KV pages in the pool", stats.kv.pages_total),
             "kv_bytes_holding_tokens": ("KV bytes holding tokens", stats.kv.bytes_holding_tokens),
             "preemptions": ("Requests preempted so far", stats.preemptions),
-            "prefix_cache_hit_rate": ("Share of prompt tokens reused from the prefix cache",
-                                      stats.prefix_cache.hit_rate),
+            "prefix_cache_hit_rate": (
+                "Share of prompt tokens reused from the prefix cache",
+                stats.prefix_cache.hit_rate,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mlxkv_{name}", doc, value=value)
@@ -44,10 +46,18 @@ class Metrics:
         self.registry.register(EngineCollector(engine))
         self.prompt_tokens = Counter("mlxkv_prompt_tokens", "Prompt tokens served", registry=self.registry)
         self.generation_tokens = Counter("mlxkv_generation_tokens", "Tokens generated", registry=self.registry)
-        self.ttft = Histogram("mlxkv_time_to_first_token_seconds", "Time to first token", registry=self.registry,
-                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.itl = Histogram("mlxkv_inter_token_latency_seconds", "Time between tokens", registry=self.registry,
-                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.ttft = Histogram(
+            "mlxkv_time_to_first_token_seconds",
+            "Time to first token",
+            registry=self.registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.itl = Histogram(
+            "mlxkv_inter_token_latency_seconds",
+            "Time between tokens",
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+        )
 
     def timer(self, choices: int) -> RequestTimer:
         """A timer for one request of `choices` choices, started now."""

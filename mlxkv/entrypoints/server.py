@@ -27,8 +27,15 @@ from .openai.serving import OpenAIServing
 KEEPALIVE_S = 2.0  # a comment line this often while a stream has nothing to send (a long prefill)
 
 
-def build_app(llm: AsyncLLM, model_id: str, *, api_key: str | None = None, allowed_origins: Sequence[str] = (),
-              max_queue: int = 1024, keepalive_s: float = KEEPALIVE_S) -> FastAPI:
+def build_app(
+    llm: AsyncLLM,
+    model_id: str,
+    *,
+    api_key: str | None = None,
+    allowed_origins: Sequence[str] = (),
+    max_queue: int = 1024,
+    keepalive_s: float = KEEPALIVE_S,
+) -> FastAPI:
     """The FastAPI app serving `llm` as `model_id`."""
 
     def authorize(request: HTTPRequest) -> None:
@@ -37,8 +44,7 @@ def build_app(llm: AsyncLLM, model_id: str, *, api_key: str | None = None, allow
         if api_key and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
-                               code="invalid_api_key")
+                raise APIError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
 
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorize)])
     metrics = Metrics(llm.engine)
@@ -46,8 +52,9 @@ def build_app(llm: AsyncLLM, model_id: str, *, api_key: str | None = None, allow
     created = int(time.time())
     chat_page = files("mlxkv.entrypoints").joinpath("chat.html").read_text(encoding="utf-8")
     if allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
 
     @app.exception_handler(APIError)
     async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
@@ -80,8 +87,10 @@ def build_app(llm: AsyncLLM, model_id: str, *, api_key: str | None = None, allow
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "mlxkv"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "mlxkv"}],
+        }
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> str:

@@ -7,6 +7,8 @@ sliding window, soft-cap and sinks. The model's own code computes everything els
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -14,7 +16,7 @@ from ..attention.variant import Variant
 from .rotary import Positions, Rotation
 
 
-def _first(module: object, *names: str) -> object:
+def _first(module: object, *names: str) -> Any:
     return next(getattr(module, name) for name in names if hasattr(module, name))
 
 
@@ -28,8 +30,9 @@ class Adapter:
         self.heads = _first(attn, "n_heads", "num_heads", "num_attention_heads")
         self.kv_heads = _first(attn, "n_kv_heads", "num_key_value_heads")
         self.scale = float(_first(attn, "scale", "sm_scale"))
-        self.variant = Variant(window=window, softcap=getattr(attn, "attn_logit_softcapping", None),
-                               sinks=getattr(attn, "sinks", None))
+        self.variant = Variant(
+            window=window, softcap=getattr(attn, "attn_logit_softcapping", None), sinks=getattr(attn, "sinks", None)
+        )
         self._rotations: dict[tuple, Rotation | None] = {}
         self._norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
 
@@ -43,7 +46,7 @@ class Adapter:
         tokens, norms = x.shape[1], self._norms
         queries, keys, values = self.project(x)
         full_width = norms is not None and norms[0].weight.shape[0] == queries.shape[-1]
-        if full_width:
+        if norms is not None and full_width:
             queries, keys = norms[0](queries), norms[1](keys)
         queries = queries.reshape(tokens, self.heads, -1)
         keys, values = keys.reshape(tokens, self.kv_heads, -1), values.reshape(tokens, self.kv_heads, -1)
@@ -56,9 +59,9 @@ class Adapter:
         """`x` (`[tokens, heads, head_dim]`) through the layer's RoPE: by the step's shared tables
         where they equal it (see `rotary`), else by the module with one offset per token."""
         key = (x.dtype, x.shape[-1], on_cpu)
-        rotation = self._rotations.get(key, False)
-        if rotation is False:
-            rotation = self._rotations[key] = Rotation.of(self.attn.rope, x.shape[-1], x.dtype)
+        if key not in self._rotations:
+            self._rotations[key] = Rotation.of(self.attn.rope, x.shape[-1], x.dtype)
+        rotation = self._rotations[key]
         if rotation is None:
             return self.attn.rope(x[:, :, None], offset=positions.array).squeeze(2)
         return positions.rotate(rotation, x)
@@ -69,8 +72,9 @@ class FusedAdapter(Adapter):
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         width = self.attn.head_dim
-        return tuple(mx.split(self.attn.qkv_proj(x), [self.heads * width, (self.heads + self.kv_heads) * width],
-                              axis=-1))
+        bounds = [self.heads * width, (self.heads + self.kv_heads) * width]
+        queries, keys, values = mx.split(self.attn.qkv_proj(x), bounds, axis=-1)
+        return queries, keys, values
 
 
 class Ministral3Adapter(Adapter):
@@ -101,8 +105,24 @@ def _window(model: nn.Module, attn: nn.Module, index: int) -> int | None:
     return None
 
 
-FAMILIES = ("llama", "mistral", "ministral3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "phi3",
-            "gemma2", "gemma3_text", "granite", "smollm3", "olmo2", "glm4", "gpt_oss")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "ministral3",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "granite",
+    "smollm3",
+    "olmo2",
+    "glm4",
+    "gpt_oss",
+)
 
 
 def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter:

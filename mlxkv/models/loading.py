@@ -21,8 +21,9 @@ DEMO_MODEL = Path(__file__).parents[1] / "demo_model"
 def resolve_model_path(path_or_repo: str | Path) -> Path:
     """A local checkpoint directory for `path_or_repo`; a repo id is fetched as mlx-lm fetches it."""
     if not isinstance(path_or_repo, (str, Path)):
-        raise ModelLoadError(f"model must be a checkpoint directory or a Hugging Face repo id, "
-                             f"got {type(path_or_repo).__name__}")
+        raise ModelLoadError(
+            f"model must be a checkpoint directory or a Hugging Face repo id, got {type(path_or_repo).__name__}"
+        )
     path = Path(path_or_repo).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -82,6 +83,7 @@ def load(path_or_repo: str | Path | None = None) -> tuple[nn.Module, TokenizerWr
     path = resolve_model_path(DEMO_MODEL if path_or_repo is None else path_or_repo)
     config = check_config(path)
     try:
-        return mlx_lm_load(str(path), model_config=rope_overrides(config))
+        model, tokenizer = mlx_lm_load(str(path), model_config=rope_overrides(config))[:2]
+        return model, tokenizer
     except Exception as exc:
         raise ModelLoadError(f"could not load the checkpoint in {str(path)!r}: {exc}") from None

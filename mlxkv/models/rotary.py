@@ -1,14 +1,14 @@
 """RoPE on the CPU as two tables per step, made once and shared by every layer that rotates alike.
 
-On the GPU `mx.fast.rope` is one fused kernel. On the CPU MLX builds it from about thirty
-ops (positions, frequencies, cos, sin, halves, concatenation), and each layer pays that
-twice, queries and keys, for the same positions: on a ~100M Llama most of a decode step's
-graph. At a fixed position RoPE is linear and pairs the dims of a head: each output dim is
-its own input times one coefficient plus its partner's input times another. `Rotation`
-reads the pairing off the layer's own rope module once, and `Positions` probes the module
-once per step for the two coefficient vectors; rotating a head is then four ops, equal bit
-for bit to the module (checked when a rotation is made; a module that fails the check, such
-as one that scales its input first, keeps being called as it is).
+On the GPU `mx.fast.rope` is one fused kernel. On the CPU MLX builds it from dozens of ops
+(positions, frequencies, cos, sin, halves, concatenation), and each layer pays that twice,
+queries and keys, for the same positions (docs/benchmarks.md). At a fixed position RoPE is
+linear and pairs the dims of a head: each output dim is its own input times one coefficient
+plus its partner's input times another. `Rotation` reads the pairing off the layer's own rope
+module once, and `Positions` probes the module once per step for the two coefficient vectors;
+rotating a head is then four ops, equal bit for bit to the module (checked when a rotation is
+made; a module that fails the check, such as one that scales its input first, keeps being
+called as it is).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ class Rotation:
     with per-position `cos` and `sin` vectors read off the module by two probes."""
 
     rope: Rope
-    partner: mx.array   # `[head_dim]`: the dim each dim is paired with (itself when not rotated)
-    leads: mx.array     # `[head_dim]` bool: one dim of each pair, and every unrotated dim
-    probes: mx.array    # `[2, head_dim]`: `leads` and its complement, as 0/1 in `dtype`
-    key: bytes          # equal for rotations that give equal tables, so they share them
+    partner: mx.array  # `[head_dim]`: the dim each dim is paired with (itself when not rotated)
+    leads: mx.array  # `[head_dim]` bool: one dim of each pair, and every unrotated dim
+    probes: mx.array  # `[2, head_dim]`: `leads` and its complement, as 0/1 in `dtype`
+    key: bytes  # equal for rotations that give equal tables, so they share them
 
     @classmethod
     def of(cls, rope: Rope, head_dim: int, dtype: mx.Dtype) -> Rotation | None:
@@ -53,8 +53,9 @@ class Rotation:
         tables = rotation.tables(positions)
         if not mx.array_equal(rotation.apply(x, tables), rope(x[:, :, None], offset=positions)[:, :, 0]).item():
             return None
-        key = str(dtype).encode() + b"".join(np.array(a.astype(mx.float32)).tobytes()
-                                             for a in (*tables, rotation.partner))
+        key = str(dtype).encode() + b"".join(
+            np.array(a.astype(mx.float32)).tobytes() for a in (*tables, rotation.partner)
+        )
         return replace(rotation, key=key)
 
     def tables(self, positions: mx.array) -> tuple[mx.array, mx.array]:

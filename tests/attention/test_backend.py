@@ -4,8 +4,9 @@ import pytest
 from mlxkv import reference_attention
 from mlxkv.attention import PLAIN, AttentionSpec, choose_attention
 
-SPEC = AttentionSpec(mx.float32, q_heads=4, kv_heads=2, head_dim=64, page_size=16, kv_bits=None, kv_group_size=64,
-                     variants=[PLAIN])
+SPEC = AttentionSpec(
+    mx.float32, q_heads=4, kv_heads=2, head_dim=64, page_size=16, kv_bits=None, kv_group_size=64, variants=[PLAIN]
+)
 
 
 def test_the_choice_then_the_environment_then_metal_where_available(monkeypatch):

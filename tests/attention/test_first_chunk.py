@@ -29,10 +29,10 @@ def test_an_own_kv_span_attends_its_own_kv_and_the_rest_read_the_pages(attention
     out = first_chunk_attention(attention, q, k, v, *cache.kv(0), batch, own_kv, scale)
     paged = reference_attention(q, *cache.kv(0), batch, scale)
     for lo, n in ((1, 7), (11, 4)):
-        t = (lambda x: x[lo:lo + n].swapaxes(0, 1)[None])
-        own = mx.fast.scaled_dot_product_attention(t(q), t(k), t(v), scale=scale, mask="causal")[0].swapaxes(0, 1)
-        assert mx.allclose(out[lo:lo + n], own, atol=1e-5).item()
-        assert not mx.allclose(out[lo:lo + n], paged[lo:lo + n], atol=1e-3).item()  # 4-bit pages differ
+        q_own, k_own, v_own = (x[lo : lo + n].swapaxes(0, 1)[None] for x in (q, k, v))
+        own = mx.fast.scaled_dot_product_attention(q_own, k_own, v_own, scale=scale, mask="causal")[0].swapaxes(0, 1)
+        assert mx.allclose(out[lo : lo + n], own, atol=1e-5).item()
+        assert not mx.allclose(out[lo : lo + n], paged[lo : lo + n], atol=1e-3).item()  # 4-bit pages differ
     rest = mx.array([0, 8, 9, 10, 15])
     assert mx.allclose(out[rest], paged[rest], atol=1e-5).item()
 

@@ -16,16 +16,24 @@ from mlxkv.attention.kernels import (
     gpu_cores,
     launch_shape,
 )
-from mlxkv.attention.variant import PLAIN, Variant
 from mlxkv.attention.simulator import SimulatorError, metal_kernel
+from mlxkv.attention.variant import PLAIN, Variant
 
 # Each dtype meets every head dim once, and every block size, GQA ratio and split-K
 # setting at least once; every head dim meets both split settings.
 VARIANTS = [
-    (mx.float32, 64, 8, 1, False), (mx.float32, 80, 16, 4, True), (mx.float32, 96, 32, 8, False),
-    (mx.float32, 128, 16, 8, True), (mx.float16, 64, 16, 4, True), (mx.float16, 80, 32, 8, False),
-    (mx.float16, 96, 8, 1, True), (mx.float16, 128, 32, 1, False), (mx.bfloat16, 64, 32, 8, False),
-    (mx.bfloat16, 80, 8, 1, True), (mx.bfloat16, 96, 16, 4, False), (mx.bfloat16, 128, 8, 4, True),
+    (mx.float32, 64, 8, 1, False),
+    (mx.float32, 80, 16, 4, True),
+    (mx.float32, 96, 32, 8, False),
+    (mx.float32, 128, 16, 8, True),
+    (mx.float16, 64, 16, 4, True),
+    (mx.float16, 80, 32, 8, False),
+    (mx.float16, 96, 8, 1, True),
+    (mx.float16, 128, 32, 1, False),
+    (mx.bfloat16, 64, 32, 8, False),
+    (mx.bfloat16, 80, 8, 1, True),
+    (mx.bfloat16, 96, 16, 4, False),
+    (mx.bfloat16, 128, 8, 4, True),
 ]
 
 
@@ -45,14 +53,16 @@ def compare(kernels, cache, batch, q_heads, dtype, split, variant=PLAIN):
     assert diff <= TOLERANCE[dtype], diff
 
 
-@pytest.mark.parametrize("dtype, head_dim, page_size, group, split", VARIANTS,
-                         ids=[f"{str(v[0]).split('.')[-1]}-d{v[1]}-bs{v[2]}-g{v[3]}-{'split' if v[4] else 'direct'}"
-                              for v in VARIANTS])
+@pytest.mark.parametrize(
+    "dtype, head_dim, page_size, group, split",
+    VARIANTS,
+    ids=[f"{str(v[0]).split('.')[-1]}-d{v[1]}-bs{v[2]}-g{v[3]}-{'split' if v[4] else 'direct'}" for v in VARIANTS],
+)
 def test_variant_matches_reference_on_ragged_packed_batches(kernels, dtype, head_dim, page_size, group, split):
     kv_heads = 1 if group == 8 else 2
     bs = page_size
     contexts = [1, bs, 2 * bs, 3 * bs + 5, bs + 3 + 6]
-    query_lens = [1, 1, 1, 1, 6]          # decodes, and a prefill chunk that starts mid-page
+    query_lens = [1, 1, 1, 1, 6]  # decodes, and a prefill chunk that starts mid-page
     cache, batch = packed_step("paged", bs, kv_heads, head_dim, dtype, contexts, query_lens)
     compare(kernels, cache, batch, kv_heads * group, dtype, split)
 
@@ -60,27 +70,35 @@ def test_variant_matches_reference_on_ragged_packed_batches(kernels, dtype, head
 # Quantized pages: every bits value, (head dim, group size) pair that divides, block size and
 # GQA ratio, each through both paths on the same pages (dtypes taking turns); head_dim 96 puts
 # a lane's three values across two packed words and two groups.
-QUANTIZED_VARIANTS = [(bits, d, gs, bs, g) for bits in (8, 4) for d, gs in ((64, 32), (64, 64), (128, 32), (128, 64),
-                                                                            (128, 128))
-                      for bs in (16, 32) for g in (1, 4)] + [(8, 96, 32, 16, 4), (4, 96, 32, 32, 1)]
+QUANTIZED_VARIANTS = [
+    (bits, d, gs, bs, g)
+    for bits in (8, 4)
+    for d, gs in ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128))
+    for bs in (16, 32)
+    for g in (1, 4)
+] + [(8, 96, 32, 16, 4), (4, 96, 32, 32, 1)]
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
-@pytest.mark.parametrize("variant", range(len(QUANTIZED_VARIANTS)),
-                         ids=["{}bit-d{}-gs{}-bs{}-g{}".format(*v) for v in QUANTIZED_VARIANTS])
+@pytest.mark.parametrize(
+    "variant", range(len(QUANTIZED_VARIANTS)), ids=["{}bit-d{}-gs{}-bs{}-g{}".format(*v) for v in QUANTIZED_VARIANTS]
+)
 def test_quantized_variant_matches_reference_on_the_same_pages(kernels, variant):
     bits, head_dim, group_size, bs, group = QUANTIZED_VARIANTS[variant]
     dtype, kv_heads = DTYPES[variant % 3], 2
     contexts, query_lens = [1, bs, 2 * bs + 1, 3 * bs + 5, bs + 9], [1, 1, 1, 1, 6]
-    cache, batch = packed_step("paged", bs, kv_heads, head_dim, dtype, contexts, query_lens, kv_bits=bits,
-                               kv_group_size=group_size)
+    cache, batch = packed_step(
+        "paged", bs, kv_heads, head_dim, dtype, contexts, query_lens, kv_bits=bits, kv_group_size=group_size
+    )
     assert (cache.kv(0)[0].bits, cache.kv(0)[1].group_size) == (bits, group_size)
     for split in (False, True):
         compare(kernels, cache, batch, kv_heads * group, dtype, split)
 
 
 ATTENTION_VARIANTS = {
-    "window": Variant(window=20), "softcap": Variant(softcap=1.5), "sinks": Variant(sinks=mx.arange(8) * 0.7 - 2.0),
+    "window": Variant(window=20),
+    "softcap": Variant(softcap=1.5),
+    "sinks": Variant(sinks=mx.arange(8) * 0.7 - 2.0),
     "window-softcap-sinks": Variant(window=300, softcap=30.0, sinks=mx.arange(8) * 0.5 - 1.0),
 }
 
@@ -89,8 +107,9 @@ ATTENTION_VARIANTS = {
 @pytest.mark.parametrize("name", list(ATTENTION_VARIANTS))
 def test_window_softcap_and_sink_variants_match_the_reference(kernels, name, split):
     """Contexts around the window and across split-K partitions; GQA 4 over 2 KV heads."""
-    cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [5, 21, 40, 300, 610, 35], [1, 1, 1, 1, 1, 12],
-                               max_model_len=640)
+    cache, batch = packed_step(
+        "paged", 16, 2, 64, mx.float32, [5, 21, 40, 300, 610, 35], [1, 1, 1, 1, 1, 12], max_model_len=640
+    )
     compare(kernels, cache, batch, 8, mx.float32, split, ATTENTION_VARIANTS[name])
 
 
@@ -118,8 +137,9 @@ def test_split_k_into_512_key_partitions_when_the_gpus_cores_would_idle(cores, c
     monkeypatch.setattr(kernels, "reduce", lambda **kw: [mx.zeros(kw["output_shapes"][0])])
     monkeypatch.setitem(kernels.direct, False, lambda **kw: [mx.zeros(kw["output_shapes"][0])])
     cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [9, 9], [1, 1])
-    long_batch = type(batch)(batch.seq_ids, batch.query_lens, np.array([context, 9], np.int32), batch.page_tables,
-                             batch.page_size)
+    long_batch = type(batch)(
+        batch.seq_ids, batch.query_lens, np.array([context, 9], np.int32), batch.page_tables, batch.page_size
+    )
     kernels(mx.zeros((2, 2, 64)), *cache.kv(0), long_batch)
     assert [call["grid"][2] // 2 for call in calls] == ([] if partitions is None else [partitions])
 
@@ -129,8 +149,9 @@ def test_warm_up_checks_both_paths_against_the_reference(kernels, monkeypatch, k
     launched = []
     for name, quantized in (("direct", kv_bits is not None), ("partitioned", kv_bits is not None)):
         original = getattr(kernels, name)[quantized]
-        monkeypatch.setitem(getattr(kernels, name), quantized,
-                            lambda _f=original, _n=name, **kw: launched.append(_n) or _f(**kw))
+        monkeypatch.setitem(
+            getattr(kernels, name), quantized, lambda _f=original, _n=name, **kw: launched.append(_n) or _f(**kw)
+        )
     monkeypatch.setattr(kernels, "reduce", lambda _f=kernels.reduce, **kw: launched.append("reduce") or _f(**kw))
     assert kernels.warm(mx.float16, 64, 16, 4, 2, kv_bits, 32) is None
     assert launched == ["direct", "partitioned", "reduce"]
@@ -138,14 +159,18 @@ def test_warm_up_checks_both_paths_against_the_reference(kernels, monkeypatch, k
 
 def test_warm_up_reports_a_kernel_that_does_not_compile():
     problem = PagedAttentionKernels(uncompilable_kernels).warm(mx.float32, 64, 16, 4, 2)
-    assert problem == ("paged_attention failed to compile or run: "
-                       "[metal::Device] Unable to build metal library from source")
+    assert problem == (
+        "paged_attention failed to compile or run: [metal::Device] Unable to build metal library from source"
+    )
 
 
-@pytest.mark.parametrize("old, new, kernel", [
-    ("static_cast<T>(acc / sum)", "static_cast<T>(acc / sum + 0.01f)", "paged_attention"),
-    ("part * PARTITION + PARTITION", "part * PARTITION + PARTITION - 1", "paged_attention_partitioned + _reduce"),
-])
+@pytest.mark.parametrize(
+    "old, new, kernel",
+    [
+        ("static_cast<T>(acc / sum)", "static_cast<T>(acc / sum + 0.01f)", "paged_attention"),
+        ("part * PARTITION + PARTITION", "part * PARTITION + PARTITION - 1", "paged_attention_partitioned + _reduce"),
+    ],
+)
 def test_warm_up_reports_a_kernel_with_wrong_numbers(old, new, kernel):
     problem = PagedAttentionKernels(mutant_kernels(old, new)).warm(mx.float32, 64, 16, 4, 2)
     assert problem.startswith(f"{kernel} differs from the reference attention by up to ")
@@ -165,18 +190,22 @@ def test_block_tables_of_any_size_in_either_address_space(kernels, entries, spli
     compare(kernels, cache, batch, 4, mx.float32, split)
 
 
-@pytest.mark.parametrize("head_dim, group, shape, simdgroups, memory", [
-    (128, 8, (4, 8, 2), 4, 4160),   # GQA 8 at 128: two head sets of 4, two key splits, 4 KiB to merge
-    (128, 4, (4, 8, 4), 4, 6240),
-    (128, 1, (1, 16, 4), 4, 1560),  # tiles of a whole 16-key page
-    (64, 8, (8, 4, 4), 4, 6336),    # 8 heads fit a SIMD group's registers at head_dim 64
-    (256, 8, (2, 16, 1), 4, 8),     # ... 2 at 256; no key split, nothing to merge
-    (128, 16, (4, 8, 1), 4, 8),
-    (256, 16, (2, 16, 1), 8, 8),
-    (96, 7, (1, 16, 1), 7, 8),      # an odd group: one head per SIMD group
-])
-def test_launch_shape_spreads_heads_over_simd_groups_and_merges_in_little_memory(head_dim, group, shape, simdgroups,
-                                                                                memory):
+@pytest.mark.parametrize(
+    "head_dim, group, shape, simdgroups, memory",
+    [
+        (128, 8, (4, 8, 2), 4, 4160),  # GQA 8 at 128: two head sets of 4, two key splits, 4 KiB to merge
+        (128, 4, (4, 8, 4), 4, 6240),
+        (128, 1, (1, 16, 4), 4, 1560),  # tiles of a whole 16-key page
+        (64, 8, (8, 4, 4), 4, 6336),  # 8 heads fit a SIMD group's registers at head_dim 64
+        (256, 8, (2, 16, 1), 4, 8),  # ... 2 at 256; no key split, nothing to merge
+        (128, 16, (4, 8, 1), 4, 8),
+        (256, 16, (2, 16, 1), 8, 8),
+        (96, 7, (1, 16, 1), 7, 8),  # an odd group: one head per SIMD group
+    ],
+)
+def test_launch_shape_spreads_heads_over_simd_groups_and_merges_in_little_memory(
+    head_dim, group, shape, simdgroups, memory
+):
     launch = launch_shape(group, head_dim, 16)
     assert (launch.heads_per_simdgroup, launch.keys_per_tile, launch.splits) == shape
     assert (launch.simdgroups, launch.threadgroup_memory) == (simdgroups, memory)
@@ -192,19 +221,28 @@ def test_large_head_groups_run_within_threadgroup_memory(kernels, head_dim, grou
 def test_the_simulator_refuses_a_launch_over_32_kib_naming_the_arrays(kernels, monkeypatch):
     monkeypatch.setattr("mlxkv.attention.kernels.launch_shape", lambda *_: LaunchShape(8, 2, 16, 5, 256))
     cache, batch = packed_step("paged", 16, 1, 256, mx.float16, [5], [1])
-    with pytest.raises(SimulatorError, match=r"launch refused: the kernel declares 33024 bytes of threadgroup memory, "
-                                             r"more than the 32768 an Apple GPU allows a threadgroup: tg_ml \(256 B\), "
-                                             r"tg_acc \(32768 B\)"):
+    with pytest.raises(
+        SimulatorError,
+        match=r"launch refused: the kernel declares 33024 bytes of threadgroup memory, "
+        r"more than the 32768 an Apple GPU allows a threadgroup: tg_ml \(256 B\), "
+        r"tg_acc \(32768 B\)",
+    ):
         compare(kernels, cache, batch, 8, mx.float16, False)
 
 
 def test_key_offsets_are_64_bit():
     """A float16 layer pool of 4 GiB has more than 2^31 elements."""
-    kernel = metal_kernel("kv_row", ["pages"], ["out"], header=(METAL_DIR / "paged_attention.h").read_text(),
-                          source="uint i = thread_position_in_grid.x;\nout[i] = kv_row<16>(pages[i], 8, 7, 15);")
+    kernel = metal_kernel(
+        "kv_row",
+        ["pages"],
+        ["out"],
+        header=(METAL_DIR / "paged_attention.h").read_text(),
+        source="uint i = thread_position_in_grid.x;\nout[i] = kv_row<16>(pages[i], 8, 7, 15);",
+    )
     pages = np.array([0, 1, 2**20, 2**31 - 1], np.int32)
-    out = kernel(inputs=[mx.array(pages)], output_shapes=[(4,)], output_dtypes=[mx.int64], grid=(4, 1, 1),
-                 threadgroup=(4, 1, 1))[0]
+    out = kernel(
+        inputs=[mx.array(pages)], output_shapes=[(4,)], output_dtypes=[mx.int64], grid=(4, 1, 1), threadgroup=(4, 1, 1)
+    )[0]
     assert np.array(out).tolist() == ((pages.astype(np.int64) * 8 + 7) * 16 + 15).tolist()
 
 
@@ -240,14 +278,16 @@ def test_decode_at_gqa_8_head_dim_128_meets_the_cost_goals(kernels, split):
     """Counted in the simulator, one float16 decode row over 2,048 keys: K/V come from device
     memory about once, by vector loads, with no 32-lane reductions and 4 KiB of threadgroup memory."""
     from mlxkv.attention.simulator import cost_counters
+
     cache, batch = packed_step("paged", 16, 1, 128, mx.float16, [2048], [1], max_model_len=2048)
     q = mx.array(np.random.default_rng(1).standard_normal((1, 8, 128)), mx.float16)
     with cost_counters() as launches:
         kernels(q, *cache.kv(0), batch, None, split=split)
     kv_bytes = 2 * 2048 * 128 * 2
     attention = launches[0]
-    assert [c.name for c in launches] == (["mlxkv_paged_attention_partitioned", "mlxkv_paged_attention_reduce"]
-                                          if split else ["mlxkv_paged_attention"])
+    assert [c.name for c in launches] == (
+        ["mlxkv_paged_attention_partitioned", "mlxkv_paged_attention_reduce"] if split else ["mlxkv_paged_attention"]
+    )
     assert (attention.threads, attention.threadgroup_memory) == (128, 4160)
     assert sum(c.read_bytes + c.written_bytes for c in launches) / kv_bytes <= 1.05
     assert attention.vector_load_bytes / attention.load_bytes >= 0.9
@@ -255,8 +295,9 @@ def test_decode_at_gqa_8_head_dim_128_meets_the_cost_goals(kernels, split):
     assert attention.shuffles / 2048 < 18 and attention.transcendentals / 2048 < 24
 
 
-@pytest.mark.parametrize("architecture, cores", [("applegpu_g14c", 24), ("applegpu_g13g", 8), ("applegpu_g15d", 48),
-                                                 ("something_else", 8)])
+@pytest.mark.parametrize(
+    "architecture, cores", [("applegpu_g14c", 24), ("applegpu_g13g", 8), ("applegpu_g15d", 48), ("something_else", 8)]
+)
 def test_gpu_cores_come_from_the_architectures_class(architecture, cores, monkeypatch):
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
     monkeypatch.setattr(mx, "device_info", lambda: {"architecture": architecture}, raising=False)

@@ -10,11 +10,15 @@ from helpers import packed_step
 from mlxkv import reference_attention
 from mlxkv.attention.kernels import TOLERANCE, PagedAttentionKernels
 from mlxkv.attention.prefill import PREFILL_FROM, with_chunks_on_sdpa
-from mlxkv.attention.variant import PLAIN, Variant
 from mlxkv.attention.simulator import metal_kernel
+from mlxkv.attention.variant import PLAIN, Variant
 
-VARIANTS = {"plain": PLAIN, "window": Variant(window=20), "sinks": Variant(sinks=mx.array([0.5, -1.0, 2.0, 0.0])),
-            "softcap": Variant(softcap=5.0)}
+VARIANTS = {
+    "plain": PLAIN,
+    "window": Variant(window=20),
+    "sinks": Variant(sinks=mx.array([0.5, -1.0, 2.0, 0.0])),
+    "softcap": Variant(softcap=5.0),
+}
 
 
 def queries(batch, q_heads, head_dim, dtype=mx.float32):
@@ -26,8 +30,9 @@ def queries(batch, q_heads, head_dim, dtype=mx.float32):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_chunks_on_sdpa_equal_the_reference(layout, kv_bits, name):
     """Decode rows, a short chunk and two long ones (one from the first token, one mid-page)."""
-    cache, batch = packed_step(layout, 16, 2, 64, mx.float32, [5, 70, PREFILL_FROM, 45, 3], [1, 1, PREFILL_FROM, 30, 2],
-                               kv_bits=kv_bits)
+    cache, batch = packed_step(
+        layout, 16, 2, 64, mx.float32, [5, 70, PREFILL_FROM, 45, 3], [1, 1, PREFILL_FROM, 30, 2], kv_bits=kv_bits
+    )
     q = queries(batch, 4, 64)
     reference = reference_attention(q, *cache.kv(0), batch, 0.125, VARIANTS[name])
     out = with_chunks_on_sdpa(reference_attention, q, *cache.kv(0), batch, 0.125, VARIANTS[name])
@@ -35,7 +40,9 @@ def test_chunks_on_sdpa_equal_the_reference(layout, kv_bits, name):
 
 
 def test_only_chunks_of_prefill_from_tokens_leave_the_paged_kernel():
-    cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [5, 70, PREFILL_FROM, 40], [1, 1, PREFILL_FROM, PREFILL_FROM - 1])
+    cache, batch = packed_step(
+        "paged", 16, 2, 64, mx.float32, [5, 70, PREFILL_FROM, 40], [1, 1, PREFILL_FROM, PREFILL_FROM - 1]
+    )
     seen = []
 
     def paged(q, k_pages, v_pages, sub, scale, variant):

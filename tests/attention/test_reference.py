@@ -17,8 +17,12 @@ def sdpa_oracle(q, keys, values, scale):
     n, length = q.shape[0], keys.shape[0]
     allowed = np.arange(length)[None, :] <= (length - n + np.arange(n))[:, None]
     out = mx.fast.scaled_dot_product_attention(
-        q.transpose(1, 0, 2)[None], keys.transpose(1, 0, 2)[None], values.transpose(1, 0, 2)[None],
-        scale=scale, mask=mx.array(allowed))
+        q.transpose(1, 0, 2)[None],
+        keys.transpose(1, 0, 2)[None],
+        values.transpose(1, 0, 2)[None],
+        scale=scale,
+        mask=mx.array(allowed),
+    )
     return out[0].transpose(1, 0, 2)
 
 
@@ -32,9 +36,19 @@ def stored(x, kv_bits):
 def run_case(layout, page_size, kv_heads, group, dtype, contexts, query_lens, seed=0, kv_bits=None):
     """Fill each sequence's cache in interleaved chunks, then attend for one packed step."""
     rng = np.random.default_rng(seed)
-    cache = KVCacheManager(1, kv_heads, HEAD_DIM, max_num_seqs=len(contexts) + 3, max_model_len=512,
-                           layout=layout, page_size=page_size, num_pages=4096 // page_size, dtype=dtype,
-                           kv_bits=kv_bits, kv_group_size=32)
+    cache = KVCacheManager(
+        1,
+        kv_heads,
+        HEAD_DIM,
+        max_num_seqs=len(contexts) + 3,
+        max_model_len=512,
+        layout=layout,
+        page_size=page_size,
+        num_pages=4096 // page_size,
+        dtype=dtype,
+        kv_bits=kv_bits,
+        kv_group_size=32,
+    )
     if layout == "paged":
         scramble_free_pages(cache, rng)
     ids = cache.claim(len(contexts))
@@ -46,8 +60,8 @@ def run_case(layout, page_size, kv_heads, group, dtype, contexts, query_lens, se
         values = mx.array(rng.standard_normal((sum(counts), kv_heads, HEAD_DIM)), dtype=dtype)
         cache.write(0, batch, keys, values)
         for s, lo, hi in zip(seq_ids, np.cumsum(counts) - counts, np.cumsum(counts)):
-            history[s][0].append(stored(keys[int(lo):int(hi)], kv_bits))
-            history[s][1].append(stored(values[int(lo):int(hi)], kv_bits))
+            history[s][0].append(stored(keys[int(lo) : int(hi)], kv_bits))
+            history[s][1].append(stored(values[int(lo) : int(hi)], kv_bits))
         return batch
 
     cached = {s: c - q for s, c, q in zip(ids, contexts, query_lens)}
@@ -130,25 +144,34 @@ def numpy_oracle(q, keys, values, scale, variant):
         lo = 0 if variant.window is None else max(0, pos - variant.window + 1)
         for h in range(q_heads):
             kh = h // (q_heads // kv_heads)
-            s = keys[lo:pos + 1, kh] @ q[i, h] * scale
+            s = keys[lo : pos + 1, kh] @ q[i, h] * scale
             if variant.softcap is not None:
                 s = np.tanh(s / variant.softcap) * variant.softcap
             logits = s if variant.sinks is None else np.append(s, float(variant.sinks[h]))
             w = np.exp(logits - logits.max())
             w = w[: pos + 1 - lo] / w.sum()
-            out[i, h] = w @ values[lo:pos + 1, kh]
+            out[i, h] = w @ values[lo : pos + 1, kh]
     return out
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
-@pytest.mark.parametrize("variant", [
-    Variant(window=5), Variant(window=16), Variant(softcap=2.0), Variant(window=7, softcap=1.5),
-    Variant(sinks=mx.array([0.5, -1.0, 2.0, 0.0])), Variant(window=9, sinks=mx.array([3.0, 1.0, -2.0, 0.5])),
-], ids=["window5", "window16", "softcap", "window-softcap", "sinks", "window-sinks"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        Variant(window=5),
+        Variant(window=16),
+        Variant(softcap=2.0),
+        Variant(window=7, softcap=1.5),
+        Variant(sinks=mx.array([0.5, -1.0, 2.0, 0.0])),
+        Variant(window=9, sinks=mx.array([3.0, 1.0, -2.0, 0.5])),
+    ],
+    ids=["window5", "window16", "softcap", "window-softcap", "sinks", "window-sinks"],
+)
 def test_attention_variants_match_the_written_out_oracle(layout, variant):
     rng = np.random.default_rng(7)
-    cache = KVCacheManager(1, 2, HEAD_DIM, max_num_seqs=4, max_model_len=128, layout=layout, page_size=8,
-                           dtype=mx.float32)
+    cache = KVCacheManager(
+        1, 2, HEAD_DIM, max_num_seqs=4, max_model_len=128, layout=layout, page_size=8, dtype=mx.float32
+    )
     ids = cache.claim(3)
     contexts, query_lens = [40, 23, 9], [1, 6, 9]
     history = {}

@@ -12,8 +12,9 @@ from mlxkv.attention.simulator import SimulatorError, metal_kernel
 def run(source, n=64, threads=64, header=""):
     kernel = metal_kernel("probe", ["a"], ["out"], source, header=header)
     a = mx.arange(n, dtype=mx.float32)
-    return kernel(inputs=[a], output_shapes=[(n,)], output_dtypes=[mx.float32], grid=(n, 1, 1),
-                  threadgroup=(threads, 1, 1))[0]
+    return kernel(
+        inputs=[a], output_shapes=[(n,)], output_dtypes=[mx.float32], grid=(n, 1, 1), threadgroup=(threads, 1, 1)
+    )[0]
 
 
 def test_barrier_simd_and_threadgroup_memory_work():
@@ -31,8 +32,11 @@ def test_barrier_simd_and_threadgroup_memory_work():
 
 
 def test_out_of_bounds_read_names_the_buffer():
-    with pytest.raises(SimulatorError, match=r"out-of-bounds access to buffer 'a': element 64 of 64, by thread "
-                                             r"\(63,0,0\) of threadgroup \(0,0,0\)"):
+    with pytest.raises(
+        SimulatorError,
+        match=r"out-of-bounds access to buffer 'a': element 64 of 64, by thread "
+        r"\(63,0,0\) of threadgroup \(0,0,0\)",
+    ):
         run("uint i = thread_position_in_grid.x;\nout[i] = a[i + 1];")
 
 
@@ -56,8 +60,11 @@ def test_barrier_in_a_divergent_branch_names_the_line():
 
 
 def test_simd_functions_at_different_places_in_one_simd_group_are_reported():
-    with pytest.raises(SimulatorError, match=r"SIMD-group operation in divergent control flow: .* is at body "
-                                             r"line 2 but .* is at body line 4"):
+    with pytest.raises(
+        SimulatorError,
+        match=r"SIMD-group operation in divergent control flow: .* is at body "
+        r"line 2 but .* is at body line 4",
+    ):
         run("""if (thread_index_in_simdgroup < 5) {
                 out[thread_position_in_grid.x] = simd_sum(a[thread_position_in_grid.x]);
             } else {
@@ -116,8 +123,13 @@ def test_mlx_generates_the_signature_the_simulator_compiled(capfd, tmp_path, dty
 def run_helper(header, body, n):
     """`body` over an n-element input `a` (MLX passes it in `constant` below 8 elements)."""
     kernel = metal_kernel("probe", ["a"], ["out"], body, header=header)
-    return kernel(inputs=[mx.arange(n, dtype=mx.int32)], output_shapes=[(4,)], output_dtypes=[mx.int32],
-                  grid=(4, 1, 1), threadgroup=(4, 1, 1))[0]
+    return kernel(
+        inputs=[mx.arange(n, dtype=mx.int32)],
+        output_shapes=[(4,)],
+        output_dtypes=[mx.int32],
+        grid=(4, 1, 1),
+        threadgroup=(4, 1, 1),
+    )[0]
 
 
 DEVICE_HELPER = "int first(const device int* table, int i) { return table[i % 1]; }\n"
@@ -129,10 +141,14 @@ def test_a_constant_input_passed_to_a_device_parameter_fails_naming_the_paramete
     assert np.array(run_helper(DEVICE_HELPER, CALL, 8)).tolist() == [0] * 4
     with pytest.raises(SimulatorError) as error:
         run_helper(DEVICE_HELPER, CALL, 1)
-    assert ("argument 1 is a constant pointer, but parameter `const device int* table` (header line 1) takes a "
-            "device one; Metal converts neither way") in str(error.value)
-    assert ("MLX passes inputs of fewer than 8 elements in the constant address space, as it does a in this call: "
-            "template the helper on the pointer type") in str(error.value)
+    assert (
+        "argument 1 is a constant pointer, but parameter `const device int* table` (header line 1) takes a "
+        "device one; Metal converts neither way"
+    ) in str(error.value)
+    assert (
+        "MLX passes inputs of fewer than 8 elements in the constant address space, as it does a in this call: "
+        "template the helper on the pointer type"
+    ) in str(error.value)
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9])
@@ -140,36 +156,66 @@ def test_a_helper_templated_on_the_pointer_type_takes_either_space(n):
     assert np.array(run_helper(TEMPLATED_HELPER, CALL, n)).tolist() == [0] * 4
 
 
-@pytest.mark.parametrize("header, body, message", [
-    ("", "device int* p = a;", "cannot initialize a variable of type 'device int *' with an lvalue of type "
-                               "'device int32_t const *'"),
-    ("", "const constant int* p = a;", "cannot initialize a variable of type 'constant int const *' with an "
-                                       "lvalue of type 'device int32_t const *'"),
-    ("", "threadgroup int t[4];\ndevice int* p = t;", "cannot initialize a variable of type 'device int *' with "
-                                                    "an lvalue of type 'threadgroup int[4]'"),
-    ("int get(threadgroup int* p) { return p[0]; }\n", "out[0] = get(out);",
-     "argument 1 is a device pointer, but parameter `threadgroup int* p` (header line 1) takes a threadgroup one"),
-    ("int get(thread int* p) { return p[0]; }\n", "out[0] = get(out);",
-     "argument 1 is a device pointer, but parameter `thread int* p` (header line 1) takes a thread one"),
-    ("int get(const device int* p) { return p[0]; }\n", "threadgroup int t[4];\nt[0] = 1;\nout[0] = get(t);",
-     "no known conversion from 'threadgroup int[4]' to 'device int const *'"),
-])
+@pytest.mark.parametrize(
+    "header, body, message",
+    [
+        (
+            "",
+            "device int* p = a;",
+            "cannot initialize a variable of type 'device int *' with an lvalue of type 'device int32_t const *'",
+        ),
+        (
+            "",
+            "const constant int* p = a;",
+            "cannot initialize a variable of type 'constant int const *' with an "
+            "lvalue of type 'device int32_t const *'",
+        ),
+        (
+            "",
+            "threadgroup int t[4];\ndevice int* p = t;",
+            "cannot initialize a variable of type 'device int *' with an lvalue of type 'threadgroup int[4]'",
+        ),
+        (
+            "int get(threadgroup int* p) { return p[0]; }\n",
+            "out[0] = get(out);",
+            "argument 1 is a device pointer, but parameter `threadgroup int* p` (header line 1) takes a "
+            "threadgroup one",
+        ),
+        (
+            "int get(thread int* p) { return p[0]; }\n",
+            "out[0] = get(out);",
+            "argument 1 is a device pointer, but parameter `thread int* p` (header line 1) takes a thread one",
+        ),
+        (
+            "int get(const device int* p) { return p[0]; }\n",
+            "threadgroup int t[4];\nt[0] = 1;\nout[0] = get(t);",
+            "no known conversion from 'threadgroup int[4]' to 'device int const *'",
+        ),
+    ],
+)
 def test_address_spaces_are_distinct_pointer_types(header, body, message):
     with pytest.raises(SimulatorError, match="does not compile as Metal") as error:
         run_helper(header, body, 8)
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("body, message", [
-    ("if constexpr (true) { out[0] = 1; }", "constexpr if is a C++17 extension"),
-    ("struct P { int x; int y; };\nauto [x, y] = P{1, 2};\nout[0] = x + y;",
-     "declarations are a C++17 extension"),  # clang 17-19: decomposition, 22: structured binding
-    ("if (int x = a[0]; x > 0) { out[0] = x; }", "'if' initialization statements are a C++17 extension"),
-    ("int n = a[0];\nint v[n];\nv[0] = 1;\nout[0] = v[0];", "variable length arrays in C++ are a Clang extension"),
-    ("auto twice = [](int x) { return 2 * x; };\nout[0] = twice(a[0]);",
-     "body:1: a lambda expression is not part of Metal's language"),
-    ("int* p = new int(1);\nout[0] = *p;", "body:1: 'new' is not part of Metal's language"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("if constexpr (true) { out[0] = 1; }", "constexpr if is a C++17 extension"),
+        (
+            "struct P { int x; int y; };\nauto [x, y] = P{1, 2};\nout[0] = x + y;",
+            "declarations are a C++17 extension",
+        ),  # clang 17-19: decomposition, 22: structured binding
+        ("if (int x = a[0]; x > 0) { out[0] = x; }", "'if' initialization statements are a C++17 extension"),
+        ("int n = a[0];\nint v[n];\nv[0] = 1;\nout[0] = v[0];", "variable length arrays in C++ are a Clang extension"),
+        (
+            "auto twice = [](int x) { return 2 * x; };\nout[0] = twice(a[0]);",
+            "body:1: a lambda expression is not part of Metal's language",
+        ),
+        ("int* p = new int(1);\nout[0] = *p;", "body:1: 'new' is not part of Metal's language"),
+    ],
+)
 def test_code_newer_than_metals_cpp14_or_not_pedantic_is_rejected(body, message):
     with pytest.raises(SimulatorError, match="does not compile as Metal") as error:
         run_helper("", body, 8)
@@ -181,14 +227,16 @@ def test_checkouts_sharing_one_cache_build_kernels_wherever_and_whenever_cloned(
     checkout: a runtime precompiled for one clone must not be included beside another's copy, nor
     refused because the clone's file is newer."""
     from mlxkv.attention import simulator
+
     monkeypatch.setattr(simulator, "CACHE", tmp_path / "cache")
     for n, checkout in enumerate(("one", "two", "one")):
         runtime = tmp_path / checkout / "runtime.h"
         runtime.parent.mkdir(exist_ok=True)
         runtime.write_text(simulator.RUNTIME.read_text())  # a fresh clone: same text, new mtime
         monkeypatch.setattr(simulator, "RUNTIME", runtime)
-        assert run(f"out[thread_position_in_grid.x] = a[thread_position_in_grid.x] + {n};").tolist() == \
-            list(range(n, 64 + n))
+        assert run(f"out[thread_position_in_grid.x] = a[thread_position_in_grid.x] + {n};").tolist() == list(
+            range(n, 64 + n)
+        )
 
 
 def test_cost_counters_count_what_a_launch_does():
@@ -196,17 +244,28 @@ def test_cost_counters_count_what_a_launch_does():
     load) and its own float (a scalar one, from the same bytes), sums across the SIMD group,
     shuffles, takes one exp and meets one barrier."""
     from mlxkv.attention.simulator import cost_counters
-    kernel = metal_kernel("probe", ["a"], ["out"], """
+
+    kernel = metal_kernel(
+        "probe",
+        ["a"],
+        ["out"],
+        """
         threadgroup float shared[32];
         uint i = thread_position_in_grid.x;
         const float4 v = *(const device float4*)(a + 4 * (i / 4));
         float s = simd_sum(v[i % 4]) + a[i];
         shared[thread_index_in_threadgroup] = simd_shuffle_xor(s, 1);
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        out[i] = metal::exp(shared[thread_index_in_threadgroup ^ 1]);""")
+        out[i] = metal::exp(shared[thread_index_in_threadgroup ^ 1]);""",
+    )
     with cost_counters() as launches:
-        kernel(inputs=[mx.arange(64, dtype=mx.float32) / 64], output_shapes=[(64,)], output_dtypes=[mx.float32],
-               grid=(64, 1, 1), threadgroup=(32, 1, 1))
+        kernel(
+            inputs=[mx.arange(64, dtype=mx.float32) / 64],
+            output_shapes=[(64,)],
+            output_dtypes=[mx.float32],
+            grid=(64, 1, 1),
+            threadgroup=(32, 1, 1),
+        )
     [c] = launches
     assert (c.read_bytes, c.written_bytes) == (256, 256)  # each byte once per threadgroup
     assert (c.loads, c.load_bytes, c.vector_loads, c.vector_load_bytes) == (128, 1280, 64, 1024)
@@ -216,9 +275,12 @@ def test_cost_counters_count_what_a_launch_does():
 
 
 def test_metal_vectors_convert_and_index_as_metal_does():
-    out = run("""
+    out = run(
+        """
         const half4 h = half4(1.5f, 2.0f, -3.0f, 4.0f);
         const float4 f = float4(h);
-        out[thread_position_in_grid.x] = f[thread_position_in_grid.x % 4] + as_type<float>(0x3f800000u);""", n=8,
-              threads=8)
+        out[thread_position_in_grid.x] = f[thread_position_in_grid.x % 4] + as_type<float>(0x3f800000u);""",
+        n=8,
+        threads=8,
+    )
     assert out.tolist() == [2.5, 3.0, -2.0, 5.0] * 2

@@ -21,7 +21,9 @@ def test_argument_wins_over_environment(monkeypatch):
 
 def test_unknown_environment_value_names_the_variable(monkeypatch):
     monkeypatch.setenv("MLXKV_KV_LAYOUT", "ragged")
-    with pytest.raises(ValueError, match=r"MLXKV_KV_LAYOUT='ragged' is not a KV layout; expected one of 'paged', 'contiguous'"):
+    with pytest.raises(
+        ValueError, match=r"MLXKV_KV_LAYOUT='ragged' is not a KV layout; expected one of 'paged', 'contiguous'"
+    ):
         resolve_layout()
 
 

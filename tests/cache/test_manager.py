@@ -20,8 +20,16 @@ from mlxkv.attention.reference import gather_kv
 
 
 def make(layout="paged", **kw):
-    args = dict(num_layers=2, num_kv_heads=2, head_dim=4, max_num_seqs=4, max_model_len=32,
-                page_size=4, num_pages=10, dtype=mx.float32)
+    args = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=4,
+        max_num_seqs=4,
+        max_model_len=32,
+        page_size=4,
+        num_pages=10,
+        dtype=mx.float32,
+    )
     args.update(kw)
     return KVCacheManager(layout=layout, **args)
 
@@ -78,8 +86,11 @@ def test_as_tensor_returns_each_sequences_kv_in_order(layout):
             keys, values = (mx.array(rng.standard_normal((sum(counts), 2, 4)), mx.float32) for _ in range(2))
             cache.write(layer, batch, keys, values)
             if layer == 1:
-                for s, k, v in zip(ids, np.split(np.array(keys), np.cumsum(counts)[:-1]),
-                                   np.split(np.array(values), np.cumsum(counts)[:-1])):
+                for s, k, v in zip(
+                    ids,
+                    np.split(np.array(keys), np.cumsum(counts)[:-1]),
+                    np.split(np.array(values), np.cumsum(counts)[:-1]),
+                ):
                     written[s][0].append(k)
                     written[s][1].append(v)
     for s in ids:
@@ -108,7 +119,7 @@ def test_as_tensor_of_an_empty_sequence_and_bad_arguments():
     assert keys.shape == values.shape == (0, 2, 4)
     with pytest.raises(UnknownSequenceError):
         cache.as_tensor(a + 1, 0)
-    with pytest.raises(IndexError, match="layer 2 is outside 0..1"):
+    with pytest.raises(IndexError, match=r"layer 2 is outside 0\.\.1"):
         cache.as_tensor(a, 2)
 
 
@@ -212,15 +223,25 @@ def test_bad_arguments_are_named():
         with pytest.raises(ValueError, match=r"num_new_tokens must be non-negative integers, got \["):
             cache.append([a], [bad])
     assert cache.num_tokens(a) == 0
-    with pytest.raises(IndexError, match="layer 2 is outside 0..1"):
+    with pytest.raises(IndexError, match=r"layer 2 is outside 0\.\.1"):
         cache.write(2, cache.append([a], [1]), kv(1), kv(1))
 
 
-@pytest.mark.parametrize("dtype, kv_bits", [(mx.float16, None), (mx.bfloat16, None), (mx.float32, None),
-                                            (mx.float16, 8), (mx.bfloat16, 4)])
+@pytest.mark.parametrize(
+    "dtype, kv_bits", [(mx.float16, None), (mx.bfloat16, None), (mx.float32, None), (mx.float16, 8), (mx.bfloat16, 4)]
+)
 def test_appending_a_thousand_tokens_does_not_copy_the_pool(dtype, kv_bits):
-    cache = make(num_layers=2, num_kv_heads=8, head_dim=128, max_num_seqs=1, max_model_len=1024,
-                 page_size=16, num_pages=512, dtype=dtype, kv_bits=kv_bits)
+    cache = make(
+        num_layers=2,
+        num_kv_heads=8,
+        head_dim=128,
+        max_num_seqs=1,
+        max_model_len=1024,
+        page_size=16,
+        num_pages=512,
+        dtype=dtype,
+        kv_bits=kv_bits,
+    )
     pool_bytes = cache.storage.nbytes
     (a,) = cache.claim(1)
     new = kv(1, heads=8, dim=128, dtype=dtype)
@@ -292,8 +313,16 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache = make(self.layout, num_layers=1, num_kv_heads=1, head_dim=1, max_num_seqs=5,
-                          max_model_len=24, page_size=4, num_pages=12)
+        self.cache = make(
+            self.layout,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            max_num_seqs=5,
+            max_model_len=24,
+            page_size=4,
+            num_pages=12,
+        )
         self.pool = self.cache.pool
         self.tokens: dict[int, list[float]] = {}
         self.extra: dict[str, list[int]] = {}
@@ -301,8 +330,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.names = iter(f"x{i}" for i in range(10**6))
 
     def _state(self):
-        return self.pool.free_count, {r: self.pool.pages(r) for r in self.pool.owners()}, dict(
-            (s, self.cache.num_tokens(s)) for s in self.tokens)
+        return (
+            self.pool.free_count,
+            {r: self.pool.pages(r) for r in self.pool.owners()},
+            dict((s, self.cache.num_tokens(s)) for s in self.tokens),
+        )
 
     @rule(n=st.integers(0, 3))
     def claim(self, n):
@@ -454,8 +486,14 @@ def test_sliding_window_layers_hold_pages_of_their_own():
 
 
 def test_a_step_that_one_window_group_cannot_hold_changes_no_group():
-    cache = make(num_layers=3, num_pages=16, max_num_seqs=1, layer_windows=[4, 8, None], max_model_len=64,
-                 window_pages={4: 8, 8: 3})
+    cache = make(
+        num_layers=3,
+        num_pages=16,
+        max_num_seqs=1,
+        layer_windows=[4, 8, None],
+        max_model_len=64,
+        window_pages={4: 8, 8: 3},
+    )
     (a,) = cache.claim(1)
     cache.append([a], [8])
     with pytest.raises(KVCacheExhausted):

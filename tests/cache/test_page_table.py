@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mlxkv import PageTable, KVCacheExhausted, PagePool, SequenceTooLong
+from mlxkv import KVCacheExhausted, PagePool, PageTable, SequenceTooLong
 
 
 def test_slots_follow_the_pages_in_logical_order():
@@ -43,7 +43,7 @@ def test_length_limit_names_the_limit():
 def test_slot_outside_the_sequence_is_an_index_error():
     table = PageTable(PagePool(8, 4), "s", max_tokens=10)
     table.append(2)
-    with pytest.raises(IndexError, match="position 2 is outside 0..1"):
+    with pytest.raises(IndexError, match=r"position 2 is outside 0\.\.1"):
         table.slot(2)
 
 
@@ -84,7 +84,7 @@ def test_release_returns_the_pages():
 def test_slide_gives_back_the_pages_before_a_token_and_keeps_the_indices():
     pool = PagePool(8, 4)
     table = PageTable(pool, "s", 64)
-    table.append(14)                                 # pages for tokens 0-3, 4-7, 8-11, 12-13
+    table.append(14)  # pages for tokens 0-3, 4-7, 8-11, 12-13
     live = table.pages[2:]
     assert table.slide(-3) == 0 and table.slide(7) == 1  # token 7 is still needed: page 1 stays
     assert table.slide(9) == 1 and table.slide(9) == 0

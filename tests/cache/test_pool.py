@@ -57,8 +57,9 @@ def test_share_refuses_a_free_page_without_changing_anything():
     assert pool.pages("b") == []
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_pages=0, page_size=16), dict(num_pages=4, page_size=-1),
-                                    dict(num_pages=2.5, page_size=16)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(num_pages=0, page_size=16), dict(num_pages=4, page_size=-1), dict(num_pages=2.5, page_size=16)]
+)
 def test_bad_sizes_are_rejected_by_name(kwargs):
     name = next(k for k, v in kwargs.items() if not (isinstance(v, int) and v > 0))
     with pytest.raises(ValueError, match=name):

@@ -38,13 +38,13 @@ def test_each_token_is_stored_as_mx_quantize_makes_it_whatever_the_chunking(layo
     done = 0
     for count in (1, 7, 12):
         batch = cache.append([seq], [count])
-        cache.write(1, batch, keys[done:done + count], values[done:done + count])
+        cache.write(1, batch, keys[done : done + count], values[done : done + count])
         done += count
     mx.eval(cache.storage.tensors)
     stored, _ = cache.as_tensor(seq, 1)
     roundtrip = mx.dequantize(*mx.quantize(keys, group_size=64, bits=bits), group_size=64, bits=bits)
     assert mx.array_equal(stored, roundtrip).item()
-    k_pages, v_pages = cache.kv(1)
+    _, v_pages = cache.kv(1)
     page = cache.fetch([seq]).page_tables[0, 0]
     expected = mx.quantize(values[:16], group_size=64, bits=bits)
     for part, want in zip(v_pages.parts, expected):
@@ -72,18 +72,24 @@ def test_usage_names_the_bits():
     assert str(usage).startswith("paged, 4-bit, 1/12 pages of 16 tokens in use")
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(kv_bits=3), "kv_bits must be 8, 4 or None, got 3"),
-    (dict(kv_bits=True), "kv_bits must be 8, 4 or None, got True"),
-    (dict(kv_bits=8, kv_group_size=16), "kv_group_size must be 32, 64 or 128, got 16"),
-    (dict(kv_bits=8, kv_group_size=128), "kv_group_size=128 must divide the model's head_dim=64; use 32 or 64"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(kv_bits=3), "kv_bits must be 8, 4 or None, got 3"),
+        (dict(kv_bits=True), "kv_bits must be 8, 4 or None, got True"),
+        (dict(kv_bits=8, kv_group_size=16), "kv_group_size must be 32, 64 or 128, got 16"),
+        (dict(kv_bits=8, kv_group_size=128), "kv_group_size=128 must divide the model's head_dim=64; use 32 or 64"),
+    ],
+)
 def test_bad_quantization_settings_are_named(kw, message):
     with pytest.raises(ValueError, match=message):
         KVCacheManager(1, 2, 64, max_num_seqs=1, max_model_len=16, **kw)
 
 
 def test_a_head_dim_no_group_size_divides_cannot_be_quantized():
-    with pytest.raises(ValueError, match="the model's head_dim=80 is not a multiple of 32, the smallest kv_group_size, "
-                                         "so its KV cannot be quantized; use kv_bits=None"):
+    with pytest.raises(
+        ValueError,
+        match="the model's head_dim=80 is not a multiple of 32, the smallest kv_group_size, "
+        "so its KV cannot be quantized; use kv_bits=None",
+    ):
         KVCacheManager(1, 2, 80, max_num_seqs=1, max_model_len=16, kv_bits=4, kv_group_size=32)

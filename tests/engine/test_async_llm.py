@@ -98,13 +98,15 @@ def test_a_consumer_whose_event_loop_closed_does_not_stop_the_engine(setup):
 def test_a_failed_request_fails_in_its_own_consumer_while_others_finish(setup, monkeypatch):
     llm, expected = setup
     original = TokenSampler.key
-    monkeypatch.setattr(TokenSampler, "key", lambda self, index: ExplodingSampler.key(self, index)
-                        if self.params.seed == 13 else original(self, index))
+    monkeypatch.setattr(
+        TokenSampler,
+        "key",
+        lambda self, index: ExplodingSampler.key(self, index) if self.params.seed == 13 else original(self, index),
+    )
 
     async def main():
         bad = collect(llm, PROMPTS[2], SamplingParams(max_tokens=16, temperature=1.0, seed=13))
-        return await asyncio.gather(collect(llm, PROMPTS[0]), bad, collect(llm, PROMPTS[1]),
-                                    return_exceptions=True)
+        return await asyncio.gather(collect(llm, PROMPTS[0]), bad, collect(llm, PROMPTS[1]), return_exceptions=True)
 
     first, failure, second = asyncio.run(main())
     assert [first, second] == [expected[0], expected[1]]

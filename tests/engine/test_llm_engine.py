@@ -9,6 +9,7 @@ from helpers import ExplodingSampler, mlx_lm_greedy, mutant_kernels, uncompilabl
 from mlxkv import LLM, LLMEngine, RequestTooLong, SamplingParams, UnknownSequenceError, reference_attention
 from mlxkv.attention.kernels import PagedAttentionKernels
 from mlxkv.config import EngineConfig
+from mlxkv.engine.request import NO_SEQUENCE
 from mlxkv.models.loading import load
 
 N_REQUESTS = 200
@@ -34,8 +35,9 @@ def workload(model):
 def test_many_requests_under_preemption_and_cancellation(model, workload, layout):
     prompts, params, expected = workload
     sizing = dict(num_pages=14, page_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 3072)
-    engine = LLMEngine(*model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64,
-                                            max_model_len=64, **sizing))
+    engine = LLMEngine(
+        *model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64, max_model_len=64, **sizing)
+    )
     requests = [engine.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
     cancelled, leaks = set(), []
     done = threading.Event()
@@ -54,7 +56,7 @@ def test_many_requests_under_preemption_and_cancellation(model, workload, layout
             except UnknownSequenceError:
                 continue
             cancelled.add(victim.request_id)
-            if seq_id is not None and engine.cache.pool.pages(seq_id):
+            if seq_id != NO_SEQUENCE and engine.cache.pool.pages(seq_id):
                 leaks.append(victim.request_id)
 
     canceller = threading.Thread(target=cancel_at_random)
@@ -94,8 +96,17 @@ def shared_prefixes(model):
 def test_prefix_caching_changes_no_token_under_preemption_and_eviction(model, shared_prefixes, layout, caching):
     prompts, params, expected = shared_prefixes
     sizing = dict(num_pages=14, page_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 3072)
-    engine = LLMEngine(*model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64,
-                                            max_model_len=64, prefix_caching=caching, **sizing))
+    engine = LLMEngine(
+        *model,
+        EngineConfig(
+            kv_layout=layout,
+            max_num_seqs=12,
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            prefix_caching=caching,
+            **sizing,
+        ),
+    )
     requests, _ = run_all(engine, prompts, params)
     assert [r.output_ids for r in requests] == expected
     stats = engine.stats().prefix_cache
@@ -123,8 +134,18 @@ def test_quantized_pages_under_preemption(checkpoint, layout, caching):
     alone = LLM(model, max_num_seqs=1, kv_bits=4, prefix_caching=False)
     expected = [alone.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
     sizing = dict(num_pages=14, page_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 320)
-    engine = LLMEngine(*model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64,
-                                            max_model_len=64, kv_bits=4, prefix_caching=caching, **sizing))
+    engine = LLMEngine(
+        *model,
+        EngineConfig(
+            kv_layout=layout,
+            max_num_seqs=12,
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            kv_bits=4,
+            prefix_caching=caching,
+            **sizing,
+        ),
+    )
     requests, _ = run_all(engine, prompts, params)
     assert [len(r.output_ids) for r in requests] == [sp.max_tokens for sp in params]
     if caching:
@@ -153,8 +174,10 @@ def test_the_next_turn_reuses_the_pages_of_the_answer(model):
 def test_requests_with_different_cache_salts_share_nothing(model):
     llm = LLM(model, page_size=8, max_num_seqs=1)
     prompt, params = list(range(10, 30)), SamplingParams(max_tokens=2)
-    cached = [llm.generate(prompt, params, cache_salt=salt)[0].num_cached_tokens
-              for salt in ("alice", "bob", None, "alice", None)]
+    cached = [
+        llm.generate(prompt, params, cache_salt=salt)[0].num_cached_tokens
+        for salt in ("alice", "bob", None, "alice", None)
+    ]
     assert cached == [0, 0, 0, 19, 19]  # all but the last prompt token, for the same salt
     with pytest.raises(ValueError, match="cache_salt must be None or a non-empty string, got ''"):
         llm.generate(prompt, params, cache_salt="")
@@ -193,18 +216,28 @@ def test_metal_kernels_give_the_reference_tokens(checkpoint, model):
     assert [c.token_ids for c in LLM(model, attention="reference").generate(prompts, params)] == expected
 
 
-@pytest.mark.parametrize("factory, why", [
-    (uncompilable_kernels, "paged_attention failed to compile or run: [metal::Device] Unable to build metal library"),
-    (mutant_kernels("static_cast<T>(acc / sum)", "static_cast<T>(-acc / sum)"),
-     "paged_attention differs from the reference attention by up to "),
-], ids=["does-not-compile", "wrong-numbers"])
+@pytest.mark.parametrize(
+    "factory, why",
+    [
+        (
+            uncompilable_kernels,
+            "paged_attention failed to compile or run: [metal::Device] Unable to build metal library",
+        ),
+        (
+            mutant_kernels("static_cast<T>(acc / sum)", "static_cast<T>(-acc / sum)"),
+            "paged_attention differs from the reference attention by up to ",
+        ),
+    ],
+    ids=["does-not-compile", "wrong-numbers"],
+)
 def test_kernels_that_fail_the_start_up_check_leave_the_reference_path(checkpoint, model, caplog, factory, why):
     """A Mac user gets one warning and the reference tokens, never a crash or wrong text."""
     engine = LLMEngine(*model, EngineConfig(page_size=8), kernels=PagedAttentionKernels(factory))
     [record] = caplog.records
     assert record.levelname == "WARNING" and record.name == "mlxkv"
-    assert record.getMessage().startswith("the Metal kernels fail their start-up check for this model "
-                                          f"(float32, head_dim 16, pages of 8, GQA 2): {why}")
+    assert record.getMessage().startswith(
+        f"the Metal kernels fail their start-up check for this model (float32, head_dim 16, pages of 8, GQA 2): {why}"
+    )
     assert record.getMessage().endswith("; attention runs on the reference path instead")
     assert engine.runner.attention is reference_attention
     request = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6))
@@ -221,8 +254,10 @@ def solo(model):
     """Each FAILURE_PROMPTS prompt's tokens alone: greedy, and seeded sampling."""
     alone = LLM(model, max_num_seqs=1)
     greedy = [alone.generate(p, SamplingParams(max_tokens=8))[0].token_ids for p in FAILURE_PROMPTS]
-    seeded = [alone.generate(p, SamplingParams(max_tokens=8, temperature=0.9, seed=i))[0].token_ids
-              for i, p in enumerate(FAILURE_PROMPTS)]
+    seeded = [
+        alone.generate(p, SamplingParams(max_tokens=8, temperature=0.9, seed=i))[0].token_ids
+        for i, p in enumerate(FAILURE_PROMPTS)
+    ]
     return greedy, seeded
 
 
@@ -334,8 +369,11 @@ def test_outputs_carry_tokens_usage_and_the_model_s_logprobs(checkpoint, model):
     logits = reference(mx.array(prompt)[None])[0, -1]
     expected = (logits - mx.logsumexp(logits)).tolist()
     assert all(abs(lp - expected[t]) < 1e-4 for t, lp in first.top)
-    assert [(o.usage.prompt_tokens, o.usage.completion_tokens, o.usage.cached_tokens) for o in mine] == \
-        [(4, 1, 0), (4, 2, 0), (4, 3, 0)]
+    assert [(o.usage.prompt_tokens, o.usage.completion_tokens, o.usage.cached_tokens) for o in mine] == [
+        (4, 1, 0),
+        (4, 2, 0),
+        (4, 3, 0),
+    ]
     assert mine[-1].finished and mine[-1].finish_reason == "length"
 
 
@@ -346,11 +384,19 @@ def run_mixed(model, pipeline, eos, stop, abort_after):
     saved = set(tokenizer.eos_token_ids)
     tokenizer.eos_token_ids = saved | {eos}
     try:
-        engine = LLMEngine(model_, tokenizer, EngineConfig(page_size=4, num_pages=12, max_num_seqs=5,
-                                                           max_num_batched_tokens=16, pipeline=pipeline))
-        params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, stop=[stop]),
-                  SamplingParams(max_tokens=7, temperature=0.9, seed=3), SamplingParams(max_tokens=12),
-                  SamplingParams(max_tokens=12, temperature=1.2, top_p=0.9, seed=4), SamplingParams(max_tokens=3)]
+        engine = LLMEngine(
+            model_,
+            tokenizer,
+            EngineConfig(page_size=4, num_pages=12, max_num_seqs=5, max_num_batched_tokens=16, pipeline=pipeline),
+        )
+        params = [
+            SamplingParams(max_tokens=12),
+            SamplingParams(max_tokens=12, stop=[stop]),
+            SamplingParams(max_tokens=7, temperature=0.9, seed=3),
+            SamplingParams(max_tokens=12),
+            SamplingParams(max_tokens=12, temperature=1.2, top_p=0.9, seed=4),
+            SamplingParams(max_tokens=3),
+        ]
         requests = [engine.add_request(p, sp) for p, sp in zip(FAILURE_PROMPTS * 2, params)]
         texts = {r.request_id: "" for r in requests}
         while engine.has_unfinished():
@@ -360,7 +406,9 @@ def run_mixed(model, pipeline, eos, stop, abort_after):
             if victim.finish_reason is None and victim.num_outputs >= abort_after:
                 engine.abort(victim.request_id)
         assert engine.cache.free_pages == engine.cache.pool.capacity
-        return [(r.output_ids, r.finish_reason, texts[r.request_id]) for r in requests], engine.scheduler.num_preemptions
+        return [
+            (r.output_ids, r.finish_reason, texts[r.request_id]) for r in requests
+        ], engine.scheduler.num_preemptions
     finally:
         tokenizer.eos_token_ids = saved
 

@@ -7,9 +7,17 @@ import pytest
 from mlxkv import SamplingParams
 from mlxkv.engine.sampling import SamplingFailed, TokenSampler, sample
 
-MIX = [dict(), dict(temperature=0.7), dict(temperature=1.0, top_p=0.9), dict(temperature=1.2, top_k=20),
-       dict(temperature=0.8, min_p=0.05), dict(temperature=1.0, top_p=0.5, top_k=10, min_p=0.1), dict(),
-       dict(temperature=2.0, top_p=0.95, top_k=50, min_p=0.02), dict(temperature=1.0, top_k=1)]
+MIX = [
+    dict(),
+    dict(temperature=0.7),
+    dict(temperature=1.0, top_p=0.9),
+    dict(temperature=1.2, top_k=20),
+    dict(temperature=0.8, min_p=0.05),
+    dict(temperature=1.0, top_p=0.5, top_k=10, min_p=0.1),
+    dict(),
+    dict(temperature=2.0, top_p=0.95, top_k=50, min_p=0.02),
+    dict(temperature=1.0, top_k=1),
+]
 
 
 def logits(rows, vocab=500, seed=0):
@@ -22,7 +30,7 @@ def test_each_row_draws_what_it_would_draw_alone():
     for step in range(10):
         indices = [step + i for i in range(len(MIX))]
         together = sample(scores, samplers, indices).tolist()
-        alone = [sample(scores[i:i + 1], [s], [n]).item() for i, (s, n) in enumerate(zip(samplers, indices))]
+        alone = [sample(scores[i : i + 1], [s], [n]).item() for i, (s, n) in enumerate(zip(samplers, indices))]
         assert together == alone
 
 
@@ -38,8 +46,9 @@ def test_greedy_rows_take_the_argmax_and_seeds_repeat():
 def test_filters_keep_the_draw_inside_top_k_and_top_p():
     scores = logits(1, seed=2)
     order = np.argsort(-np.array(scores[0]))
-    top_k = {sample(scores, [TokenSampler(SamplingParams(temperature=5.0, top_k=3, seed=s))], [0]).item()
-             for s in range(200)}
+    top_k = {
+        sample(scores, [TokenSampler(SamplingParams(temperature=5.0, top_k=3, seed=s))], [0]).item() for s in range(200)
+    }
     assert top_k <= set(order[:3].tolist()) and len(top_k) == 3
 
 

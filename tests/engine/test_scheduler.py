@@ -6,16 +6,26 @@ from mlxkv.engine.scheduler import Scheduler
 
 
 def make(num_pages=32, page_size=4, max_num_seqs=8, budget=16, layout="paged", prefix_caching=True, kv_bits=None):
-    cache = KVCacheManager(1, 1, 32, max_num_seqs=max_num_seqs, max_model_len=64, layout=layout, page_size=page_size,
-                           num_pages=num_pages, dtype=mx.float32, prefix_caching=prefix_caching, kv_bits=kv_bits,
-                           kv_group_size=32)
+    cache = KVCacheManager(
+        1,
+        1,
+        32,
+        max_num_seqs=max_num_seqs,
+        max_model_len=64,
+        layout=layout,
+        page_size=page_size,
+        num_pages=num_pages,
+        dtype=mx.float32,
+        prefix_caching=prefix_caching,
+        kv_bits=kv_bits,
+        kv_group_size=32,
+    )
     return Scheduler(cache, max_num_seqs, budget)
 
 
 def request(name, prompt_len, max_tokens=8, first=0, salt=None):
     """A request whose prompt is `first, first + 1, ...` (distinct `first`s share no prefix)."""
-    return Request(name, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens),
-                   cache_salt=salt)
+    return Request(name, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens), cache_salt=salt)
 
 
 def run_step(scheduler):

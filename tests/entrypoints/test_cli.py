@@ -1,3 +1,4 @@
+import itertools
 import re
 import subprocess
 import sys
@@ -31,8 +32,22 @@ def test_generate_prints_mlx_lm_greedy_text_and_the_figures(checkpoint, name, la
     path = checkpoint(name)
     _, tokenizer = mlx_lm_load(str(path))
     expected = mlx_lm_text(tokenizer, mlx_lm_greedy(path, tokenizer.encode(PROMPT), max_tokens=24))
-    result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "24",
-                                 "--kv-layout", layout, "--page-size", "8"])
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(path),
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "24",
+            "--kv-layout",
+            layout,
+            "--page-size",
+            "8",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert generated_text(result.stdout) == expected
     lines = result.stdout.strip().splitlines()[-4:]
@@ -47,8 +62,22 @@ def test_generate_with_quantized_pages_prints_mlx_lm_quantized_kv_text(checkpoin
     tokens, _ = mlx_lm_quantized_greedy(path, tokenizer.encode(PROMPT), bits, max_tokens=16)
     eos = next((i for i, t in enumerate(tokens) if t in tokenizer.eos_token_ids), len(tokens))
     tokens = tokens[:eos]  # mlxkv stops at EOS, as mlx-lm's CLI does
-    result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "16",
-                                 "--kv-bits", str(bits), "--kv-group-size", "64"])
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(path),
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "16",
+            "--kv-bits",
+            str(bits),
+            "--kv-group-size",
+            "64",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert generated_text(result.stdout) == mlx_lm_text(tokenizer, tokens)
     assert re.match(STATS[3], result.stdout.strip().splitlines()[-1])
@@ -56,8 +85,22 @@ def test_generate_with_quantized_pages_prints_mlx_lm_quantized_kv_text(checkpoin
 
 
 def test_kv_line_counts_the_pages_one_request_used(checkpoint):
-    result = runner.invoke(app, ["generate", "--model", str(checkpoint("llama-fp32")), "--prompt", PROMPT,
-                                 "-m", "10", "--page-size", "4", "--num-pages", "64"])
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            "--model",
+            str(checkpoint("llama-fp32")),
+            "--prompt",
+            PROMPT,
+            "-m",
+            "10",
+            "--page-size",
+            "4",
+            "--num-pages",
+            "64",
+        ],
+    )
     prompt_tokens = int(re.search(r"Prompt: (\d+) tokens", result.stdout).group(1))
     used = re.search(r"KV cache: paged, (\d+)/64 pages of 4 tokens", result.stdout)
     assert int(used.group(1)) == -(-(prompt_tokens + 9) // 4)
@@ -95,8 +138,13 @@ def test_directory_without_config_and_unsupported_architecture(tmp_path):
 
 def test_installed_command_reads_the_prompt_from_stdin(checkpoint):
     path = checkpoint("qwen3-bf16")
-    proc = subprocess.run([sys.executable, "-m", "mlxkv", "generate", "--model", str(path), "--prompt", "-",
-                           "-m", "8"], input=PROMPT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlxkv", "generate", "--model", str(path), "--prompt", "-", "-m", "8"],
+        input=PROMPT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     via_flag = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "-m", "8"])
     assert generated_text(proc.stdout) == generated_text(via_flag.stdout)
@@ -109,8 +157,9 @@ def test_help_lists_both_commands():
 
 
 def test_chat_keeps_the_conversation_and_reports_each_turn(checkpoint):
-    result = runner.invoke(app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6"],
-                           input="The quick\n/reset\nbrown fox\n")
+    result = runner.invoke(
+        app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6"], input="The quick\n/reset\nbrown fox\n"
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.count("KV cache: paged") == 2
     assert result.stdout.count("Generation: 6 tokens") == 2
@@ -130,11 +179,17 @@ def test_short_help_version_and_help_that_shows_its_defaults():
     version = runner.invoke(app, ["--version"])
     assert re.fullmatch(r"mlxkv \d+\.\d+\.\d+\S*\n", version.stdout)
     help_text = " ".join(runner.invoke(app, ["generate", "-h"]).stdout.split())
-    for note in ("[default: the shipped demo model]", "[default: $MLXKV_KV_LAYOUT, else paged]",
-                 "[default: what the sequences need, at most", "of the memory left]",
-                 "[default: the model's context]", "--max-num-seqs", "--verbose / --no-verbose",
-                 "--temperature, --temp <float> Sampling temperature; 0 is greedy. [default: 0.0]",
-                 "-m, --max-tokens <int> Most tokens to generate. [default: 100]"):
+    for note in (
+        "[default: the shipped demo model]",
+        "[default: $MLXKV_KV_LAYOUT, else paged]",
+        "[default: what the sequences need, at most",
+        "of the memory left]",
+        "[default: the model's context]",
+        "--max-num-seqs",
+        "--verbose / --no-verbose",
+        "--temperature, --temp <float> Sampling temperature; 0 is greedy. [default: 0.0]",
+        "-m, --max-tokens <int> Most tokens to generate. [default: 100]",
+    ):
         assert note in help_text, note
 
 
@@ -146,12 +201,18 @@ def test_no_verbose_prints_only_the_text(checkpoint):
 
 
 def test_chat_banner_and_a_conversation_that_outgrows_the_context(checkpoint):
-    result = runner.invoke(app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6", "--max-model-len", "24",
-                                 "--no-verbose"], input="The quick brown\nfox jumps over\nthe lazy dog\n/reset\nhi\n")
+    result = runner.invoke(
+        app,
+        ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6", "--max-model-len", "24", "--no-verbose"],
+        input="The quick brown\nfox jumps over\nthe lazy dog\n/reset\nhi\n",
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("Chat: type a message. /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops")
-    assert re.search(r"error: the conversation \(\d+ tokens\) has outgrown the context of 24 tokens; "
-                     r"/reset starts a new one", result.stderr)
+    assert re.search(
+        r"error: the conversation \(\d+ tokens\) has outgrown the context of 24 tokens; "
+        r"/reset starts a new one",
+        result.stderr,
+    )
     assert result.stdout.count(">> ") == 6
 
 
@@ -166,16 +227,21 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(checkpoint, monkeypatch):
         return original(self)
 
     monkeypatch.setattr(Stream, "__next__", interrupted_once)
-    result = runner.invoke(app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6"],
-                           input="The quick\nbrown fox\n")
+    result = runner.invoke(
+        app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6"], input="The quick\nbrown fox\n"
+    )
     assert result.exit_code == 0, result.output
     assert "[reply stopped]" in result.stdout
     assert result.stdout.count("Generation: 6 tokens") == 1
 
 
 def test_chat_names_a_line_that_is_not_utf8_and_goes_on(checkpoint):
-    proc = subprocess.run([sys.executable, "-m", "mlxkv", "chat", "--model", str(checkpoint("llama-fp32")), "-m", "4"],
-                          input=b"caf\xe9\xff\nThe quick\n", capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlxkv", "chat", "--model", str(checkpoint("llama-fp32")), "-m", "4"],
+        input=b"caf\xe9\xff\nThe quick\n",
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert b"error: that line is not UTF-8 text" in proc.stderr
     assert proc.stdout.count(b"Generation: 4 tokens") == 1
@@ -189,14 +255,17 @@ def test_each_chat_turn_computes_only_what_the_turn_before_did_not(checkpoint, m
 
     requests, original = [], LLM.stream
     monkeypatch.setattr(LLM, "stream", lambda self, *a, **kw: requests.append(original(self, *a, **kw)) or requests[-1])
-    result = runner.invoke(app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "12", *flags],
-                           input="The quick brown fox\njumps over the lazy dog\nPaged attention keeps keys\n")
+    result = runner.invoke(
+        app,
+        ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "12", *flags],
+        input="The quick brown fox\njumps over the lazy dog\nPaged attention keeps keys\n",
+    )
     assert result.exit_code == 0, result.output
     block = int(flags[1]) if flags else 16
     turns = [s.request for s in requests]
     reused = [int(n) for n in re.findall(r"prefix cache: (\d+) of \d+ prompt tokens reused", result.stdout)]
     assert reused == [t.num_cached_tokens for t in turns] and reused[0] == 0
-    for before, turn in zip(turns, turns[1:]):
+    for before, turn in itertools.pairwise(turns):
         stored = before.all_token_ids[: before.num_computed]
         common = next((i for i, (a, b) in enumerate(zip(stored, turn.prompt_ids)) if a != b), len(stored))
         full_pages = min(common, len(turn.prompt_ids) - 1) // block * block
@@ -205,14 +274,20 @@ def test_each_chat_turn_computes_only_what_the_turn_before_did_not(checkpoint, m
         assert turn.num_cached_tokens >= len(before.prompt_ids) // block * block - block
 
 
-@pytest.mark.parametrize("flags, figure", [
-    ([], "prefix cache: 0 of 10 prompt tokens reused"),
-    (["--no-prefix-caching"], "prefix cache: off"),
-    (["--kv-layout", "contiguous"],
-     "prefix cache: none (the contiguous layout gives each sequence its own page and shares nothing)"),
-])
+@pytest.mark.parametrize(
+    "flags, figure",
+    [
+        ([], "prefix cache: 0 of 10 prompt tokens reused"),
+        (["--no-prefix-caching"], "prefix cache: off"),
+        (
+            ["--kv-layout", "contiguous"],
+            "prefix cache: none (the contiguous layout gives each sequence its own page and shares nothing)",
+        ),
+    ],
+)
 def test_the_kv_line_says_what_the_prefix_cache_did(checkpoint, flags, figure):
-    result = runner.invoke(app, ["generate", "--model", str(checkpoint("llama-fp32")), "--prompt", PROMPT, "-m", "2",
-                                 *flags])
+    result = runner.invoke(
+        app, ["generate", "--model", str(checkpoint("llama-fp32")), "--prompt", PROMPT, "-m", "2", *flags]
+    )
     assert result.exit_code == 0, result.output
     assert result.stdout.rstrip().endswith(f"in use holding tokens; {figure}")

@@ -52,8 +52,16 @@ def test_chat_is_the_engine_s_greedy_text_streamed_or_not(client, reference):
     reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=16, temperature=0)
     assert reply.choices[0].message.content == expected and reply.choices[0].finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (3, 16, 19)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=16, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=HELLO,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({(c.id, c.created, c.model) for c in chunks}) == 1
     text_chunks = chunks[:-1]
@@ -69,8 +77,9 @@ def test_completions_streamed_and_not_and_the_wire_format(server, client, refere
     assert reply.choices[0].text == expected and reply.object == "text_completion"
     streamed = client.completions.create(model=MODEL, prompt="The class", max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == expected
-    with httpx.stream("POST", f"{server}/v1/completions", json={"prompt": "The class", "max_tokens": 2,
-                                                               "stream": True}) as raw:
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json={"prompt": "The class", "max_tokens": 2, "stream": True}
+    ) as raw:
         assert raw.headers["content-type"].startswith("text/event-stream")
         body = raw.read().decode()
     assert body.endswith("data: [DONE]\n\n") and all(e.startswith("data: ") for e in body.split("\n\n") if e)
@@ -83,15 +92,17 @@ def test_n_choices_stop_strings_and_seeds(client):
     assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
     full = client.completions.create(model=MODEL, prompt="The import statement", max_tokens=12, temperature=0)
     stop = full.choices[0].text.split()[2]
-    cut = client.completions.create(model=MODEL, prompt="The import statement", max_tokens=12, temperature=0,
-                                    stop=[stop])
+    cut = client.completions.create(
+        model=MODEL, prompt="The import statement", max_tokens=12, temperature=0, stop=[stop]
+    )
     assert stop not in cut.choices[0].text and full.choices[0].text.startswith(cut.choices[0].text)
     assert cut.choices[0].finish_reason == "stop"
 
 
 def test_logprobs_in_the_chat_and_the_legacy_forms(client):
-    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0, logprobs=True,
-                                           top_logprobs=2)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == 4
     for entry in content:
@@ -110,27 +121,39 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client):
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0 or first.usage.prompt_tokens > 16
     assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
-    salted = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
-                                            extra_body={"cache_salt": "tenant-b"})
+    salted = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body={"cache_salt": "tenant-b"}
+    )
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
-@pytest.mark.parametrize("body, status, param, message", [
-    ("{not json", 400, None, "the body is not valid JSON"),
-    ({"messages": []}, 400, "messages", "messages: List should have at least 1 item"),
-    ({"messages": HELLO, "temperature": "hot"}, 400, "temperature", "temperature must be a number >= 0, got 'hot'"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role", "messages.0.role: Input should be"),
-    ({"messages": HELLO, "top_p": 2}, 400, "top_p", r"top_p must be a number in \(0, 1\], got 2"),
-    ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens", "max_tokens must be a positive integer, got 0"),
-    ({"messages": HELLO, "n": 0}, 400, "n", "n: Input should be greater than or equal to 1"),
-    ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", r"top_logprobs must be"),
-    ({"messages": [{"role": "user", "content": "word " * 300}]}, 400, None, "holds at most 256 per request"),
-    ({"messages": HELLO, "cache_salt": ""}, 400, "cache_salt", "cache_salt must be None or a non-empty string"),
-    ({"messages": HELLO, "model": "gpt-9"}, 404, "model", "model 'gpt-9' does not exist"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, message",
+    [
+        ("{not json", 400, None, "the body is not valid JSON"),
+        ({"messages": []}, 400, "messages", "messages: List should have at least 1 item"),
+        ({"messages": HELLO, "temperature": "hot"}, 400, "temperature", "temperature must be a number >= 0, got 'hot'"),
+        (
+            {"messages": [{"role": "robot", "content": "hi"}]},
+            400,
+            "messages.0.role",
+            "messages.0.role: Input should be",
+        ),
+        ({"messages": HELLO, "top_p": 2}, 400, "top_p", r"top_p must be a number in \(0, 1\], got 2"),
+        ({"messages": HELLO, "max_tokens": 0}, 400, "max_tokens", "max_tokens must be a positive integer, got 0"),
+        ({"messages": HELLO, "n": 0}, 400, "n", "n: Input should be greater than or equal to 1"),
+        ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", r"top_logprobs must be"),
+        ({"messages": [{"role": "user", "content": "word " * 300}]}, 400, None, "holds at most 256 per request"),
+        ({"messages": HELLO, "cache_salt": ""}, 400, "cache_salt", "cache_salt must be None or a non-empty string"),
+        ({"messages": HELLO, "model": "gpt-9"}, 404, "model", "model 'gpt-9' does not exist"),
+    ],
+)
 def test_bad_requests_get_openai_error_shapes(server, body, status, param, message):
-    reply = httpx.post(f"{server}/v1/chat/completions", content=body if isinstance(body, str) else json.dumps(body),
-                       headers={"content-type": "application/json"})
+    reply = httpx.post(
+        f"{server}/v1/chat/completions",
+        content=body if isinstance(body, str) else json.dumps(body),
+        headers={"content-type": "application/json"},
+    )
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
@@ -148,12 +171,18 @@ def test_api_key_cors_and_a_full_queue():
     proc, url = start_server("--api-key", "sesame", "--max-queue", "0", "--allowed-origins", "http://front.test")
     try:
         assert httpx.get(f"{url}/health").status_code == 200
-        preflight = httpx.options(f"{url}/v1/chat/completions", headers={
-            "origin": "http://front.test", "access-control-request-method": "POST",
-            "access-control-request-headers": "authorization,content-type"})
+        preflight = httpx.options(
+            f"{url}/v1/chat/completions",
+            headers={
+                "origin": "http://front.test",
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization,content-type",
+            },
+        )
         assert preflight.headers["access-control-allow-origin"] == "http://front.test"
-        other = httpx.options(f"{url}/v1/models", headers={"origin": "http://evil.test",
-                                                           "access-control-request-method": "GET"})
+        other = httpx.options(
+            f"{url}/v1/models", headers={"origin": "http://evil.test", "access-control-request-method": "GET"}
+        )
         assert "access-control-allow-origin" not in other.headers
         assert httpx.get(f"{url}/v1/models").status_code == 401
         with pytest.raises(openai.AuthenticationError):
@@ -179,8 +208,9 @@ def settled(url: str) -> float:
 
 def test_a_streaming_client_that_goes_away_is_aborted_at_once(server):
     before = settled(server)
-    with httpx.stream("POST", f"{server}/v1/completions",
-                      json={"prompt": "The import statement", "max_tokens": 200, "stream": True}) as raw:
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json={"prompt": "The import statement", "max_tokens": 200, "stream": True}
+    ) as raw:
         next(raw.iter_lines())
     generated = settled(server) - before
     assert generated < 100, f"{generated} of 200 tokens generated for a client that left after the first"
@@ -202,13 +232,28 @@ def test_64_streaming_clients_with_a_quarter_walking_away(server, reference):
     """Every stream that completes equals its prompt's non-streaming greedy text; afterwards no
     request runs and every page is free."""
     rng = random.Random(5)
-    words = "the import class statement with a module for while return value name object".split()
+    words = [
+        "the",
+        "import",
+        "class",
+        "statement",
+        "with",
+        "a",
+        "module",
+        "for",
+        "while",
+        "return",
+        "value",
+        "name",
+        "object",
+    ]
     prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 30))) for _ in range(64)]
     leavers = set(rng.sample(range(64), 16))
 
     async def one(api: openai.AsyncOpenAI, index: int) -> str | None:
-        stream = await api.completions.create(model=MODEL, prompt=prompts[index], max_tokens=24, temperature=0,
-                                              stream=True)
+        stream = await api.completions.create(
+            model=MODEL, prompt=prompts[index], max_tokens=24, temperature=0, stream=True
+        )
         text, quit_after = "", rng.randint(0, 10)
         async for chunk in stream:
             text += chunk.choices[0].text
@@ -235,10 +280,19 @@ def test_64_streaming_clients_with_a_quarter_walking_away(server, reference):
 
 def test_metrics_and_the_chat_page(server):
     text = httpx.get(f"{server}/metrics").text
-    for name in ("mlxkv_running_requests", "mlxkv_waiting_requests", "mlxkv_kv_pages_used", "mlxkv_kv_pages_total",
-                 "mlxkv_kv_bytes_holding_tokens", "mlxkv_preemptions", "mlxkv_prefix_cache_hit_rate",
-                 "mlxkv_prompt_tokens_total", "mlxkv_generation_tokens_total",
-                 "mlxkv_time_to_first_token_seconds_bucket", "mlxkv_inter_token_latency_seconds_bucket"):
+    for name in (
+        "mlxkv_running_requests",
+        "mlxkv_waiting_requests",
+        "mlxkv_kv_pages_used",
+        "mlxkv_kv_pages_total",
+        "mlxkv_kv_bytes_holding_tokens",
+        "mlxkv_preemptions",
+        "mlxkv_prefix_cache_hit_rate",
+        "mlxkv_prompt_tokens_total",
+        "mlxkv_generation_tokens_total",
+        "mlxkv_time_to_first_token_seconds_bucket",
+        "mlxkv_inter_token_latency_seconds_bucket",
+    ):
         assert re.search(rf"^{name}", text, re.MULTILINE), name
     page = httpx.get(f"{server}/")
     assert page.status_code == 200 and "<title>mlxkv chat</title>" in page.text
@@ -257,8 +311,9 @@ def test_a_long_prefill_sends_keepalive_comments_before_the_first_token():
     async def fetch() -> str:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as api:
-            reply = await api.post("/v1/completions", json={"prompt": list(range(1, 1501)), "max_tokens": 2,
-                                                            "stream": True})
+            reply = await api.post(
+                "/v1/completions", json={"prompt": list(range(1, 1501)), "max_tokens": 2, "stream": True}
+            )
             return reply.text
 
     try:
@@ -280,17 +335,22 @@ def test_a_request_that_fails_gets_a_500_or_an_error_event_and_the_rest_go_on(mo
     from mlxkv.entrypoints.server import build_app
 
     original = TokenSampler.key
-    monkeypatch.setattr(TokenSampler, "key", lambda self, index: ExplodingSampler.key(self, index)
-                        if self.params.seed == 13 else original(self, index))
+    monkeypatch.setattr(
+        TokenSampler,
+        "key",
+        lambda self, index: ExplodingSampler.key(self, index) if self.params.seed == 13 else original(self, index),
+    )
     llm = AsyncLLM(LLMEngine(*load(), EngineConfig(max_num_seqs=4, max_model_len=256)))
     app = build_app(llm, MODEL)
     bad = {"prompt": "The class", "max_tokens": 4, "temperature": 1.0, "seed": 13}
 
     async def run() -> tuple:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as api:
-            return await asyncio.gather(api.post("/v1/completions", json=bad),
-                                        api.post("/v1/completions", json={**bad, "stream": True}),
-                                        api.post("/v1/completions", json={"prompt": "The class", "max_tokens": 4}))
+            return await asyncio.gather(
+                api.post("/v1/completions", json=bad),
+                api.post("/v1/completions", json={**bad, "stream": True}),
+                api.post("/v1/completions", json={"prompt": "The class", "max_tokens": 4}),
+            )
 
     try:
         plain, streamed, fine = asyncio.run(run())

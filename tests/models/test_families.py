@@ -9,41 +9,95 @@ from mlxkv import LLM, LLMEngine, SamplingParams
 from mlxkv.attention.kernels import PagedAttentionKernels
 from mlxkv.attention.simulator import metal_kernel
 from mlxkv.config import EngineConfig
+from mlxkv.engine.request import NO_SEQUENCE
 from mlxkv.models.loading import SUPPORTED_MODEL_TYPES, load
 from mlxkv.models.random_model import make_checkpoint
 
-BASE = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, vocab_size=320)
+BASE = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=320,
+)
 WINDOW = 8
 FAMILIES = {
     "llama": {},
-    "llama-windowed": dict(model_type="llama", layer_types=["sliding_attention", "full_attention"],
-                           sliding_window=WINDOW),
+    "llama-windowed": dict(
+        model_type="llama", layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW
+    ),
     "mistral": dict(rope_theta=1e6),
-    "ministral3": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.1,
-                                        "original_max_position_embeddings": 16}),
+    "ministral3": dict(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "llama_4_scaling_beta": 0.1,
+            "original_max_position_embeddings": 16,
+        }
+    ),
     "qwen2": dict(num_attention_heads=2, num_key_value_heads=1),
-    "qwen2_moe": dict(num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    "qwen2_moe": dict(
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+    ),
     "qwen3": dict(rope_theta=1e6),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                      moe_intermediate_size=64, norm_topk_prob=True, rope_theta=1e6),
+    "qwen3_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        rope_theta=1e6,
+    ),
     "mixtral": dict(num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2),
     "phi3": dict(num_attention_heads=2, num_key_value_heads=1),
     "gemma2": dict(query_pre_attn_scalar=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-    "gemma3_text": dict(num_hidden_layers=4, query_pre_attn_scalar=64, sliding_window=WINDOW,
-                        sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4),
-    "granite": dict(num_attention_heads=2, num_key_value_heads=1, logits_scaling=4.0, attention_multiplier=0.015625,
-                    embedding_multiplier=12.0, residual_multiplier=0.22, attention_bias=False, mlp_bias=False,
-                    rope_theta=1e4),
+    "gemma3_text": dict(
+        num_hidden_layers=4,
+        query_pre_attn_scalar=64,
+        sliding_window=WINDOW,
+        sliding_window_pattern=2,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+    ),
+    "granite": dict(
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        logits_scaling=4.0,
+        attention_multiplier=0.015625,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_bias=False,
+        mlp_bias=False,
+        rope_theta=1e4,
+    ),
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]),
     "olmo2": dict(num_key_value_heads=4),
     "glm4": dict(attention_bias=True, partial_rotary_factor=0.5, rope_theta=1e4),
-    "gpt_oss": dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-                    rope_theta=150000, layer_types=["sliding_attention", "full_attention"]),
-    "gpt_oss-default-layers": dict(model_type="gpt_oss", num_hidden_layers=4, intermediate_size=128,
-                                   num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-                                   rope_theta=150000),  # the model alternates sliding and full itself
+    "gpt_oss": dict(
+        intermediate_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        rope_theta=150000,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "gpt_oss-default-layers": dict(
+        model_type="gpt_oss",
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        rope_theta=150000,
+    ),  # the model alternates sliding and full itself
 }
 PROMPTS = [[int(t) for t in np.random.default_rng(n).integers(1, 320, n)] for n in (3, 7, 8, 9, 17, 30)]
 
@@ -56,8 +110,9 @@ def family(tmp_path_factory):
         if name not in built:
             spec = {**BASE, **FAMILIES[name]}
             model_type = spec.pop("model_type", name)
-            built[name] = make_checkpoint(tmp_path_factory.mktemp(name), model_type, "float32", shape=spec,
-                                          max_position_embeddings=1024)
+            built[name] = make_checkpoint(
+                tmp_path_factory.mktemp(name), model_type, "float32", shape=spec, max_position_embeddings=1024
+            )
         return built[name]
 
     return get
@@ -77,7 +132,7 @@ def test_greedy_tokens_equal_mlx_lm_in_both_layouts_alone_and_batched(family, na
         batched = llm.generate(PROMPTS, params)
         alone = [llm.generate(p, params)[0] for p in PROMPTS]
         for completions in (batched, alone):
-            assert [c.token_ids[:len(e)] for c, e in zip(completions, expected)] == expected, layout
+            assert [c.token_ids[: len(e)] for c, e in zip(completions, expected)] == expected, layout
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3_text", "gpt_oss"])
@@ -85,8 +140,12 @@ def test_attention_variants_through_the_simulated_kernels(family, name):
     """Plain, soft-capped (Gemma 2), windowed (Gemma 3) and windowed with sinks (GPT-OSS)."""
     path = family(name)
     model, tokenizer = load(str(path))
-    engine = LLMEngine(model, tokenizer, EngineConfig(page_size=4, max_num_seqs=2, max_num_batched_tokens=16),
-                       kernels=PagedAttentionKernels(metal_kernel))
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(page_size=4, max_num_seqs=2, max_num_batched_tokens=16),
+        kernels=PagedAttentionKernels(metal_kernel),
+    )
     prompts = [PROMPTS[3], PROMPTS[4][:12]]
     requests = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
     while engine.has_unfinished():
@@ -95,8 +154,15 @@ def test_attention_variants_through_the_simulated_kernels(family, name):
     mx.clear_cache()
 
 
-GEMMA3 = dict(BASE, num_hidden_layers=6, query_pre_attn_scalar=64, sliding_window=32, sliding_window_pattern=6,
-              rope_theta=1e6, rope_local_base_freq=1e4)  # 5 local layers, then a global one
+GEMMA3 = dict(
+    BASE,
+    num_hidden_layers=6,
+    query_pre_attn_scalar=64,
+    sliding_window=32,
+    sliding_window_pattern=6,
+    rope_theta=1e6,
+    rope_local_base_freq=1e4,
+)  # 5 local layers, then a global one
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
@@ -106,8 +172,11 @@ def test_local_layers_hold_only_their_window_over_1000_tokens(tmp_path, layout):
     tokens are mlx-lm's own (its local layers keep a rotating 32-token cache)."""
     path = make_checkpoint(tmp_path / "gemma3", "gemma3_text", "float32", shape=GEMMA3, max_position_embeddings=2048)
     model, tokenizer = load(str(path))
-    engine = LLMEngine(model, tokenizer, EngineConfig(kv_layout=layout, page_size=16, max_num_seqs=2,
-                                                      max_num_batched_tokens=64, max_model_len=1024))
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(kv_layout=layout, page_size=16, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=1024),
+    )
     prompts = [PROMPTS[5], PROMPTS[4]]
     requests = [engine.add_request(p, SamplingParams(max_tokens=1000 - len(p), ignore_eos=True)) for p in prompts]
     most = 0
@@ -115,10 +184,10 @@ def test_local_layers_hold_only_their_window_over_1000_tokens(tmp_path, layout):
         engine.step()
         if layout == "paged":
             group = engine.cache.windowed[32]
-            most = max([most] + [len(group.pool.pages(r.seq_id)) for r in requests if r.seq_id is not None])
+            most = max([most] + [len(group.pool.pages(r.seq_id)) for r in requests if r.seq_id != NO_SEQUENCE])
     assert [len(r.prompt_ids) + len(r.output_ids) for r in requests] == [1000, 1000]
     if layout == "paged":
         assert most == 3 and not engine.cache.prefix_caching
         assert engine.cache.windowed[32].layers == [0, 1, 2, 3, 4] and engine.cache.storage.num_layers == 1
     expected = [mlx_lm_greedy(path, p, max_tokens=300) for p in prompts]  # up to EOS, which mlxkv ignores here
-    assert [r.output_ids[:len(e)] for r, e in zip(requests, expected)] == expected and min(map(len, expected)) > 90
+    assert [r.output_ids[: len(e)] for r, e in zip(requests, expected)] == expected and min(map(len, expected)) > 90

@@ -8,8 +8,13 @@ from mlx_lm.models.smollm3 import NoPE
 
 from mlxkv.models.rotary import Positions, Rotation
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
 ROPES = {
     "half-split": lambda: nn.RoPE(64, base=10000.0),

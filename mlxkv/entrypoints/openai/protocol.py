@@ -75,8 +75,15 @@ class CompletionBody(Body):
 class APIError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
 
@@ -90,8 +97,12 @@ class APIError(Exception):
 def usage_json(usages: list[Usage]) -> dict[str, Any]:
     """OpenAI's `usage` for the choices of one request (they share its prompt)."""
     prompt, completion = usages[0].prompt_tokens, sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": usages[0].cached_tokens}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": usages[0].cached_tokens},
+    }
 
 
 def sse(payload: dict[str, Any] | str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Any
 
@@ -64,19 +64,32 @@ class OpenAIServing:
 
     def _check(self, body: Body) -> None:
         if body.model is not None and body.model != self.model_id:
-            raise APIError(404, f"model {body.model!r} does not exist; this server runs {self.model_id!r}",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"model {body.model!r} does not exist; this server runs {self.model_id!r}",
+                "model",
+                "model_not_found",
+            )
         if self.llm.engine.stats().waiting + body.n > self.max_queue:
-            raise APIError(503, f"the server is busy ({self.max_queue} requests waiting); retry shortly",
-                           code="queue_full", kind="server_error", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                f"the server is busy ({self.max_queue} requests waiting); retry shortly",
+                code="queue_full",
+                kind="server_error",
+                headers={"Retry-After": "1"},
+            )
 
     def _params(self, body: Body, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's sampling parameters for `body`; `max_tokens` is cut to the room the prompt leaves."""
         most = self.llm.engine.max_request_tokens
         room = most - len(prompt) + 1
         if room < 1:
-            raise APIError(400, f"the prompt has {len(prompt)} tokens; this server holds at most {most} per request",
-                           None, "context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt)} tokens; this server holds at most {most} per request",
+                None,
+                "context_length_exceeded",
+            )
         limit = room if max_tokens is None else min(room, max_tokens) if max_tokens >= 1 else max_tokens
         try:
             check_salt(body.cache_salt)
@@ -84,8 +97,9 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split()[0]) from None
 
-    async def _respond(self, body: Body, prompt: list[int], params: SamplingParams, request: HTTPRequest,
-                       kind: str) -> Any:
+    async def _respond(
+        self, body: Body, prompt: list[int], params: SamplingParams, request: HTTPRequest, kind: str
+    ) -> Any:
         ident = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "created": int(time.time()), "model": self.model_id}
         events = self._run(prompt, params, body.n, body.cache_salt)
@@ -94,8 +108,9 @@ class OpenAIServing:
             return StreamingResponse(self._stream(events, head, kind, body.n, usage), media_type="text/event-stream")
         return await until_done(self._collect(events, head, kind, body.n), request)
 
-    async def _run(self, prompt: list[int], params: SamplingParams, n: int,
-                   salt: str | None) -> AsyncIterator[Event]:
+    async def _run(
+        self, prompt: list[int], params: SamplingParams, n: int, salt: str | None
+    ) -> AsyncGenerator[Event, None]:
         """The outputs of `n` choices for one prompt as they come, tagged by choice index; None
         every `keepalive_s` without any. Leaving early aborts every choice still running."""
         queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
@@ -129,7 +144,9 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _collect(self, events: AsyncIterator[Event], head: dict[str, Any], kind: str, n: int) -> dict[str, Any]:
+    async def _collect(
+        self, events: AsyncGenerator[Event, None], head: dict[str, Any], kind: str, n: int
+    ) -> dict[str, Any]:
         text: list[str] = [""] * n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
@@ -145,16 +162,28 @@ class OpenAIServing:
         choices = [self._choice(kind, i, text[i], reasons[i], logprobs[i], final=True) for i in range(n)]
         return {**head, "object": kind, "choices": choices, "usage": usage_json([u for u in usages if u])}
 
-    async def _stream(self, events: AsyncIterator[Event], head: dict[str, Any], kind: str, n: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self, events: AsyncGenerator[Event, None], head: dict[str, Any], kind: str, n: int, include_usage: bool
+    ) -> AsyncIterator[str]:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
         usages: list[Usage | None] = [None] * n
         async with aclosing(events):
             if kind == "chat.completion":
                 for i in range(n):
-                    yield sse({**head, "object": chunk_kind, "choices": [
-                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}]})
+                    yield sse(
+                        {
+                            **head,
+                            "object": chunk_kind,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
             try:
                 async for event in events:
                     if event is None:
@@ -163,8 +192,15 @@ class OpenAIServing:
                     index, output = event
                     usages[index] = output.usage
                     if output.delta or output.finished or output.logprobs:
-                        yield sse({**head, "object": chunk_kind, "choices": [
-                            self._choice(kind, index, output.delta, output.finish_reason, list(output.logprobs))]})
+                        yield sse(
+                            {
+                                **head,
+                                "object": chunk_kind,
+                                "choices": [
+                                    self._choice(kind, index, output.delta, output.finish_reason, list(output.logprobs))
+                                ],
+                            }
+                        )
             except RequestFailed as exc:  # the status line has gone: the error travels as an event
                 yield sse(APIError(500, str(exc), kind="server_error").body())
                 return
@@ -172,36 +208,51 @@ class OpenAIServing:
             yield sse({**head, "object": chunk_kind, "choices": [], "usage": usage_json([u for u in usages if u])})
         yield sse("[DONE]")
 
-    def _choice(self, kind: str, index: int, text: str, reason: str | None, scores: list[TokenLogprob],
-                final: bool = False) -> dict[str, Any]:
+    def _choice(
+        self, kind: str, index: int, text: str, reason: str | None, scores: list[TokenLogprob], final: bool = False
+    ) -> dict[str, Any]:
         wanted = bool(scores)
         if kind == "chat.completion":
             part = {"role": "assistant", "content": text} if final else {"content": text}
-            return {"index": index, "message" if final else "delta": part, "finish_reason": reason,
-                    "logprobs": {"content": [self._chat_logprob(s) for s in scores]} if wanted else None}
-        return {"index": index, "text": text, "finish_reason": reason,
-                "logprobs": self._legacy_logprobs(scores) if wanted else None}
+            return {
+                "index": index,
+                "message" if final else "delta": part,
+                "finish_reason": reason,
+                "logprobs": {"content": [self._chat_logprob(s) for s in scores]} if wanted else None,
+            }
+        return {
+            "index": index,
+            "text": text,
+            "finish_reason": reason,
+            "logprobs": self._legacy_logprobs(scores) if wanted else None,
+        }
 
     def _token_text(self, token: int) -> str:
         text: str = self.tokenizer.decode([token])
         return text
 
     def _chat_logprob(self, score: TokenLogprob) -> dict[str, Any]:
-        top = [{"token": self._token_text(t), "logprob": lp, "bytes": list(self._token_text(t).encode())}
-               for t, lp in score.top]
+        top = [
+            {"token": self._token_text(t), "logprob": lp, "bytes": list(self._token_text(t).encode())}
+            for t, lp in score.top
+        ]
         text = self._token_text(score.token)
         return {"token": text, "logprob": score.logprob, "bytes": list(text.encode()), "top_logprobs": top}
 
     def _legacy_logprobs(self, scores: list[TokenLogprob]) -> dict[str, Any]:
         tokens = [self._token_text(s.token) for s in scores]
         offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [s.logprob for s in scores],
-                "top_logprobs": [{self._token_text(t): lp for t, lp in s.top} for s in scores],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [s.logprob for s in scores],
+            "top_logprobs": [{self._token_text(t): lp for t, lp in s.top} for s in scores],
+            "text_offset": offsets,
+        }
 
 
 async def until_done(work: Awaitable[Any], request: HTTPRequest) -> Any:
     """Run `work`, cancelling it (which aborts its requests) the moment the client disconnects."""
+
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
