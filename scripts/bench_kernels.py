@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -122,13 +123,13 @@ class Gpu:
     latency: float = 700e-9  # s from a device load's issue to its data (assumed)
     tg_memory: int = 64 * 1024  # threadgroup memory a core holds for its resident threadgroups (assumed)
     simdgroups: int = 32  # SIMD groups resident on a core (assumed)
-    transcendental: int = 4  # lane slots of an exp2/tanh (quarter-rate special-function unit)
+    transcendental: int = 4  # issue cycles of an exp2/tanh (quarter-rate special-function unit)
     reduction: int = 5  # shuffles a 32-lane reduction takes (log2 32 steps)
 
 
 def baseline_kernels(rev: str):
-    """`PagedAttentionKernels` as commit `rev` had them (its launcher and its `metal/` sources),
-    built on the simulator; None without git."""
+    """The kernels module as commit `rev` had it (its launcher and its `metal/` sources), loaded
+    beside this tree's package; None, saying why, when git cannot show it or it no longer loads."""
     tmp = Path(tempfile.mkdtemp(prefix="mlxkv-baseline-"))
     try:
         names = subprocess.run(
@@ -145,12 +146,18 @@ def baseline_kernels(rev: str):
             ).stdout
             (tmp / ("mlxkv/metal/" + Path(name).name if name.startswith("metal/") else name)).write_text(text)
     except (OSError, subprocess.CalledProcessError):
+        print(f"(git cannot show commit {rev} here: no baseline columns)")
         return None
-    path = tmp / "mlxkv" / "attention" / "kernels.py"
-    spec = importlib.util.spec_from_file_location("mlxkv.attention.baseline_kernels", path)
+    name = "mlxkv.attention.baseline_kernels"
+    spec = importlib.util.spec_from_file_location(name, tmp / "mlxkv" / "attention" / "kernels.py")
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "mlxkv.attention"
-    spec.loader.exec_module(module)
+    sys.modules[name] = module  # its dataclasses look their module up by name
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # it imports names this tree has since renamed
+        print(f"(commit {rev}'s kernel launcher does not load beside this tree: {exc}; no baseline columns)")
+        return None
     return module
 
 
@@ -184,8 +191,8 @@ def estimate(launches: list, replicas: int, in_flight: int, group: int, head_dim
     cores its threadgroups occupy. Plus a fixed cost per launch."""
     seconds = 0.0
     for i, c in enumerate(launches):
-        slots = (2 * group * head_dim * context if i == 0 else 0) + c.loads + gpu.transcendental * c.transcendentals
-        slots += 32 * (c.shuffles + gpu.reduction * c.reductions)
+        issued = (2 * group * head_dim * context if i == 0 else 0) + c.loads + gpu.transcendental * c.transcendentals
+        issued += 32 * (c.shuffles + gpu.reduction * c.reductions)
         threadgroups, simdgroups = c.threadgroups * replicas, c.threads // 32
         cores = min(gpu.cores, threadgroups)
         resident = min(
@@ -195,7 +202,7 @@ def estimate(launches: list, replicas: int, in_flight: int, group: int, head_dim
         seconds += (
             max(
                 (c.read_bytes + c.written_bytes) * replicas / bandwidth,
-                slots * replicas / (cores * gpu.lanes * gpu.clock),
+                issued * replicas / (cores * gpu.lanes * gpu.clock),
             )
             + gpu.launch
         )
@@ -231,7 +238,6 @@ def contenders(gpu: Gpu, rev: str) -> list[Contender]:
     ]
     old = baseline_kernels(rev)
     if old is None:
-        print(f"(git cannot show commit {rev} here: no baseline columns)")
         return found
     return found + [
         Contender(
@@ -252,8 +258,8 @@ def model(args) -> None:
         f"Modeled in the CPU simulator, float16 K/V, {kv_heads} KV heads, pages of 16; roofline for an {gpu.name}: "
         f"{gpu.bandwidth / 1e9:.0f} GB/s, {gpu.cores} cores x {gpu.lanes} lanes at {gpu.clock / 1e9:.2f} GHz, "
         f"{gpu.launch * 1e6:.0f} us a launch, {gpu.latency * 1e9:.0f} ns load latency, {gpu.tg_memory // 1024} KiB "
-        f"threadgroup memory and {gpu.simdgroups} SIMD groups resident a core, exp2/tanh {gpu.transcendental} lane "
-        f"slots, a 32-lane reduction {gpu.reduction} shuffles, a shuffle a SIMD instruction; in flight per SIMD "
+        f"threadgroup memory and {gpu.simdgroups} SIMD groups resident a core, exp2/tanh {gpu.transcendental} issue "
+        f"cycles, a 32-lane reduction {gpu.reduction} shuffles, a shuffle a SIMD instruction; in flight per SIMD "
         "group: a tile's K rows (new) or one K and one V row (baseline). Per key = per key of one KV head (its G "
         "query heads); device bytes count once per threadgroup. To be confirmed on a Mac: "
         "python scripts/bench_kernels.py"

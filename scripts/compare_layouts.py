@@ -1,7 +1,7 @@
 """What paging buys: KV memory, waste and concurrency of mlxkv paged, mlxkv contiguous and mlx-lm.
 
 One chat-like workload runs through mlxkv's paged layout (at several page sizes, and with
-8-bit and 4-bit pages), mlxkv's contiguous layout (one max-length slot per sequence) and
+8-bit and 4-bit pages), mlxkv's contiguous layout (one max-length page per sequence) and
 mlx-lm's BatchGenerator, all measured the same way after every step: KV bytes allocated to
 sequences and KV bytes holding tokens. A row the model cannot run (quantized pages need a group
 size that divides its head_dim) is skipped, with one printed line saying why. It writes
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     header = (
         f"{workload.size} requests ({args.lengths} lengths, {sum(map(len, workload.prompts))} prompt and "
         f"{sum(workload.output_lens)} output tokens), model {args.model.name}, batch cap {args.max_num_seqs}, "
-        f"contiguous slot {max_len} tokens, KV budget {budget / 2**20:.0f} MiB; {platform.machine()} "
+        f"contiguous page {max_len} tokens, KV budget {budget / 2**20:.0f} MiB; {platform.machine()} "
         f"{platform.system()}, MLX {mx.__version__} on {mx.default_device()}, BLAS: {blas_in_use()}; "
         f"{time.strftime('%Y-%m-%d')}. Paged waste floor at pages of 16: {floor:.2f} %."
     )

@@ -8,6 +8,8 @@ from functools import cached_property, lru_cache
 import mlx.core as mx
 import numpy as np
 
+from ..deprecation import RenamedAttribute
+
 
 @dataclass(frozen=True, eq=False)
 class KVBatch:
@@ -73,6 +75,8 @@ class KVBatch:
     def select(self, rows: np.ndarray) -> KVBatch:
         """The same step for these rows only (their tokens packed in the same order)."""
         return _selected(self, tuple(np.asarray(rows).tolist()))
+
+    block_tables = RenamedAttribute("page_tables")
 
     def skip(self, leading: np.ndarray) -> KVBatch:
         """The same step without each row's first `leading[b]` new tokens (its last ones stay)."""

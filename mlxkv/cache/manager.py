@@ -104,14 +104,15 @@ class KVCacheManager:
         layer_windows: Sequence[int | None] | None = None,
         window_pages: dict[int, int] | None = None,
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-            ("max_num_seqs", max_num_seqs),
-            ("max_model_len", max_model_len),
-            ("page_size", page_size),
-        ):
+        sizes = dict(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            page_size=page_size,
+        )
+        for name, value in sizes.items():
             require(name, value, POSITIVE)
         require("prefix_caching", prefix_caching, BOOLEAN)
         check_quantization(kv_bits, kv_group_size, head_dim)

@@ -38,6 +38,20 @@ def _gb(size: int) -> str:
 
 
 @dataclass(frozen=True)
+class ModelKV:
+    """What sizing a KV cache needs to know of a model: its K/V shape and dtype, its own context
+    (None if its config gives none), its weights' bytes and each layer's sliding window (None: full)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: mx.Dtype
+    context: int | None = None
+    weights_bytes: int = 0
+    layer_windows: Sequence[int | None] | None = None
+
+
+@dataclass(frozen=True)
 class KVCachePlan:
     """The cache `build_kv_cache` makes: how many sequences of how many tokens, the full-attention
     layers' pages (paged layout), and each sliding-window group's pages."""
@@ -49,31 +63,26 @@ class KVCachePlan:
     window_pages: dict[int, int]
 
 
-def plan_kv_cache(
-    config: EngineConfig,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: mx.Dtype,
-    model_max_len: int | None,
-    weights_bytes: int = 0,
-    layer_windows: Sequence[int | None] | None = None,
-) -> KVCachePlan:
-    """The KV cache for a model of this shape, checked against the memory left beside its weights.
+def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
+    """The KV cache for `model`, checked against the memory left beside its weights.
 
     In the paged layout the pages of sliding-window layers (`layer_windows`) are a fixed, small
     pool (`window_pages` per window) taken from the budget first; the rest buys pages for the
     full-attention layers, whose bytes per token count only those layers. In the contiguous
     layout the budget buys whole `max_model_len` pages, at most `max_num_seqs`."""
-    max_len = context_length(config.max_model_len, model_max_len)
+    max_len = context_length(config.max_model_len, model.context)
     contiguous = config.kv_layout is KVLayout.CONTIGUOUS
-    windows: list[int | None] = [None] * num_layers if contiguous or layer_windows is None else list(layer_windows)
-    per_layer = kv_bytes_per_token(1, num_kv_heads, head_dim, dtype, config.kv_bits, config.kv_group_size)
+    windows: list[int | None] = [None] * model.num_layers
+    if not contiguous and model.layer_windows is not None:
+        windows = list(model.layer_windows)
+    per_layer = kv_bytes_per_token(
+        1, model.num_kv_heads, model.head_dim, model.dtype, config.kv_bits, config.kv_group_size
+    )
     bytes_per_token = per_layer * sum(w is None for w in windows)
     grouped = {w: window_pages(config, w) for w in set(windows) if w is not None}
     window_bytes = sum(pages * config.page_size * per_layer * windows.count(w) for w, pages in grouped.items())
     memory = device_memory()
-    available = max(0, memory - weights_bytes - window_bytes)
+    available = max(0, memory - model.weights_bytes - window_bytes)
     per_seq = max_len if contiguous else -(-max_len // config.page_size) * config.page_size
     asked_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None else None
     budget = (
@@ -88,7 +97,7 @@ def plan_kv_cache(
     if asked > available:
         raise ValueError(
             f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
-            f"({_gb(memory)} the device can use, less {_gb(weights_bytes)} of weights)"
+            f"({_gb(memory)} the device can use, less {_gb(model.weights_bytes)} of weights)"
         )
     if contiguous:
         sequences = min(config.max_num_seqs, budget // (max_len * bytes_per_token))
@@ -110,28 +119,19 @@ def plan_kv_cache(
     return KVCachePlan(config.max_num_seqs, max_len, pages, windows, grouped)
 
 
-def build_kv_cache(
-    config: EngineConfig,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: mx.Dtype,
-    model_max_len: int | None,
-    weights_bytes: int = 0,
-    layer_windows: Sequence[int | None] | None = None,
-) -> KVCacheManager:
-    """The KV cache `plan_kv_cache` plans for a model of this shape, allocated."""
-    plan = plan_kv_cache(config, num_layers, num_kv_heads, head_dim, dtype, model_max_len, weights_bytes, layer_windows)
+def build_kv_cache(config: EngineConfig, model: ModelKV) -> KVCacheManager:
+    """The KV cache `plan_kv_cache` plans for `model`, allocated."""
+    plan = plan_kv_cache(config, model)
     return KVCacheManager(
-        num_layers,
-        num_kv_heads,
-        head_dim,
+        model.num_layers,
+        model.num_kv_heads,
+        model.head_dim,
         max_num_seqs=plan.max_num_seqs,
         max_model_len=plan.max_model_len,
         layout=config.kv_layout,
         page_size=config.page_size,
         num_pages=plan.num_pages,
-        dtype=dtype,
+        dtype=model.dtype,
         prefix_caching=config.prefix_caching,
         kv_bits=config.kv_bits,
         kv_group_size=config.kv_group_size,

@@ -24,7 +24,7 @@ from ..config import EngineConfig
 from ..deprecation import warn
 from ..errors import RequestTooLong, UnknownSequenceError
 from .inputs import encode_prompt, request_key
-from .kv_budget import build_kv_cache
+from .kv_budget import ModelKV, build_kv_cache
 from .model_runner import ModelRunner, kv_shape, layer_variants
 from .outputs import RequestOutput, Usage
 from .request import PENDING, Request, Status
@@ -80,16 +80,9 @@ class LLMEngine:
         parameters = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
         weights = sum(array.nbytes for _, array in parameters)
         variants = layer_variants(model)
-        self.cache = build_kv_cache(
-            self.config,
-            layers,
-            kv_heads,
-            head_dim,
-            dtype,
-            getattr(model.args, "max_position_embeddings", None),
-            weights,
-            [v.window for v in variants],
-        )
+        context = getattr(model.args, "max_position_embeddings", None)
+        shape = ModelKV(layers, kv_heads, head_dim, dtype, context, weights, [v.window for v in variants])
+        self.cache = build_kv_cache(self.config, shape)
         spec = AttentionSpec(
             dtype,
             model.args.num_attention_heads,

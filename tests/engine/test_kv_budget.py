@@ -5,11 +5,11 @@ import pytest
 
 from mlxkv import KVLayout
 from mlxkv.config import EngineConfig
-from mlxkv.engine.kv_budget import build_kv_cache, plan_kv_cache
+from mlxkv.engine.kv_budget import ModelKV, build_kv_cache, plan_kv_cache
 
 
 def test_paged_cache_is_sized_by_memory():
-    cache = build_kv_cache(EngineConfig(kv_cache_memory="1MiB", page_size=16), 2, 2, 64, mx.float16, 512)
+    cache = build_kv_cache(EngineConfig(kv_cache_memory="1MiB", page_size=16), ModelKV(2, 2, 64, mx.float16, 512))
     assert cache.pool.capacity == 2**20 // (16 * 2 * 2 * 2 * 64 * 2)
     assert cache.max_model_len == 512
 
@@ -20,7 +20,7 @@ def test_quantized_pages_hold_more_tokens_in_the_same_memory(layout):
     sizes = {}
     for bits, row in ((None, 128), (8, 68), (4, 36)):
         config = EngineConfig(kv_layout=layout, kv_cache_memory="8MiB", max_num_seqs=64, kv_bits=bits)
-        cache = build_kv_cache(config, 2, 2, 64, mx.float16, 512)
+        cache = build_kv_cache(config, ModelKV(2, 2, 64, mx.float16, 512))
         assert (cache.kv_bits, cache.storage.bytes_per_token) == (bits, 2 * 2 * 2 * row)
         sizes[bits] = cache.pool.capacity * cache.page_size
     assert sizes[None] == 8 * 2**20 // 1024 // 512 * 512 if layout == "contiguous" else 8 * 2**20 // 1024
@@ -29,13 +29,13 @@ def test_quantized_pages_hold_more_tokens_in_the_same_memory(layout):
 
 def test_contiguous_cache_buys_whole_pages_up_to_the_sequence_cap():
     config = EngineConfig(kv_layout="contiguous", kv_cache_memory=10 * 2**20, max_num_seqs=4)
-    cache = build_kv_cache(config, 2, 2, 64, mx.float16, 2048)
+    cache = build_kv_cache(config, ModelKV(2, 2, 64, mx.float16, 2048))
     assert (cache.layout, cache.pool.capacity, cache.page_size) == (KVLayout.CONTIGUOUS, 4, 2048)
 
 
 def test_a_contiguous_page_larger_than_the_budget_names_the_fix():
     with pytest.raises(ValueError, match="raise kv_cache_memory or lower max_model_len"):
-        build_kv_cache(EngineConfig(kv_layout="contiguous", kv_cache_memory="1MB"), 2, 2, 64, mx.float16, 4096)
+        build_kv_cache(EngineConfig(kv_layout="contiguous", kv_cache_memory="1MB"), ModelKV(2, 2, 64, mx.float16, 4096))
 
 
 @pytest.mark.parametrize(
@@ -53,15 +53,19 @@ def test_a_cache_larger_than_the_memory_left_beside_the_weights_is_refused(sizin
             f"{asked} of KV cache, but at most 14.8 GB fits (16.0 GB the device can use, less 1.2 GB of weights)"
         ),
     ):
-        build_kv_cache(EngineConfig(**sizing), 28, 8, 128, mx.bfloat16, 40960, weights_bytes=12 * 10**8)
+        build_kv_cache(EngineConfig(**sizing), ModelKV(28, 8, 128, mx.bfloat16, 40960, weights_bytes=12 * 10**8))
 
 
 def test_the_default_budget_is_a_fraction_of_the_memory_left_and_no_more_than_the_sequences_need(monkeypatch):
     monkeypatch.setattr("mlxkv.engine.kv_budget.device_memory", lambda: 16 * 10**9)
     per_token = 2 * 28 * 8 * 128 * 2
-    plan = plan_kv_cache(EngineConfig(max_num_seqs=16), 28, 8, 128, mx.bfloat16, 40960, weights_bytes=12 * 10**8)
+    plan = plan_kv_cache(
+        EngineConfig(max_num_seqs=16), ModelKV(28, 8, 128, mx.bfloat16, 40960, weights_bytes=12 * 10**8)
+    )
     assert plan.num_pages == int(0.5 * (16 * 10**9 - 12 * 10**8)) // (16 * per_token)
-    small = build_kv_cache(EngineConfig(max_num_seqs=1, max_model_len=30), 28, 8, 128, mx.bfloat16, 40960)
+    small = build_kv_cache(EngineConfig(max_num_seqs=1, max_model_len=30), ModelKV(28, 8, 128, mx.bfloat16, 40960))
     assert small.pool.capacity == 2  # 30 tokens in pages of 16
-    frugal = plan_kv_cache(EngineConfig(kv_cache_fraction=0.1), 28, 8, 128, mx.bfloat16, 40960, weights_bytes=0)
+    frugal = plan_kv_cache(
+        EngineConfig(kv_cache_fraction=0.1), ModelKV(28, 8, 128, mx.bfloat16, 40960, weights_bytes=0)
+    )
     assert frugal.num_pages == int(0.1 * 16 * 10**9) // (16 * per_token)
