@@ -1,40 +1,159 @@
-"""The README's Python examples, run verbatim in fresh interpreters, as a user would paste them."""
+"""Every code block of README.md and docs/*.md, run verbatim in a fresh process, and what the text says it prints.
 
+The Markdown's conventions: a ```python or ```bash block runs from the repository root (bash with
+this interpreter's bin folder first on PATH, as after activating the virtual environment) and
+must exit 0; `<!-- not run: why -->` on the line before a block skips it for that reason. A
+```text block after `<!-- prints -->` quotes the output of the nearest runnable block above it:
+each quoted line must appear, in order, as a line of that output, where a number with a decimal
+point stands for any number and `...` for any text. Blocks that talk to 127.0.0.1:8000 get
+`mlxkv serve --port 8000` running, as the README starts it.
+"""
+
+from __future__ import annotations
+
+import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import pytest
 from helpers import start_server, stop_server
 
-README = Path(__file__).parents[1] / "README.md"
-EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+from mlxkv import EngineConfig, SamplingParams
+
+ROOT = Path(__file__).parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\s*$")
+MARKER = re.compile(r"^<!--\s*(not run:.*?|prints)\s*-->$")
+DECIMAL = re.compile(r"\d+\\\.\d+")
 
 
-def run(source: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=300)
+@dataclass
+class Block:
+    page: Path
+    line: int
+    language: str
+    source: str
+    skip: str | None = None
+    prints: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.page.name}:{self.line}"
 
 
-@pytest.fixture
-def served(source):
-    """The `mlxkv serve` an example talks to (the README's command, on its port 8000)."""
-    if "127.0.0.1:8000" not in source:
-        yield
-        return
-    proc, _ = start_server(port=8000)
-    yield
-    stop_server(proc)
+def blocks(page: Path) -> list[Block]:
+    """The runnable blocks of `page`, each with the output lines quoted after it."""
+    found: list[Block] = []
+    lines = page.read_text().splitlines()
+    marker, i = None, 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            marker = MARKER.match(lines[i].strip()) or (marker if not lines[i].strip() else None)
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        body, language = lines[i + 1 : end], opening.group(1)
+        note = marker.group(1) if marker else None
+        if language == "text" and note == "prints":
+            assert found, f"{page.name}:{i + 1}: quoted output with no runnable block above it"
+            found[-1].prints += [line for line in body if line.strip()]
+        elif language in ("python", "bash"):
+            skip = note[len("not run:") :].strip() if note and note.startswith("not run:") else None
+            found.append(Block(page, i + 1, language, "\n".join(body) + "\n", skip))
+        marker, i = None, end + 1
+    return found
 
 
-@pytest.mark.parametrize("source", EXAMPLES, ids=[f"example-{i}" for i in range(len(EXAMPLES))])
-def test_example_runs_and_exits_cleanly(source, served):
-    done = run(source)
+BLOCKS = [block for page in PAGES for block in blocks(page)]
+
+
+def pattern(quoted: str) -> re.Pattern[str]:
+    """A quoted output line as a pattern: decimals stand for any number, `...` for any text."""
+    text = DECIMAL.sub(r"[-+]?\\d+(?:\\.\\d+)?(?:e[-+]?\\d+)?", re.escape(quoted.strip()))
+    return re.compile(text.replace(re.escape("..."), ".*"))
+
+
+def missing_lines(quoted: list[str], output: str) -> list[str]:
+    """The quoted lines not found, in order, among `output`'s lines."""
+    lines, at, missing = [line.strip() for line in output.splitlines()], 0, []
+    for line in quoted:
+        wanted = pattern(line)
+        hit = next((j for j in range(at, len(lines)) if wanted.fullmatch(lines[j])), None)
+        if hit is None:
+            missing.append(line)
+        else:
+            at = hit + 1
+    return missing
+
+
+def run(block: Block) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    command = [sys.executable, "-c", block.source] if block.language == "python" else ["bash", "-e", "-c", block.source]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`mlxkv serve --port 8000`, started once for the blocks that talk to it."""
+    started = []
+
+    def ensure() -> None:
+        if not started:
+            started.append(start_server(port=8000)[0])
+
+    yield ensure
+    for proc in started:
+        stop_server(proc)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
+def test_block_runs_and_prints_what_the_text_says(block, server):
+    if block.skip:
+        pytest.skip(f"not run: {block.skip}")
+    if "127.0.0.1:8000" in block.source:
+        server()
+    done = run(block)
     assert done.returncode == 0, done.stderr
+    missing = missing_lines(block.prints, done.stdout + done.stderr)
+    assert not missing, f"not printed: {missing}\n--- output:\n{done.stdout}{done.stderr}"
+
+
+def test_the_conventions_catch_a_wrong_quote():
+    assert (
+        missing_lines(
+            ["Prompt: 3 tokens, 1.5 tokens-per-sec", "KV cache: paged, ... reused"],
+            "text\nPrompt: 3 tokens, 211.258 tokens-per-sec\nKV cache: paged, 7/7 pages; 0 reused\n",
+        )
+        == []
+    )
+    assert missing_lines(["Prompt: 4 tokens, 1.5 tokens-per-sec"], "Prompt: 3 tokens, 2.5 tokens-per-sec") == [
+        "Prompt: 4 tokens, 1.5 tokens-per-sec"
+    ]
+    assert missing_lines(["b", "a"], "a\nb\n") == ["a"]  # in order
+
+
+def test_the_readme_quotes_what_its_examples_print():
+    assert sum(bool(b.prints) for b in BLOCKS if b.page.name == "README.md") >= 2
+
+
+def test_the_options_table_lists_every_setting_with_its_flag():
+    text = PAGES[0].read_text()
+    table = text[text.index("## Options") :].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| `")]
+    for record in (EngineConfig, SamplingParams):
+        for item in fields(record):
+            row = next((r for r in rows if f"`{item.name}`" in r[0]), None)
+            assert row is not None, item.name
+            flag = (item.metadata["flags"] or (f"--{item.name.replace('_', '-')}",))[0]
+            assert item.name == "logprobs" or f"`{flag}" in row[1], (item.name, row)
 
 
 def test_the_asyncio_example_exits_cleanly_every_time():
     """MLX aborts the process (exit 134) if the engine thread ends without `mx.clear_streams()`."""
-    [source] = [s for s in EXAMPLES if "AsyncLLM" in s]
-    codes = [run(source).returncode for _ in range(10)]
-    assert codes == [0] * 10
+    [block] = [b for b in BLOCKS if "AsyncLLM(" in b.source and not b.skip]
+    codes = [run(block).returncode for _ in range(5)]
+    assert codes == [0] * 5
