@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .attention.backend import BACKENDS
 from .cache.layout import KVLayout, resolve_layout
-from .cache.storage import KV_BITS, KV_GROUP_SIZES
-from .deprecation import renamed_keywords
+from .cache.storage import BITS, KV_BITS, KV_GROUP_SIZES
+from .deprecation import RenamedAttribute, renamed_keywords
 from .settings import BOOLEAN, POSITIVE, number, one_of, optional, setting, validate
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -40,12 +41,12 @@ class EngineConfig:
         convert=resolve_layout,
         cli_type=str,
     )
-    page_size: int = setting(16, "Tokens per KV page.", POSITIVE, flags=("--page-size", "--block-size"))
+    page_size: int = setting(16, "Tokens per KV page.", POSITIVE, old_flags=("--block-size",))
     num_pages: int | None = setting(
         None,
         "KV pages in the pool (paged layout), instead of --kv-cache-memory.",
         optional(POSITIVE),
-        flags=("--num-pages", "--num-blocks"),
+        old_flags=("--num-blocks",),
     )
     kv_cache_memory: int | str | None = setting(
         None,
@@ -67,18 +68,27 @@ class EngineConfig:
     prefix_caching: bool = setting(
         True, "Reuse the KV pages of a prompt prefix computed before (paged layout).", BOOLEAN
     )
-    kv_bits: int | None = setting(None, "Quantize the KV pages to 8 or 4 bits [default: the model's dtype].", KV_BITS)
+    kv_bits: int | None = setting(
+        None,
+        f"Quantize the KV pages to {one_of(*BITS).expected} bits [default: the model's dtype].",
+        KV_BITS,
+    )
     kv_group_size: int = setting(
-        64, "Values sharing one scale and bias in quantized pages: 32, 64 or 128.", KV_GROUP_SIZES
+        64, f"Values sharing one scale and bias in quantized pages: {KV_GROUP_SIZES.expected}.", KV_GROUP_SIZES
     )
     attention: str | None = setting(
         None,
         "Attention: metal or reference [default: $MLXKV_ATTENTION, else metal where available].",
-        optional(one_of("metal", "reference")),
+        optional(one_of(*BACKENDS)),
+        convert=lambda value: value.strip().lower() if isinstance(value, str) else value,
     )
     pipeline: bool = setting(
         True, "Start each step before reading the tokens of the one before (no: read every step first).", BOOLEAN
     )
+
+    block_size = RenamedAttribute("page_size")
+    num_blocks = RenamedAttribute("num_pages")
+    enable_prefix_caching = RenamedAttribute("prefix_caching")
 
     def __post_init__(self) -> None:
         validate(self)

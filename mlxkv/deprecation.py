@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import fields, is_dataclass
+from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 REMOVED_IN = "mlxkv 0.3"
+PACKAGE = str(Path(__file__).parent)
 T = TypeVar("T")
 
 
 def warn(old: str, new: str) -> None:
-    warnings.warn(f"{old} is now called {new}; the old name goes in {REMOVED_IN}", DeprecationWarning, stacklevel=3)
+    """Warn where the caller's code uses `old`: at the first frame outside mlxkv, which is where
+    Python shows a DeprecationWarning by default (in `__main__`)."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 2  # stacklevel 2 is the frame that called warn()
+    while frame is not None and frame.f_code.co_filename.startswith(PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(f"{old} is now called {new}; the old name goes in {REMOVED_IN}", DeprecationWarning, stacklevel=level)
 
 
 def renamed_keywords(**old_names: str) -> Callable[[type[T]], type[T]]:
@@ -27,8 +37,10 @@ def renamed_keywords(**old_names: str) -> Callable[[type[T]], type[T]]:
         def __init__(self: T, *args: Any, **kwargs: Any) -> None:
             for old, new in old_names.items():
                 if old in kwargs:
-                    warn(f"{cls.__name__}({old}=...)", new)
-                    kwargs.setdefault(new, kwargs.pop(old))
+                    if new in kwargs:  # dataclasses.replace passes every field by its new name
+                        raise TypeError(f"{cls.__name__} got both {new} and its old name {old}; give {new}")
+                    warn(f"the setting {old}", new)
+                    kwargs[new] = kwargs.pop(old)
             if is_dataclass(cls):
                 names = [item.name for item in fields(cls)]
                 unknown = sorted(set(kwargs) - set(names))

@@ -85,13 +85,22 @@ def setting(
     check: Check | None = None,
     *,
     flags: tuple[str, ...] = (),
+    old_flags: tuple[str, ...] = (),
     convert: Callable[[Any], Any] | None = None,
     cli_type: Any = None,
 ) -> Any:
     """A settings field: `default`, a one-sentence `help` (the CLI's), the values it accepts, how a
     given value is normalised first (`convert`), and its CLI flags and type where the field's name
-    and type do not make them (`--page-size` for `page_size`)."""
-    metadata = {"help": help, "check": check, "flags": flags, "convert": convert, "cli_type": cli_type}
+    and type do not make them (`--page-size` for `page_size`); `old_flags` still work, hidden and
+    with a warning, for one release."""
+    metadata = {
+        "help": help,
+        "check": check,
+        "flags": flags,
+        "old_flags": old_flags,
+        "convert": convert,
+        "cli_type": cli_type,
+    }
     return field(default=default, metadata=metadata)
 
 

@@ -72,7 +72,7 @@ def case(attention, batch: int, context: int, args) -> tuple[float, float]:
     if args.kv_bits:
         quantized = dict(group_size=args.kv_group_size, bits=args.kv_bits)
         k_pages, v_pages = (
-            QuantizedPages.quantize(pool, args.kv_bits, args.kv_group_size) for pool in (k_pages, v_pages)
+            QuantizedPages.quantize(array, args.kv_bits, args.kv_group_size) for array in (k_pages, v_pages)
         )
         k, v = mx.quantize(k, **quantized), mx.quantize(v, **quantized)
 
@@ -83,7 +83,7 @@ def case(attention, batch: int, context: int, args) -> tuple[float, float]:
         def baseline():
             return mx.fast.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale)
 
-    mx.eval(q, k, v, [getattr(pool, "parts", pool) for pool in (k_pages, v_pages)])
+    mx.eval(q, k, v, [getattr(pages, "parts", pages) for pages in (k_pages, v_pages)])
     paged = timed(lambda: attention(q, k_pages, v_pages, meta, scale), args.repeats)
     return paged, timed(baseline, args.repeats)
 

@@ -10,6 +10,7 @@ At each concurrency C, C clients stream `/v1/completions` (greedy, `--output-len
 server's peak resident memory and how many connections it refused or reset before the first
 token (each retried after 50 ms; the time counts), then `serve_throughput_ratio_c16=... serve_throughput_ratio_c1=...`
 (mlxkv over mlx-lm; the concurrencies named are the largest and smallest asked for).
+Its HTTP client, httpx, comes with the test extra (`pip install -e ".[test]"`).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from mlxkv.cache.storage import dtype_name
 from mlxkv.config import EngineConfig, parse_memory
 from mlxkv.engine.kv_budget import context_length
 from mlxkv.engine.model_runner import kv_shape
-from mlxkv.models.loading import DEMO_MODEL
+from mlxkv.models.loading import DEMO_MODEL, model_context
 
 PAGE_SIZES = (8, 16, 32, 64)
 KV_BITS = (8, 4)
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
 
     budget = parse_memory(args.kv_budget)
     model, tokenizer = mlx_lm_load(str(args.model))
-    max_len = context_length(args.max_model_len, getattr(model.args, "max_position_embeddings", None))
+    max_len = context_length(args.max_model_len, model_context(model))
     workload = make_workload(args, model.args.vocab_size, max_len)
     bytes_per_token = model_kv_bytes_per_token(model)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ class Workload:
 @dataclass
 class Sample:
     """The KV cache after one engine step: bytes from the cache, and the tokens each live
-    sequence holds counted from the requests. `exact` is False while mlx-lm is mid-prefill,
+    sequence holds counted from the requests. `lengths_known` is False while mlx-lm is mid-prefill,
     when the requests alone can't say how many of their tokens its cache holds."""
 
     time: float
@@ -88,7 +88,7 @@ class Sample:
     holding: int
     lengths: list[int]
     sequences: int
-    exact: bool = True
+    lengths_known: bool = True
 
     @property
     def tokens(self) -> int:
@@ -183,7 +183,7 @@ def _mlx_lm_sample(gen: BatchGenerator, live: dict[int, int], workload: Workload
         held * run.bytes_per_token,
         lengths,
         sum(len(b.uids) for b in batches),
-        exact=not gen._prompt_batch.uids,
+        lengths_known=not gen._prompt_batch.uids,
     )
 
 

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from harness import blas_in_use
+from harness import blas_in_use, runnable
 from mlx_lm import load as mlx_lm_load
 
 from mlxkv import KVCacheManager
 from mlxkv.attention import AttentionSpec, choose_attention
+from mlxkv.config import EngineConfig
 from mlxkv.engine.model_runner import ModelRunner, kv_shape, layer_variants
 from mlxkv.models.loading import DEMO_MODEL
 
@@ -78,9 +79,9 @@ class Scores:
     count: int = 0
 
 
-def score(model, windows: list[np.ndarray], group_size: int, page_size: int, chunk: int) -> dict:
-    """Run every window through one paged cache per KV format in step; compare each format's
-    next-token distributions with the float pages' at every position."""
+def score(model, windows: list[np.ndarray], formats: list, group_size: int, page_size: int, chunk: int) -> dict:
+    """Run every window through one paged cache per KV format (bits, None for floats) in step;
+    compare each format's next-token distributions with the float pages' at every position."""
     layers, kv_heads, head_dim, dtype = kv_shape(model)
 
     def runner(bits: int | None) -> ModelRunner:
@@ -108,8 +109,8 @@ def score(model, windows: list[np.ndarray], group_size: int, page_size: int, chu
         )
         return ModelRunner(model, cache, choose_attention(None, spec))
 
-    runners = {bits: runner(bits) for bits in FORMATS}
-    scores = {bits: Scores() for bits in FORMATS}
+    runners = {bits: runner(bits) for bits in formats}
+    scores = {bits: Scores() for bits in formats}
     for tokens in windows:
         seqs = {bits: runner.cache.claim(1)[0] for bits, runner in runners.items()}
         for lo in range(0, len(tokens) - 1, chunk):
@@ -165,10 +166,15 @@ def main(argv: list[str] | None = None) -> None:
         "held-out": held_out_text(),
         "training": "\n\n".join(pydoc_data.topics.topics[name] for name in sorted(pydoc_data.topics.topics)),
     }
+    formats = [
+        bits
+        for bits in FORMATS
+        if bits is None or runnable(model, EngineConfig(kv_bits=bits, kv_group_size=args.kv_group_size), f"{bits}-bit")
+    ]
     ratios = {}
     for name, text in texts.items():
         windows = windows_of(tokenizer, text, args.window, args.max_tokens)
-        scores = score(model, windows, args.kv_group_size, args.page_size, args.chunk)
+        scores = score(model, windows, formats, args.kv_group_size, args.page_size, args.chunk)
         print(
             f"\n{name} text: {sum(map(len, windows))} tokens in {len(windows)} windows of up to {args.window}"
             + (
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         + " ".join(
             f"ppl_ratio_{bits}bit_{name.replace('-', '_')}={ratios[(name, bits)]:.4f}"
             for name in texts
-            for bits in (8, 4)
+            for bits in formats
+            if bits is not None
         )
     )
 

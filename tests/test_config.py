@@ -63,7 +63,7 @@ def test_the_old_names_of_renamed_settings_work_for_one_release():
         config = EngineConfig(block_size=8, num_blocks=10, enable_prefix_caching=False)
     assert (config.page_size, config.num_pages, config.prefix_caching) == (8, 10, False)
     assert [str(w.message) for w in warned] == [
-        f"EngineConfig({old}=...) is now called {new}; the old name goes in mlxkv 0.3"
+        f"the setting {old} is now called {new}; the old name goes in mlxkv 0.3"
         for old, new in (
             ("block_size", "page_size"),
             ("num_blocks", "num_pages"),

@@ -11,8 +11,11 @@ point stands for any number and `...` for any text. Blocks that talk to 127.0.0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field, fields
@@ -90,10 +93,24 @@ def missing_lines(quoted: list[str], output: str) -> list[str]:
     return missing
 
 
-def run(block: Block) -> subprocess.CompletedProcess[str]:
+def run(block: Block, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run `block` in a process group of its own, all of which goes when it ends or times out
+    (a block may start a server in the background)."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     command = [sys.executable, "-c", block.source] if block.language == "python" else ["bash", "-e", "-c", block.source]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{block.name} did not finish in {timeout} s:\n{out}{err}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +131,8 @@ def server():
 def test_block_runs_and_prints_what_the_text_says(block, server):
     if block.skip:
         pytest.skip(f"not run: {block.skip}")
+    if block.language == "bash" and "curl " in block.source and not shutil.which("curl"):
+        pytest.skip("needs curl, which this machine lacks (Debian: apt-get install curl)")
     if "127.0.0.1:8000" in block.source:
         server()
     done = run(block)

@@ -15,6 +15,7 @@ from .reference import reference_attention
 from .variant import Variant
 
 ENV_VAR = "MLXKV_ATTENTION"
+BACKENDS = ("metal", "reference")
 logger = logging.getLogger("mlxkv")
 
 AttentionFn = Callable[..., mx.array]
@@ -58,7 +59,7 @@ def choose_attention(
     if problem is None:
         return kernels
     logger.warning(
-        "the Metal kernels fail their start-up check for this model (%s, head_dim %d, pages of %d, "
+        "mlxkv's Metal kernels fail their start-up check for this model (%s, head_dim %d, pages of %d, "
         "GQA %d): %s; attention runs on the reference path instead",
         dtype_name(spec.dtype),
         spec.head_dim,
@@ -70,11 +71,11 @@ def choose_attention(
 
 
 def _backend(choice: str | None) -> str:
-    """'metal' or 'reference': `choice` (an `EngineConfig.attention` already checked), else the
+    """'metal' or 'reference': `choice` (an `EngineConfig.attention`, checked there), else the
     environment, else Metal where available; Metal where there is none is an error."""
     source, value = ("attention", choice) if choice is not None else (ENV_VAR, os.environ.get(ENV_VAR))
     value = (value or ("metal" if mx.metal.is_available() else "reference")).strip().lower()
-    if value not in ("metal", "reference"):
+    if value not in BACKENDS:  # only an environment variable can be anything
         raise ValueError(f"{source}={value!r} is not an attention backend; expected 'metal' or 'reference'")
     if value == "metal" and not mx.metal.is_available():
         raise ValueError(

@@ -61,9 +61,10 @@ def _own_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, variant:
     mlx-lm model computes it: MLX's SDPA with the window's mask and the sinks, or written out
     with the soft-cap before the mask (Gemma 2)."""
     pos = np.arange(q.shape[2])
-    allowed = mx.array(visible(pos[:, None], pos[None], variant.window))
-    if variant.softcap is None:
-        mask = "causal" if variant.window is None else allowed
+    plain = variant.window is None and variant.softcap is None
+    allowed = None if plain else mx.array(visible(pos[:, None], pos[None], variant.window))
+    if allowed is None or variant.softcap is None:
+        mask = "causal" if allowed is None else allowed
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=variant.sinks)
     group = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, group, axis=1), mx.repeat(v, group, axis=1)

@@ -367,6 +367,7 @@ class KVCacheManager:
     block_size = RenamedAttribute("page_size")
     max_seqs = RenamedAttribute("max_num_seqs")
     max_seq_len = RenamedAttribute("max_model_len")
+    num_active = RenamedAttribute("num_sequences")
 
     def pages_needed(self, seq_ids: Sequence[int], counts: Sequence[int]) -> list[int]:
         """New pages each sequence would take for its count of more tokens."""

@@ -7,11 +7,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..deprecation import module_getattr
 from ..settings import one_of, optional, require
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-KV_BITS = optional(one_of(8, 4))
-KV_GROUP_SIZES = one_of(32, 64, 128)
+BITS = (8, 4)
+GROUP_SIZES = (32, 64, 128)
+KV_BITS = optional(one_of(*BITS))
+KV_GROUP_SIZES = one_of(*GROUP_SIZES)
 
 
 @dataclass(frozen=True)
@@ -76,10 +79,10 @@ def check_quantization(bits: int | None, group_size: int, head_dim: int) -> None
     require("kv_bits", bits, KV_BITS)
     require("kv_group_size", group_size, KV_GROUP_SIZES)
     if bits is not None and head_dim % group_size:
-        fits = [str(g) for g in (32, 64, 128) if head_dim % g == 0]
+        fits = [str(g) for g in GROUP_SIZES if head_dim % g == 0]
         if not fits:
             raise ValueError(
-                f"the model's head_dim={head_dim} is not a multiple of 32, the smallest "
+                f"the model's head_dim={head_dim} is not a multiple of {GROUP_SIZES[0]}, the smallest "
                 "kv_group_size, so its KV cannot be quantized; use kv_bits=None"
             )
         raise ValueError(
@@ -245,3 +248,6 @@ class KVStorage:
             )
         if array.dtype != self.dtype:
             raise ValueError(f"{name} must have the cache dtype {dtype_name(self.dtype)}, got {array.dtype}")
+
+
+__getattr__ = module_getattr(__name__, {"Pool": ("Pages", Pages)})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..deprecation import RenamedAttribute
 from .layout import KVLayout
 
 
@@ -21,6 +22,8 @@ class KVUsage:
     pages_cached: int = 0  # free pages still holding cached prefix pages
     kv_bits: int | None = None  # quantized pages, else the cache dtype
     windowed: tuple[tuple[int, KVUsage], ...] = ()  # (window, usage) of each sliding-window group's own pages
+
+    block_size = RenamedAttribute("page_size")
 
     @property
     def bytes_allocated(self) -> int:

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..cache.layout import KVLayout
 from ..cache.manager import KVCacheManager, window_pool_pages
-from ..cache.storage import kv_bytes_per_token
+from ..cache.storage import check_quantization, kv_bytes_per_token
 from ..config import EngineConfig
 
 
@@ -70,6 +70,7 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     pool (`window_pages` per window) taken from the budget first; the rest buys pages for the
     full-attention layers, whose bytes per token count only those layers. In the contiguous
     layout the budget buys whole `max_model_len` pages, at most `max_num_seqs`."""
+    check_quantization(config.kv_bits, config.kv_group_size, model.head_dim)  # before sizing by its groups
     max_len = context_length(config.max_model_len, model.context)
     contiguous = config.kv_layout is KVLayout.CONTIGUOUS
     windows: list[int | None] = [None] * model.num_layers

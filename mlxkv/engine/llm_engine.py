@@ -23,6 +23,7 @@ from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..config import EngineConfig
 from ..deprecation import warn
 from ..errors import RequestTooLong, UnknownSequenceError
+from ..models.loading import model_context
 from .inputs import encode_prompt, request_key
 from .kv_budget import ModelKV, build_kv_cache
 from .model_runner import ModelRunner, kv_shape, layer_variants
@@ -80,8 +81,7 @@ class LLMEngine:
         parameters = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
         weights = sum(array.nbytes for _, array in parameters)
         variants = layer_variants(model)
-        context = getattr(model.args, "max_position_embeddings", None)
-        shape = ModelKV(layers, kv_heads, head_dim, dtype, context, weights, [v.window for v in variants])
+        shape = ModelKV(layers, kv_heads, head_dim, dtype, model_context(model), weights, [v.window for v in variants])
         self.cache = build_kv_cache(self.config, shape)
         spec = AttentionSpec(
             dtype,
@@ -113,6 +113,11 @@ class LLMEngine:
     def max_request_tokens(self) -> int:
         """The most KV slots one request can ever hold."""
         return min(self.cache.max_model_len, self.cache.pool.capacity * self.cache.page_size)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to be admitted, read without the lock (for a server's queue limit)."""
+        return len(self.scheduler.waiting)
 
     def stats(self) -> EngineStats:
         """A snapshot of the requests, the KV cache and the prefix cache, for metrics and front ends."""

@@ -126,6 +126,6 @@ class ModelRunner:
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits for final hidden states."""
-        lm_head = getattr(self.model, "lm_head", None) or self.model.model.embed_tokens.as_linear
-        logits: mx.array = lm_head(hidden)
+        lm_head = getattr(self.model, "lm_head", None)  # None: tied to the embeddings
+        logits: mx.array = (self.model.model.embed_tokens.as_linear if lm_head is None else lm_head)(hidden)
         return logits

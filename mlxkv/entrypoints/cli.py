@@ -19,6 +19,7 @@ from typing import Any, NoReturn, Optional, get_args, get_type_hints
 import mlx.core as mx
 import typer
 
+from ..cache.layout import KVLayout
 from ..config import EngineConfig
 from ..engine.async_llm import AsyncLLM
 from ..engine.kv_budget import context_length
@@ -26,7 +27,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request
 from ..engine.sampling_params import SamplingParams
 from ..errors import MlxkvError
-from ..models.loading import load
+from ..models.loading import load, model_context
 from .llm import LLM
 from .prompts import prompt_ids
 
@@ -61,11 +62,31 @@ def fail(message: object) -> NoReturn:
     raise typer.Exit(1)
 
 
+def _flags(item: Field[Any]) -> tuple[str, ...]:
+    """A settings field's flags: its own, else `--` and its name with dashes."""
+    return item.metadata["flags"] or (f"--{item.name.replace('_', '-')}",)
+
+
+def _cli_type(item: Field[Any], hint: Any) -> Any:
+    """The type the command line parses a field as: its declared one, else its type less None."""
+    return item.metadata["cli_type"] or next((a for a in get_args(hint) if a is not type(None)), hint)
+
+
+def _old_name(flag: str) -> str:
+    return "old_" + flag.lstrip("-").replace("-", "_")
+
+
+def _old_option(name: str, flag: str, hint: Any) -> inspect.Parameter:
+    """A hidden option for a setting's old flag (the command warns when it is given)."""
+    option = typer.Option(None, flag, hidden=True)
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=Optional[hint])  # noqa: UP045
+
+
 def _option(item: Field[Any], hint: Any, default: Any) -> inspect.Parameter:
     """The command-line option of one settings field: its flags, help text, default and type."""
     meta = item.metadata
-    flags = meta["flags"] or (f"--{item.name.replace('_', '-')}",)
-    kind = meta["cli_type"] or next((a for a in get_args(hint) if a is not type(None)), hint)
+    flags = _flags(item)
+    kind = _cli_type(item, hint)
     if kind is bool:
         flags = (f"{flags[0]}/--no-{flags[0][2:]}",)
     if default == ():
@@ -94,9 +115,23 @@ def with_settings(
             for name, items in offered.items()
             for f in items
         ]
+        old = {
+            _old_name(flag): (flag, f, records[name])
+            for name, items in offered.items()
+            for f in items
+            for flag in f.metadata["old_flags"]
+        }
+        hidden = [
+            _old_option(name, flag, _cli_type(f, get_type_hints(cls)[f.name])) for name, (flag, f, cls) in old.items()
+        ]
 
         @functools.wraps(command)
         def run(**kwargs: Any) -> None:
+            for name, (flag, f, _) in old.items():
+                value = kwargs.pop(name)
+                if value is not None:
+                    typer.echo(f"warning: {flag} is now {_flags(f)[0]}; the old name goes in mlxkv 0.3", err=True)
+                    kwargs[f.name] = value
             try:
                 built = {
                     name: cls(
@@ -110,8 +145,8 @@ def with_settings(
             command(**kwargs, **built)
 
         own = [p for p in signature.parameters.values() if p.name not in records]
-        run.__signature__ = signature.replace(parameters=own + options)  # type: ignore[attr-defined]
-        run.__annotations__ = {p.name: p.annotation for p in own + options}
+        run.__signature__ = signature.replace(parameters=own + options + hidden)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in own + options + hidden}
         return run
 
     return decorate
@@ -138,7 +173,7 @@ def prefix_figures(llm: LLM, request: Request) -> str:
     stats = llm.stats()
     if stats.prefix_caching:
         return f"prefix cache: {request.num_cached_tokens} of {len(request.prompt_ids)} prompt tokens reused"
-    if stats.kv.layout.value == "contiguous":
+    if stats.kv.layout is KVLayout.CONTIGUOUS:
         return "prefix cache: none (the contiguous layout gives each sequence its own page and shares nothing)"
     return "prefix cache: off"
 
@@ -197,7 +232,7 @@ def generate(
             {"role": "user", "content": text}
         ]
         ids = prompt_ids(loaded[1], messages, ignore_chat_template)
-        context = context_length(config.max_model_len, getattr(loaded[0].args, "max_position_embeddings", None))
+        context = context_length(config.max_model_len, model_context(loaded[0]))
         config = replace(config, max_model_len=min(context, len(ids) + params.max_tokens))
         run_and_report(LLM(loaded, config=config), ids, params, verbose)
     except (MlxkvError, ValueError, TypeError) as exc:

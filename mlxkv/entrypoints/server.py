@@ -82,7 +82,7 @@ def build_app(
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    def prometheus() -> Response:  # a plain def: FastAPI runs it off the event loop, as stats() takes the engine lock
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

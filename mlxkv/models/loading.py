@@ -87,3 +87,10 @@ def load(path_or_repo: str | Path | None = None) -> tuple[nn.Module, TokenizerWr
         return model, tokenizer
     except Exception as exc:
         raise ModelLoadError(f"could not load the checkpoint in {str(path)!r}: {exc}") from None
+
+
+def model_context(model: nn.Module) -> int | None:
+    """The most tokens a loaded model says a sequence may hold (`max_position_embeddings`), if its
+    mlx-lm arguments say (some families' do not)."""
+    context: int | None = getattr(model.args, "max_position_embeddings", None)
+    return context

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+# The tokenizers' training text: changing it changes every test checkpoint's tokens.
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Paged attention keeps keys and values in pages; "
     "a block table maps each sequence to its pages. "

@@ -231,7 +231,7 @@ def test_the_simulator_refuses_a_launch_over_32_kib_naming_the_arrays(kernels, m
 
 
 def test_key_offsets_are_64_bit():
-    """A float16 layer pool of 4 GiB has more than 2^31 elements."""
+    """One layer's float16 K pages of 4 GiB hold more than 2^31 elements."""
     kernel = metal_kernel(
         "kv_row",
         ["pages"],

@@ -236,7 +236,8 @@ def test_kernels_that_fail_the_start_up_check_leave_the_reference_path(checkpoin
     [record] = caplog.records
     assert record.levelname == "WARNING" and record.name == "mlxkv"
     assert record.getMessage().startswith(
-        f"the Metal kernels fail their start-up check for this model (float32, head_dim 16, pages of 8, GQA 2): {why}"
+        "mlxkv's Metal kernels fail their start-up check for this model "
+        f"(float32, head_dim 16, pages of 8, GQA 2): {why}"
     )
     assert record.getMessage().endswith("; attention runs on the reference path instead")
     assert engine.runner.attention is reference_attention

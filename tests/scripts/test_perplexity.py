@@ -17,7 +17,7 @@ def test_float_pages_score_as_mlx_lm_and_quantized_ones_drift_by_bits():
     model, tokenizer = mlx_lm_load(str(DEMO_MODEL))
     windows = perplexity.windows_of(tokenizer, perplexity.held_out_text(), 100, 300)
     assert [len(w) for w in windows] == [100, 100, 100]
-    scores = perplexity.score(model, windows, 64, 16, 32)
+    scores = perplexity.score(model, windows, list(perplexity.FORMATS), 64, 16, 32)
     nll = 0.0
     for w in windows:
         logits = model(mx.array(w)[None])[0, :-1].astype(mx.float32)

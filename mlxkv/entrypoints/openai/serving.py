@@ -70,7 +70,7 @@ class OpenAIServing:
                 "model",
                 "model_not_found",
             )
-        if self.llm.engine.stats().waiting + body.n > self.max_queue:
+        if self.llm.engine.num_waiting + body.n > self.max_queue:
             raise APIError(
                 503,
                 f"the server is busy ({self.max_queue} requests waiting); retry shortly",
