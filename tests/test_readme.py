@@ -26,6 +26,7 @@ from helpers import start_server, stop_server
 
 from mlxkv import EngineConfig, SamplingParams
 
+pytestmark = pytest.mark.xdist_group("port-8000")  # one worker runs them all: they share the README's port
 ROOT = Path(__file__).parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")

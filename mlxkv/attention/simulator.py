@@ -18,6 +18,7 @@ barriers, threadgroup memory and threads. Those are the inputs of a cost model, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -485,12 +486,22 @@ def _runtime_copy() -> Path:
     content names is neither, wherever the checkout is and however often it is cloned."""
     text = RUNTIME.read_text()
     copy = CACHE / f"runtime-{hashlib.sha256(text.encode()).hexdigest()[:24]}.h"
-    if not copy.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        partial = copy.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(text)
-        partial.replace(copy)
+    _write_once(copy, text)
     return copy
+
+
+def _write_once(path: Path, text: str) -> None:
+    """Create `path` holding `text` unless it exists, atomically: a file a precompiled header was
+    built from must not be rewritten (its modification time would refuse the header), and
+    processes that test in parallel may get here at once."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(text)
+    with contextlib.suppress(FileExistsError):
+        os.link(partial, path)
+    partial.unlink()
 
 
 def _precompiled_runtime(cxx: Compiler, flags: list[str]) -> Path:
@@ -502,7 +513,7 @@ def _precompiled_runtime(cxx: Compiler, flags: list[str]) -> Path:
     pch = CACHE / f"{runtime.stem}-{key}.pch"
     if not pch.exists():
         wrapper = pch.with_suffix(".h")  # included, so that the runtime stays a system header
-        wrapper.write_text(f'#include "{runtime}"\n')
+        _write_once(wrapper, f'#include "{runtime}"\n')
         partial = pch.with_suffix(f".{os.getpid()}.tmp")
         built = subprocess.run(
             [*cxx.command, *flags, "-x", "c++-header", str(wrapper), "-o", str(partial)], capture_output=True, text=True
@@ -526,8 +537,24 @@ def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], cou
     if binary.exists():
         return binary
     CACHE.mkdir(parents=True, exist_ok=True)
-    source = binary.with_suffix(".cpp")
+    source = binary.with_suffix(f".{os.getpid()}.cpp")  # its own copy: processes may build one unit at once
     source.write_text(unit)
+    try:
+        _check_and_build(cxx, source, binary, build_flags, sources, constant_inputs)
+    finally:
+        source.unlink()
+    return binary
+
+
+def _check_and_build(
+    cxx: Compiler,
+    source: Path,
+    binary: Path,
+    build_flags: list[str],
+    sources: dict[str, str],
+    constant_inputs: list[str],
+) -> None:
+    """Type-check the unit in `source` as Metal, then build it into `binary`."""
     check_pch = _precompiled_runtime(cxx, CHECK_FLAGS)
     scratch = binary.with_suffix(f".{os.getpid()}.o")
     checked = subprocess.run(
@@ -559,7 +586,6 @@ def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], cou
     if built.returncode != 0:
         raise SimulatorError("kernel does not compile:\n" + "\n".join(built.stderr.splitlines()[:30]))
     partial.replace(binary)
-    return binary
 
 
 def _run(
