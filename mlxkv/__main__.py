@@ -1,3 +1,3 @@
-from .entrypoints.cli import app
+from .entrypoints.cli import cli
 
-app(prog_name="mlxkv")
+cli()

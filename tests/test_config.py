@@ -36,7 +36,7 @@ def test_sub_byte_sizes_are_refused_not_taken_for_the_default():
         (dict(kv_bits=16), "kv_bits must be 8, 4 or None, got 16"),
         (dict(kv_bits=4, kv_group_size=256), "kv_group_size must be 32, 64 or 128, got 256"),
         (dict(kv_bits=8.0), "kv_bits must be 8, 4 or None, got 8.0"),
-        (dict(kv_layout="ring"), "kv_layout='ring' is not a KV layout; expected one of 'paged', 'contiguous'"),
+        (dict(kv_layout="ring"), "kv_layout must be 'paged' or 'contiguous', got 'ring'"),
         (dict(prefix_caching="yes"), "prefix_caching must be True or False, got 'yes'"),
         (dict(kv_bits=8, kv_group_size=64.0), "kv_group_size must be 32, 64 or 128, got 64.0"),
     ],

@@ -25,5 +25,4 @@ def resolve_layout(layout: str | KVLayout | None = None) -> KVLayout:
     try:
         return KVLayout(str(value).strip().lower())
     except ValueError:
-        allowed = ", ".join(repr(item.value) for item in KVLayout)
-        raise ValueError(f"{source}={value!r} is not a KV layout; expected one of {allowed}") from None
+        raise ValueError(f"{source} must be 'paged' or 'contiguous', got {value!r}") from None

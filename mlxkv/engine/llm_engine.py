@@ -111,7 +111,8 @@ class LLMEngine:
 
     @property
     def max_request_tokens(self) -> int:
-        """The most KV slots one request can ever hold."""
+        """The most tokens, prompt and output, one request may have: the context, or the whole pool
+        if that is smaller."""
         return min(self.cache.max_model_len, self.cache.pool.capacity * self.cache.page_size)
 
     @property
@@ -165,10 +166,10 @@ class LLMEngine:
             params,
             check_salt(cache_salt),
         )
-        if request.max_kv_tokens > self.max_request_tokens:
+        if request.max_length > self.max_request_tokens:
             raise RequestTooLong(
-                f"prompt of {len(request.prompt_ids)} tokens plus max_tokens={params.max_tokens} needs "
-                f"{request.max_kv_tokens} KV slots; one request can hold at most {self.max_request_tokens}"
+                f"prompt of {len(request.prompt_ids)} tokens plus max_tokens={params.max_tokens} makes "
+                f"{request.max_length} tokens; one request can have at most {self.max_request_tokens}"
             )
         request.stream = TextStream(self.tokenizer.detokenizer, params.stop)
         with self._lock:

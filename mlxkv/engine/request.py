@@ -115,6 +115,6 @@ class Request:
         return len(self.output_ids) / max(end - first, 1e-9) if first is not None else 0.0
 
     @property
-    def max_kv_tokens(self) -> int:
-        """Most tokens this request will ever hold in the KV cache (the last sample is never stored)."""
-        return len(self.prompt_ids) + self.params.max_tokens - 1
+    def max_length(self) -> int:
+        """Most tokens this request will ever have: its prompt and all `max_tokens` of output."""
+        return len(self.prompt_ids) + self.params.max_tokens

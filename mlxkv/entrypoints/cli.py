@@ -6,9 +6,12 @@ Every field of `EngineConfig` and `SamplingParams` is an option of the commands 
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
 import logging
+import re
+import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -35,7 +38,6 @@ logger = logging.getLogger("mlxkv")
 
 app = typer.Typer(
     help="Local LLM inference with MLX over a paged KV cache.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -58,13 +60,43 @@ SETTINGS = {"config": EngineConfig, "params": SamplingParams}  # a command's par
 
 
 def fail(message: object) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
+    """End the command with one `error:` line, in the user's words (the flags they type)."""
+    typer.echo(f"error: {in_flags(str(message))}", err=True)
     raise typer.Exit(1)
+
+
+def cli() -> None:
+    """The `mlxkv` command. Click's own errors (an unknown option, a value of the wrong type) are
+    one `error:` line too, not its usage block."""
+    try:
+        code = app(prog_name="mlxkv", standalone_mode=False)  # an exit code, when a command exits with one
+    except typer.TyperException as error:
+        typer.echo(f"error: {error.format_message()}", err=True)
+        sys.exit(error.exit_code)
+    except typer.Abort:
+        typer.echo("error: interrupted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _flags(item: Field[Any]) -> tuple[str, ...]:
     """A settings field's flags: its own, else `--` and its name with dashes."""
     return item.metadata["flags"] or (f"--{item.name.replace('_', '-')}",)
+
+
+def _long_flags(item: Field[Any]) -> str:
+    """How an error names a setting: its long flags (`--temperature/--temp`)."""
+    return "/".join(flag for flag in _flags(item) if flag.startswith("--"))
+
+
+def in_flags(message: str) -> str:
+    """`message` with the settings it names written as the flags a user types: `max_tokens must
+    be ...` is `--max-tokens must be ...`. A one-word name (`seed`) is replaced only where it is
+    the subject or an assignment, so that a word of English is not taken for it."""
+    for item in (item for record in SETTINGS.values() for item in fields(record)):
+        pattern = rf"\b{item.name}\b" if "_" in item.name else rf"\b{item.name}\b(?= must|=)"
+        message = re.sub(pattern, _long_flags(item), message)
+    return message
 
 
 def _cli_type(item: Field[Any], hint: Any) -> Any:
@@ -158,14 +190,17 @@ def show_version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+@app.callback(invoke_without_command=True)
 def main(
+    context: typer.Context,
     _: bool = typer.Option(
         False, "--version", callback=show_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
     """Local LLM inference with MLX over a paged KV cache."""
     logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr)
+    if context.invoked_subcommand is None:  # plain `mlxkv`: the help
+        typer.echo(context.get_help())
 
 
 def prefix_figures(llm: LLM, request: Request) -> str:
@@ -277,6 +312,7 @@ def chat(
             return
         if line.strip() == "/reset":
             messages = list(system)
+            typer.echo("[conversation reset]")
             continue
         messages.append({"role": "user", "content": line})
         messages = chat_turn(llm, messages, params, verbose)
@@ -285,7 +321,7 @@ def chat(
 def chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams, verbose: bool) -> list[dict[str, str]]:
     """Answer the last message within what is left of the context; returns the conversation after it."""
     ids = prompt_ids(llm.tokenizer, messages, False)
-    room = llm.engine.max_request_tokens - len(ids) + 1
+    room = llm.engine.max_request_tokens - len(ids)
     if room < 1:
         typer.echo(
             f"error: the conversation ({len(ids)} tokens) has outgrown the context of "
@@ -300,7 +336,7 @@ def chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams, 
         typer.echo("\n[reply stopped]")
         return messages[:-1]
     except (MlxkvError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {in_flags(str(exc))}", err=True)
         return messages[:-1]
     # The reply exactly as generated (the streamed text drops a leading space, as mlx-lm's does),
     # so the next turn's prompt starts with the tokens this turn stored and reuses their pages.
@@ -313,7 +349,9 @@ def serve(
     model: Optional[str] = MODEL,  # noqa: UP045
     host: str = typer.Option("127.0.0.1", help="Address to listen on; the default answers this machine only."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port."),
-    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer <key>' (all but /health)."),  # noqa: UP045
+    api_key: Optional[str] = typer.Option(  # noqa: UP045
+        None, help="Require 'Authorization: Bearer <key>' on the API (not on /health and the chat page, which asks)."
+    ),
     allowed_origins: list[str] = typer.Option([], help="Origins browsers may call from (CORS); repeatable."),
     max_queue: int = typer.Option(1024, min=0, help="Most requests waiting; more are answered 503."),
     *,
@@ -326,6 +364,7 @@ def serve(
     from .server import build_app
 
     logger.setLevel(logging.INFO)
+    listener = listen(host, port)  # first: a port in use is one line, before a model is loaded
     try:
         logger.info("loading %s ...", model or "the demo model")
         started = time.perf_counter()
@@ -335,8 +374,22 @@ def serve(
     logger.info("loaded in %.1f s", time.perf_counter() - started)
     llm = AsyncLLM(engine)
     app_ = build_app(llm, model or "mlxkv-demo", api_key=api_key, allowed_origins=allowed_origins, max_queue=max_queue)
-    logger.info("serving on http://%s:%d (chat page at /)", host, port)
+    logger.info("serving on http://%s:%d (chat page at /)", host, listener.getsockname()[1])
     try:
-        uvicorn.run(app_, host=host, port=port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(app_, log_level="warning")).run(sockets=[listener])
     finally:
         llm.shutdown()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to `host`:`port`, or one error line: the port is taken, or why it cannot be had."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            fail(f"port {port} on {host} is in use (another server?); choose another with --port")
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    return listener

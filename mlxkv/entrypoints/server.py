@@ -25,6 +25,7 @@ from .openai.protocol import APIError, ChatBody, CompletionBody
 from .openai.serving import OpenAIServing
 
 KEEPALIVE_S = 2.0  # a comment line this often while a stream has nothing to send (a long prefill)
+OPEN_PATHS = ("/health", "/")  # what answers without the API key
 
 
 def build_app(
@@ -39,9 +40,10 @@ def build_app(
     """The FastAPI app serving `llm` as `model_id`."""
 
     def authorize(request: HTTPRequest) -> None:
-        """With an API key, every endpoint but /health wants it (a dependency: an HTTP middleware
-        would hide client disconnects from the handlers)."""
-        if api_key and request.url.path != "/health":
+        """With an API key, every endpoint but /health and the chat page wants it (the page holds no
+        data and asks its user for the key). A dependency: an HTTP middleware would hide client
+        disconnects from the handlers."""
+        if api_key and request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 raise APIError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")

@@ -187,7 +187,7 @@ def test_bad_requests_are_refused_without_disturbing_the_rest(model):
     engine = LLMEngine(*model, EngineConfig(num_pages=8, page_size=8, max_model_len=64))
     ok = engine.add_request([5, 6, 7], SamplingParams(max_tokens=5), request_id="ok")
     engine.step()
-    with pytest.raises(RequestTooLong, match="one request can hold at most 64"):
+    with pytest.raises(RequestTooLong, match="one request can have at most 64"):
         engine.add_request(list(range(1, 60)), SamplingParams(max_tokens=10), request_id="big")
     with pytest.raises(ValueError, match="request id 'ok' is already in use"):
         engine.add_request([1], SamplingParams(max_tokens=2), request_id="ok")

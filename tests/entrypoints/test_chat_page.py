@@ -1,7 +1,10 @@
 """The chat page at `/` in a real headless Chromium, against the real server."""
 
+import re
 import shutil
+import time
 
+import httpx
 import pytest
 from helpers import start_server, stop_server
 
@@ -15,20 +18,40 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def page():
-    proc, url = start_server("--max-model-len", "512")
+def chromium():
     options = webdriver.ChromeOptions()
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
         options.add_argument(flag)
     options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser") or ""
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(shutil.which("chromedriver")))
+
+
+@pytest.fixture(scope="module")
+def served():
+    proc, url = start_server("--max-model-len", "512")
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def page(served):
+    browser = chromium()
     try:
-        browser.get(url + "/")
+        browser.get(served + "/")
         yield browser
     finally:
         browser.quit()
-        stop_server(proc)
+
+
+def metric(url: str, name: str, headers: dict | None = None) -> float:
+    text = httpx.get(f"{url}/metrics", headers=headers).text
+    return float(re.search(rf"^mlxkv_{name} (\S+)$", text, re.MULTILINE).group(1))
+
+
+def set_field(browser, field: str, value: str) -> None:
+    box = browser.find_element(By.ID, field)
+    box.clear()
+    box.send_keys(value)
 
 
 def turns(browser):
@@ -82,3 +105,63 @@ def test_model_output_is_shown_as_text_never_run_as_markup(page):
     WebDriverWait(page, 20).until(lambda b: len(turns(b)) >= 2 and turns(b)[-1][1] == markup)
     assert page.execute_script("return window.pwned === undefined")
     assert page.find_elements(By.CSS_SELECTOR, "#log b, #log img, #log script") == []
+
+
+def reload(browser, url: str) -> None:
+    """A fresh page (an earlier test may have stubbed its fetch), once it has listed the model."""
+    browser.get(url + "/")
+    WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "mlxkv-demo")
+
+
+def test_max_tokens_and_temperature_go_with_the_request(page, served):
+    reload(page, served)
+    page.execute_script("""
+        window.sent = [];
+        const realFetch = window.fetch;
+        window.fetch = (url, options) => {
+          if (String(url).endsWith("/v1/chat/completions")) window.sent.push(JSON.parse(options.body));
+          return realFetch(url, options);
+        };""")
+    set_field(page, "max-tokens", "5")
+    set_field(page, "temperature", "0")
+    send(page, "The import statement")
+    WebDriverWait(page, 60).until(lambda b: b.find_element(By.ID, "figures").text.startswith("5 tokens,"))
+    [body] = page.execute_script("return window.sent")
+    assert (body["max_tokens"], body["temperature"], body["stream"]) == (5, 0, True)
+
+
+def test_stop_ends_the_reply_and_the_server_frees_its_pages_at_once(page, served):
+    reload(page, served)
+    set_field(page, "max-tokens", "480")
+    send(page, "The import statement")
+    WebDriverWait(page, 60).until(lambda b: len(turns(b)) == 2 and len(turns(b)[1][1]) > 10)
+    page.find_element(By.ID, "stop").click()
+    WebDriverWait(page, 30).until(lambda b: b.find_element(By.ID, "figures").text.startswith("stopped after"))
+    generated = int(re.match(r"stopped after (\d+) tokens", page.find_element(By.ID, "figures").text).group(1))
+    assert 0 < generated < 480
+    deadline = time.monotonic() + 10
+    while (metric(served, "running_requests"), metric(served, "kv_pages_used")) != (0, 0):
+        assert time.monotonic() < deadline, "the stopped request still holds its pages"
+        time.sleep(0.05)
+    assert page.find_element(By.ID, "send").is_enabled() and not page.find_element(By.ID, "stop").is_enabled()
+    assert turns(page)[1][0] == "turn assistant"  # the partial reply stays in the conversation
+
+
+def test_with_an_api_key_the_page_loads_asks_for_the_key_and_chats():
+    proc, url = start_server("--api-key", "sesame", "--max-model-len", "256")
+    browser = chromium()
+    try:
+        assert httpx.get(f"{url}/").status_code == 200 and httpx.get(f"{url}/v1/models").status_code == 401
+        browser.get(url + "/")
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "key-form").is_displayed())
+        set_field(browser, "key", "sesame")
+        browser.find_element(By.ID, "use-key").click()
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "mlxkv-demo")
+        assert not browser.find_element(By.ID, "key-form").is_displayed()
+        set_field(browser, "max-tokens", "6")
+        send(browser, "The import statement")
+        WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "figures").text.startswith("6 tokens,"))
+        assert "pages in use" in browser.find_element(By.ID, "figures").text  # /metrics, with the key
+    finally:
+        browser.quit()
+        stop_server(proc)

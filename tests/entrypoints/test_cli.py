@@ -110,12 +110,12 @@ def test_kv_line_counts_the_pages_one_request_used(checkpoint):
     "args, message",
     [
         (["--model", "/nonexistent/model"], "error: model path '/nonexistent/model' does not exist"),
-        (["--temp", "-1"], "error: temperature must be a number >= 0, got -1.0"),
-        (["--top-p", "1.5"], r"error: top_p must be a number in \(0, 1\], got 1.5"),
-        (["--kv-layout", "dense"], "error: kv_layout='dense' is not a KV layout"),
-        (["--kv-cache-memory", "lots"], "error: kv_cache_memory must be a size such as 2GB"),
-        (["--num-pages", "2", "--page-size", "4", "-m", "100"], "error: prompt of .* tokens plus max_tokens=100"),
-        (["--kv-bits", "2"], "error: kv_bits must be 8, 4 or None, got 2"),
+        (["--temp", "-1"], "error: --temperature/--temp must be a number >= 0, got -1.0"),
+        (["--top-p", "1.5"], r"error: --top-p must be a number in \(0, 1\], got 1.5"),
+        (["--kv-layout", "dense"], "error: --kv-layout must be 'paged' or 'contiguous', got 'dense'"),
+        (["--kv-cache-memory", "lots"], "error: --kv-cache-memory must be a size such as 2GB"),
+        (["--num-pages", "2", "--page-size", "4", "-m", "100"], "error: prompt of .* tokens plus --max-tokens=100"),
+        (["--kv-bits", "2"], "error: --kv-bits must be 8, 4 or None, got 2"),
         (["--kv-bits", "8"], "error: the model's head_dim=16 is not a multiple of 32"),
     ],
 )
@@ -291,3 +291,26 @@ def test_the_kv_line_says_what_the_prefix_cache_did(checkpoint, flags, figure):
     )
     assert result.exit_code == 0, result.output
     assert result.stdout.rstrip().endswith(f"in use holding tokens; {figure}")
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["generate", "--temp", "abc"], "error: Invalid value for '--temperature' / '--temp': "),
+        (["generate", "--max-tokens", "x"], "error: Invalid value for '--max-tokens' / '-m': "),
+        (["generate", "--no-such-flag"], "error: No such option: --no-such-flag"),
+        (["nonsense"], "error: No such command 'nonsense'."),
+    ],
+)
+def test_usage_errors_are_one_line_naming_the_flag_not_a_usage_block(args, line):
+    done = subprocess.run([sys.executable, "-m", "mlxkv", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith(line) and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_reset_in_chat_says_so(checkpoint):
+    result = runner.invoke(
+        app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "3", "--no-verbose"], input="The quick\n/reset\n"
+    )
+    assert result.exit_code == 0, result.output
+    assert ">> [conversation reset]\n>> " in result.stdout

@@ -136,8 +136,8 @@ def test_prompt_the_cache_can_never_hold_is_refused_and_nothing_is_held(checkpoi
     llm = LLM(str(checkpoint("llama-fp32")), num_pages=4, page_size=16)
     with pytest.raises(
         RequestTooLong,
-        match=r"prompt of 60 tokens plus max_tokens=10 needs 69 KV slots; "
-        r"one request can hold at most 64",
+        match=r"prompt of 60 tokens plus max_tokens=10 makes 70 tokens; "
+        r"one request can have at most 64",
     ):
         llm.generate([PROMPTS[0], list(range(60))], SamplingParams(max_tokens=10))
     assert llm.engine.cache.free_pages == 4
@@ -174,7 +174,7 @@ def test_model_loading_errors_are_specific(tmp_path, checkpoint):
 
 
 def test_unknown_layout_is_a_clear_error(checkpoint):
-    with pytest.raises(ValueError, match="kv_layout='ragged' is not a KV layout"):
+    with pytest.raises(ValueError, match="kv_layout must be 'paged' or 'contiguous', got 'ragged'"):
         LLM(str(checkpoint("llama-fp32")), kv_layout="ragged")
 
 

@@ -4,6 +4,9 @@ import asyncio
 import json
 import random
 import re
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -361,3 +364,64 @@ def test_a_request_that_fails_gets_a_500_or_an_error_event_and_the_rest_go_on(mo
     last = [e for e in streamed.text.split("\n\n") if e][-1]
     assert json.loads(last.removeprefix("data: "))["error"]["message"].endswith("sampler exploded")
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 4
+
+
+def test_each_choice_of_a_seeded_request_draws_its_own_reproducible_stream(client):
+    def texts(n, seed):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=16, n=n, temperature=1.5, seed=seed
+        )
+        return [c.message.content for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    three = texts(3, seed=7)
+    assert len(set(three)) == 3
+    assert texts(3, seed=7) == three  # reproducible
+    assert [texts(1, seed=7 + j)[0] for j in range(3)] == three  # choice j draws with seed + j
+
+
+def test_max_tokens_is_cut_to_exactly_what_the_context_leaves(client, reference):
+    _, tokenizer = reference
+    prompt = tokenizer.encode("The import statement")
+    done = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=100_000, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(prompt), 256 - len(prompt))
+    assert done.choices[0].finish_reason == "length"
+    last = client.completions.create(model=MODEL, prompt=list(range(1, 256)), max_tokens=50, temperature=0)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (255, 1)
+    with pytest.raises(openai.BadRequestError, match="the prompt has 256 tokens; this server holds at most 256"):
+        client.completions.create(model=MODEL, prompt=list(range(1, 257)), max_tokens=1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_take_a_batch_of_prompts_n_choices_each_in_openai_order(client, reference, stream):
+    generate, tokenizer = reference
+    texts = ["The import statement", "A class definition"]
+    expected = [generate(tokenizer.encode(t), 8) for t in texts]
+    for prompts in (texts, [tokenizer.encode(t) for t in texts]):
+        reply = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0, stream=stream)
+        if stream:
+            got = [""] * 4
+            for chunk in reply:
+                for choice in chunk.choices:
+                    got[choice.index] += choice.text
+        else:
+            assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+            got = [c.text for c in reply.choices]
+            assert reply.usage.prompt_tokens == sum(len(tokenizer.encode(t)) for t in texts)
+            assert reply.usage.completion_tokens == 4 * 8
+        assert got == [expected[0], expected[0], expected[1], expected[1]]
+    with pytest.raises(openai.BadRequestError, match="prompt 1: prompt token ids must be in"):
+        client.completions.create(model=MODEL, prompt=[[5, 6], [99_999]], max_tokens=2)
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line_before_loading_anything():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "mlxkv", "serve", "--port", str(port)], capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == 1
+    assert done.stderr == f"error: port {port} on 127.0.0.1 is in use (another server?); choose another with --port\n"

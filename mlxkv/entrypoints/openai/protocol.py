@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -68,8 +68,14 @@ class ChatBody(Body):
 
 
 class CompletionBody(Body):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them
     logprobs: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one, or OpenAI's batch (a list of strings or of token-id lists)."""
+        if isinstance(self.prompt, list) and any(isinstance(p, (str, list)) for p in self.prompt):
+            return cast("list[str | list[int]]", list(self.prompt))
+        return [cast("str | list[int]", self.prompt)]
 
 
 class APIError(Exception):
@@ -94,14 +100,17 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def usage_json(usages: list[Usage]) -> dict[str, Any]:
-    """OpenAI's `usage` for the choices of one request (they share its prompt)."""
-    prompt, completion = usages[0].prompt_tokens, sum(u.completion_tokens for u in usages)
+def usage_json(usages: list[Usage | None], per_prompt: int) -> dict[str, Any]:
+    """OpenAI's `usage` for the choices of one request, `per_prompt` choices per prompt: each
+    prompt is counted once, as its first choice computed it."""
+    done = [u for u in usages if u is not None]
+    firsts = [u for u in usages[::per_prompt] if u is not None]
+    prompt, completion = sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in done)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": usages[0].cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)},
     }
 
 

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -29,6 +30,18 @@ from ..prompts import prompt_ids
 from .protocol import APIError, Body, ChatBody, CompletionBody, sse, usage_json
 
 Event = tuple[int, RequestOutput] | None  # (choice index, output), or None for a keepalive
+Choice = tuple[list[int], SamplingParams]  # one choice's prompt and sampling
+
+
+def _choices(runs: list[Choice], n: int) -> list[Choice]:
+    """`n` choices of each prompt, in OpenAI's index order. With a seed, choice j of a prompt
+    draws with seed + j, so that each choice is its own reproducible stream (as OpenAI's and
+    vLLM's are), and choice 0 is what the same request with n=1 gives."""
+    return [
+        (prompt, params if params.seed is None or j == 0 else replace(params, seed=(params.seed + j) % 2**64))
+        for prompt, params in runs
+        for j in range(n)
+    ]
 
 
 class OpenAIServing:
@@ -40,7 +53,7 @@ class OpenAIServing:
         self.tokenizer = llm.engine.tokenizer
 
     async def chat(self, body: ChatBody, request: HTTPRequest) -> Any:
-        self._check(body)
+        self._check_model(body)
         try:
             prompt = prompt_ids(self.tokenizer, [m.as_template_input() for m in body.messages])
         except Exception as exc:
@@ -49,20 +62,26 @@ class OpenAIServing:
             raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = self._params(body, prompt, limit, (body.top_logprobs or 0) if body.logprobs else None)
-        return await self._respond(body, prompt, params, request, "chat.completion")
+        return await self._respond(body, _choices([(prompt, params)], body.n), request, "chat.completion")
 
     async def completions(self, body: CompletionBody, request: HTTPRequest) -> Any:
-        self._check(body)
-        try:
-            prompt = self.llm.engine.encode(body.prompt)
-        except (TypeError, ValueError) as exc:
-            raise APIError(400, str(exc), "prompt") from None
+        """One prompt, or a batch of them (OpenAI's list of strings or of token-id lists): choices
+        come prompt after prompt, `n` each."""
+        self._check_model(body)
         if body.logprobs is not None and not 0 <= body.logprobs <= 5:
             raise APIError(400, "logprobs must be an integer in [0, 5]", "logprobs")
-        params = self._params(body, prompt, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
-        return await self._respond(body, prompt, params, request, "text_completion")
+        batch = body.prompts()
+        runs = []
+        for index, text in enumerate(batch):
+            try:
+                prompt = self.llm.engine.encode(text)
+            except (TypeError, ValueError) as exc:
+                raise APIError(400, str(exc) if len(batch) == 1 else f"prompt {index}: {exc}", "prompt") from None
+            max_tokens = 16 if body.max_tokens is None else body.max_tokens
+            runs.append((prompt, self._params(body, prompt, max_tokens, body.logprobs)))
+        return await self._respond(body, _choices(runs, body.n), request, "text_completion")
 
-    def _check(self, body: Body) -> None:
+    def _check_model(self, body: Body) -> None:
         if body.model is not None and body.model != self.model_id:
             raise APIError(
                 404,
@@ -70,7 +89,9 @@ class OpenAIServing:
                 "model",
                 "model_not_found",
             )
-        if self.llm.engine.num_waiting + body.n > self.max_queue:
+
+    def _check_queue(self, choices: int) -> None:
+        if self.llm.engine.num_waiting + choices > self.max_queue:
             raise APIError(
                 503,
                 f"the server is busy ({self.max_queue} requests waiting); retry shortly",
@@ -82,11 +103,11 @@ class OpenAIServing:
     def _params(self, body: Body, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's sampling parameters for `body`; `max_tokens` is cut to the room the prompt leaves."""
         most = self.llm.engine.max_request_tokens
-        room = most - len(prompt) + 1
+        room = most - len(prompt)  # what the context leaves for the reply
         if room < 1:
             raise APIError(
                 400,
-                f"the prompt has {len(prompt)} tokens; this server holds at most {most} per request",
+                f"the prompt has {len(prompt)} tokens; this server holds at most {most} per request, prompt and reply",
                 None,
                 "context_length_exceeded",
             )
@@ -97,26 +118,27 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split()[0]) from None
 
-    async def _respond(
-        self, body: Body, prompt: list[int], params: SamplingParams, request: HTTPRequest, kind: str
-    ) -> Any:
+    async def _respond(self, body: Body, choices: list[Choice], request: HTTPRequest, kind: str) -> Any:
+        self._check_queue(len(choices))
         ident = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "created": int(time.time()), "model": self.model_id}
-        events = self._run(prompt, params, body.n, body.cache_salt)
+        events = self._run(choices, body.cache_salt)
+        n = len(choices)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._stream(events, head, kind, body.n, usage), media_type="text/event-stream")
-        return await until_done(self._collect(events, head, kind, body.n), request)
+            stream = self._stream(events, head, kind, n, body.n, usage)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return await until_done(self._collect(events, head, kind, n, body.n), request)
 
-    async def _run(
-        self, prompt: list[int], params: SamplingParams, n: int, salt: str | None
-    ) -> AsyncGenerator[Event, None]:
-        """The outputs of `n` choices for one prompt as they come, tagged by choice index; None
-        every `keepalive_s` without any. Leaving early aborts every choice still running."""
+    async def _run(self, choices: list[Choice], salt: str | None) -> AsyncGenerator[Event, None]:
+        """The outputs of every choice as they come, tagged by choice index; None every
+        `keepalive_s` without any. Leaving early aborts every choice still running."""
         queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
+        n = len(choices)
         timer = self.metrics.timer(n)
 
         async def pump(index: int) -> None:
+            prompt, params = choices[index]
             try:
                 async with aclosing(self.llm.outputs(prompt, params, cache_salt=salt)) as outputs:
                     async for output in outputs:
@@ -145,7 +167,7 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _collect(
-        self, events: AsyncGenerator[Event, None], head: dict[str, Any], kind: str, n: int
+        self, events: AsyncGenerator[Event, None], head: dict[str, Any], kind: str, n: int, per_prompt: int
     ) -> dict[str, Any]:
         text: list[str] = [""] * n
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
@@ -160,10 +182,16 @@ class OpenAIServing:
                 logprobs[index] += output.logprobs
                 reasons[index], usages[index] = output.finish_reason, output.usage
         choices = [self._choice(kind, i, text[i], reasons[i], logprobs[i], final=True) for i in range(n)]
-        return {**head, "object": kind, "choices": choices, "usage": usage_json([u for u in usages if u])}
+        return {**head, "object": kind, "choices": choices, "usage": usage_json(usages, per_prompt)}
 
     async def _stream(
-        self, events: AsyncGenerator[Event, None], head: dict[str, Any], kind: str, n: int, include_usage: bool
+        self,
+        events: AsyncGenerator[Event, None],
+        head: dict[str, Any],
+        kind: str,
+        n: int,
+        per_prompt: int,
+        include_usage: bool,
     ) -> AsyncIterator[str]:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
         usages: list[Usage | None] = [None] * n
@@ -205,7 +233,7 @@ class OpenAIServing:
                 yield sse(APIError(500, str(exc), kind="server_error").body())
                 return
         if include_usage:
-            yield sse({**head, "object": chunk_kind, "choices": [], "usage": usage_json([u for u in usages if u])})
+            yield sse({**head, "object": chunk_kind, "choices": [], "usage": usage_json(usages, per_prompt)})
         yield sse("[DONE]")
 
     def _choice(
