@@ -91,12 +91,14 @@ def _long_flags(item: Field[Any]) -> str:
 
 def in_flags(message: str) -> str:
     """`message` with the settings it names written as the flags a user types: `max_tokens must
-    be ...` is `--max-tokens must be ...`. A one-word name (`seed`) is replaced only where it is
-    the subject or an assignment, so that a word of English is not taken for it."""
+    be ...` is `--max-tokens must be ...`, and `8, 4 or None` is `8 or 4 (or left out)`. A one-word
+    name (`seed`) is replaced only where it is the subject or an assignment, so that a word of
+    English is not taken for it."""
     for item in (item for record in SETTINGS.values() for item in fields(record)):
         pattern = rf"\b{item.name}\b" if "_" in item.name else rf"\b{item.name}\b(?= must|=)"
         message = re.sub(pattern, _long_flags(item), message)
-    return message
+    message = re.sub(r", ([^,\s()\[\]]+) or None\b", r" or \1 or None", message)
+    return re.sub(r" or None\b", " (or left out)", message)
 
 
 def _cli_type(item: Field[Any], hint: Any) -> Any:

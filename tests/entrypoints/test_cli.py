@@ -115,7 +115,9 @@ def test_kv_line_counts_the_pages_one_request_used(checkpoint):
         (["--kv-layout", "dense"], "error: --kv-layout must be 'paged' or 'contiguous', got 'dense'"),
         (["--kv-cache-memory", "lots"], "error: --kv-cache-memory must be a size such as 2GB"),
         (["--num-pages", "2", "--page-size", "4", "-m", "100"], "error: prompt of .* tokens plus --max-tokens=100"),
-        (["--kv-bits", "2"], "error: --kv-bits must be 8, 4 or None, got 2"),
+        (["--kv-bits", "2"], r"error: --kv-bits must be 8 or 4 \(or left out\), got 2"),
+        (["--attention", "cuda"], r"error: --attention must be 'metal' or 'reference' \(or left out\), got 'cuda'"),
+        (["--seed", "-1"], r"error: --seed must be an integer in \[0, 2\*\*64\) \(or left out\), got -1"),
         (["--kv-bits", "8"], "error: the model's head_dim=16 is not a multiple of 32"),
     ],
 )
