@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import deque
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,6 +26,8 @@ from harness import DEFAULT_MODEL, blas_in_use, load_bench_model
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from progress import OPENBLAS, bar, expect, say
+from tqdm import tqdm
 
 from mlxkv import LLM, SamplingParams
 from mlxkv.config import EngineConfig
@@ -34,40 +35,46 @@ from mlxkv.engine import LLMEngine
 from mlxkv.models import load
 from mlxkv.models.random_model import make_checkpoint
 
+DEFAULTS_TAKE = 73  # seconds on progress.MACHINE (docs/benchmarks.md)
+
 PROMPT = "Write a short note on paged attention and why it saves memory."
 
 
-def mlx_lm_tps(model, tokenizer, prompt: list[int], tokens: int) -> float:
-    last = deque(stream_generate(model, tokenizer, prompt, max_tokens=tokens, sampler=make_sampler(0.0)), maxlen=1)[0]
-    assert last.generation_tokens == tokens, last.generation_tokens
-    return last.generation_tps
+def mlx_lm_tps(model, tokenizer, prompt: list[int], tokens: int, progress: tqdm) -> float:
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=tokens, sampler=make_sampler(0.0)):
+        progress.update()
+        generated, tps = response.generation_tokens, response.generation_tps
+    assert generated == tokens, generated
+    return tps
 
 
-def mlxkv_tps(llm: LLM, prompt: list[int], tokens: int) -> float:
+def mlxkv_tps(llm: LLM, prompt: list[int], tokens: int, progress: tqdm) -> float:
     stream = llm.stream(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
-    request = stream.request
+    request, counted = stream.request, 0
     for _ in stream:
-        pass
+        progress.update(len(request.output_ids) - counted)
+        counted = len(request.output_ids)
     assert len(request.output_ids) == tokens, len(request.output_ids)
     return (len(request.output_ids) - 1) / (request.finish_time - request.first_token_time)
 
 
-def single_stream(name: str, model, tokenizer, args) -> float:
+def single_stream(name: str, model, tokenizer, args, progress: tqdm) -> float:
     """Median generation tok/s of each engine, alternating; prints and returns mlxkv/mlx-lm."""
     llm = LLM((model, tokenizer), max_num_seqs=1)
     prompt = tokenizer.encode(PROMPT)
-    mlx_lm_tps(model, tokenizer, prompt, 8)
-    mlxkv_tps(llm, prompt, 8)
+    mlx_lm_tps(model, tokenizer, prompt, 8, tqdm(disable=True))
+    mlxkv_tps(llm, prompt, 8, tqdm(disable=True))
     theirs, ours = [], []
-    for _ in range(args.runs):
-        theirs.append(mlx_lm_tps(model, tokenizer, prompt, args.tokens))
-        ours.append(mlxkv_tps(llm, prompt, args.tokens))
+    for run in range(args.runs):
+        progress.set_description(f"{name}: single stream, run {run + 1}/{args.runs}")
+        theirs.append(mlx_lm_tps(model, tokenizer, prompt, args.tokens, progress))
+        ours.append(mlxkv_tps(llm, prompt, args.tokens, progress))
     ratio = statistics.median(ours) / statistics.median(theirs)
-    print(
+    say(
         f"{name}: mlx-lm {statistics.median(theirs):.1f} tok/s, mlxkv {statistics.median(ours):.1f} tok/s "
         f"(runs: {', '.join(f'{t:.0f}/{o:.0f}' for t, o in zip(theirs, ours))})"
     )
-    print(f"single_stream_ratio[{name}]={ratio:.3f}")
+    say(f"single_stream_ratio[{name}]={ratio:.3f}")
     return ratio
 
 
@@ -95,25 +102,27 @@ def mlxkv_steps(model, tokenizer, prompt: list[int], steps: int):
         yield time.perf_counter() - start, engine.last_step_wait
 
 
-def interleaved_steps(name: str, model, tokenizer, steps: int) -> None:
+def interleaved_steps(name: str, model, tokenizer, steps: int, progress: tqdm) -> None:
     """Median step, evaluation and host ms of each engine, stepping them alternately."""
     prompt = tokenizer.encode(PROMPT)
     engines = {"mlx-lm": mlx_lm_steps(model, prompt), "mlxkv": mlxkv_steps(model, tokenizer, prompt, steps)}
     times = {engine: [] for engine in engines}
     for steps_of in engines.values():  # warm up
         next(steps_of)
+    progress.set_description(f"{name}: interleaved steps")
     for _ in range(steps):
         for engine, steps_of in engines.items():
             times[engine].append(next(steps_of))
+        progress.update(2)
     medians = {
         engine: [1e3 * statistics.median(x) for x in ([s for s, _ in t], [w for _, w in t], [s - w for s, w in t])]
         for engine, t in times.items()
     }
-    print(
+    say(
         f"{name}, {steps} interleaved steps (ms: step / evaluation / host): "
         + ", ".join(f"{engine} {m[0]:.2f} / {m[1]:.2f} / {m[2]:.2f}" for engine, m in medians.items())
     )
-    print(f"step_ratio[{name}]={medians['mlx-lm'][0] / medians['mlxkv'][0]:.3f}")
+    say(f"step_ratio[{name}]={medians['mlx-lm'][0] / medians['mlxkv'][0]:.3f}")
 
 
 def host_per_step(model, tokenizer, sequences: int, steps: int) -> tuple[float, float]:
@@ -142,7 +151,7 @@ def host_per_step(model, tokenizer, sequences: int, steps: int) -> tuple[float, 
     return 1e3 * statistics.median(hosts), 1e3 * statistics.median(totals)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--runs", type=int, default=3)
@@ -150,21 +159,28 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tiny", type=Path, default=Path.home() / ".cache" / "mlxkv" / "bench-tiny")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
+    expect(DEFAULTS_TAKE, OPENBLAS)
     print(f"BLAS: {blas_in_use()}; MLX {mx.__version__}, device {mx.default_device()}")
+    progress = bar(2 * 2 * (args.runs + 1) * args.tokens, "", unit="tok")
     for name, loader in (("demo", lambda: load(None)), ("llama-100m", lambda: load_bench_model(args.model))):
+        progress.set_description(f"{name}: loading")
         model, tokenizer = loader()  # one model in memory at a time
-        single_stream(name, model, tokenizer, args)
-        interleaved_steps(name, model, tokenizer, args.tokens)
+        single_stream(name, model, tokenizer, args, progress)
+        interleaved_steps(name, model, tokenizer, args.tokens, progress)
+    progress.close()
     if not (args.tiny / "config.json").exists():
         make_checkpoint(args.tiny, "llama", "float32")
     tiny, tokenizer = load(args.tiny)
     print(f"\nhost time per decode step, tiny model ({args.steps} steps, median)")
     print(f"{'running':>8} {'host ms':>8} {'step ms':>8} {'host us/seq':>12}")
+    progress = bar(len(args.sequences), "host time per step", unit="batch")
     for sequences in args.sequences:
+        progress.set_description(f"host time per step, {sequences} running")
         host, total = host_per_step(tiny, tokenizer, sequences, args.steps)
-        print(f"{sequences:>8} {host:>8.2f} {total:>8.2f} {1e3 * host / sequences:>12.1f}")
+        progress.update()
+        say(f"{sequences:>8} {host:>8.2f} {total:>8.2f} {1e3 * host / sequences:>12.1f}")
 
 
 if __name__ == "__main__":

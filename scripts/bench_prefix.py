@@ -26,16 +26,20 @@ import numpy as np
 from harness import MODEL_HELP, load_bench_model
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from progress import OPENBLAS, bar, expect
+from tqdm import tqdm
 
 from mlxkv import LLMEngine, SamplingParams
 from mlxkv.config import EngineConfig
+
+DEFAULTS_TAKE = 477  # seconds on progress.MACHINE (docs/benchmarks.md)
 
 
 def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
-def mlxkv_chat(model, tokenizer, turns: list[list[int]], reply_len: int, caching: bool) -> dict:
+def mlxkv_chat(model, tokenizer, turns: list[list[int]], reply_len: int, caching: bool, progress: tqdm) -> dict:
     """TTFT per turn; each turn's prompt is the whole conversation so far plus the new message."""
     length = sum(map(len, turns)) + reply_len * len(turns)
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=length, prefix_caching=caching))
@@ -48,10 +52,11 @@ def mlxkv_chat(model, tokenizer, turns: list[list[int]], reply_len: int, caching
         cached.append(request.num_cached_tokens)
         replies.append(request.output_ids)
         conversation = request.all_token_ids
+        progress.update()
     return {"ttft": ttft, "cached": cached, "replies": replies}
 
 
-def mlx_lm_chat(model, turns: list[list[int]], reply_len: int) -> dict:
+def mlx_lm_chat(model, turns: list[list[int]], reply_len: int, progress: tqdm) -> dict:
     """The same chat through mlx-lm with one prompt cache: each call feeds only the new message
     (generate_step has fed every token it yielded, the last one included, into the cache)."""
     cache = make_prompt_cache(model)
@@ -65,13 +70,15 @@ def mlx_lm_chat(model, turns: list[list[int]], reply_len: int) -> dict:
                 ttft.append(time.perf_counter() - start)
             tokens.append(int(token))
         replies.append(tokens)
+        progress.update()
     return {"ttft": ttft, "replies": replies}
 
 
 def shared_prefix(
-    model, tokenizer, prompts: list[list[int]], output_len: int, caching: bool, max_num_seqs: int
+    model, tokenizer, prompts: list[list[int]], output_len: int, caching: bool, max_num_seqs: int, progress: tqdm
 ) -> dict:
-    """Every prompt at once; output throughput and mean TTFT from the common start."""
+    """Every prompt at once; output throughput and mean TTFT from the common start (`progress`
+    counts the tokens generated)."""
     engine = LLMEngine(
         model,
         tokenizer,
@@ -82,7 +89,7 @@ def shared_prefix(
     start = time.perf_counter()
     requests = [engine.add_request(p, SamplingParams(max_tokens=output_len, ignore_eos=True)) for p in prompts]
     while engine.has_unfinished():
-        engine.step()
+        progress.update(len(engine.step()))
     wall = time.perf_counter() - start
     return {
         "tok/s": sum(len(r.output_ids) for r in requests) / wall,
@@ -108,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    expect(DEFAULTS_TAKE, OPENBLAS)
     model, tokenizer = load_bench_model(args.model)
     rng = np.random.default_rng(args.seed)
 
@@ -115,16 +123,20 @@ def main(argv: list[str] | None = None) -> None:
         return rng.integers(1, model.args.vocab_size, n).tolist()
 
     turns = [words(args.turn_len) for _ in range(args.turns)]
+    progress = bar(3 * args.repeats * args.turns, "(a) chat", unit="turn")
     chats = {
-        "on": lambda: mlxkv_chat(model, tokenizer, turns, args.reply_len, True),
-        "off": lambda: mlxkv_chat(model, tokenizer, turns, args.reply_len, False),
-        "mlx-lm": lambda: mlx_lm_chat(model, turns, args.reply_len),
+        "on": lambda: mlxkv_chat(model, tokenizer, turns, args.reply_len, True, progress),
+        "off": lambda: mlxkv_chat(model, tokenizer, turns, args.reply_len, False, progress),
+        "mlx-lm": lambda: mlx_lm_chat(model, turns, args.reply_len, progress),
     }
     runs: dict[str, list[dict]] = {name: [] for name in chats}
     for repeat in range(args.repeats):
         order = list(chats)[repeat % 3 :] + list(chats)[: repeat % 3]  # no engine always goes first
         for name in order:
+            engine = "mlx-lm" if name == "mlx-lm" else f"mlxkv, prefix caching {name}"
+            progress.set_description(f"(a) chat, repeat {repeat + 1}/{args.repeats}: {engine}")
             runs[name].append(chats[name]())
+    progress.close()
     ttft = {name: np.median([r["ttft"] for r in results], axis=0) for name, results in runs.items()}
     on, ref = runs["on"][0], runs["mlx-lm"][0]
     print(
@@ -147,11 +159,14 @@ def main(argv: list[str] | None = None) -> None:
 
     system = words(args.system_len)
     prompts = [system + words(args.question_len) for _ in range(args.num_requests)]
-    shared_prefix(model, tokenizer, prompts[:2], 2, True, args.max_num_seqs)  # warm-up
-    shared = {
-        "prefix caching on": shared_prefix(model, tokenizer, prompts, args.output_len, True, args.max_num_seqs),
-        "prefix caching off": shared_prefix(model, tokenizer, prompts, args.output_len, False, args.max_num_seqs),
-    }
+    shared_prefix(model, tokenizer, prompts[:2], 2, True, args.max_num_seqs, tqdm(disable=True))  # warm-up
+    progress = bar(2 * args.num_requests * args.output_len, "", unit="tok")
+    shared = {}
+    for caching in (True, False):
+        name = f"prefix caching {'on' if caching else 'off'}"
+        progress.set_description(f"(b) shared system prompt, {name}")
+        shared[name] = shared_prefix(model, tokenizer, prompts, args.output_len, caching, args.max_num_seqs, progress)
+    progress.close()
     print(
         f"\n(b) {args.num_requests} requests sharing a {args.system_len}-token system prompt, "
         f"{args.question_len}-token questions, {args.output_len} tokens out, {args.max_num_seqs} at once"

@@ -29,8 +29,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 from harness import DEFAULT_MODEL, MODEL_HELP, load_bench_model
+from progress import OPENBLAS, bar, expect
+from tqdm import tqdm
 
 from mlxkv.models.random_model import TEXT
+
+DEFAULTS_TAKE = 83  # seconds on progress.MACHINE (docs/benchmarks.md)
 
 
 def free_port() -> int:
@@ -62,7 +66,9 @@ def peak_rss_gib(pid: int) -> float:
     return kib / 2**20
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int) -> dict:
+async def one_stream(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int, progress: tqdm
+) -> dict:
     """One streaming completion: its token times, the tokens its usage reports, and how many
     times the connection was refused or reset before the first token (then it is retried)."""
     body = {
@@ -86,6 +92,7 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: st
                         tokens = chunk["usage"]["completion_tokens"]
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
                         times.append(time.perf_counter())
+                        progress.update()
             return {"start": start, "times": times, "tokens": tokens, "retries": retries}
         except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
             if times:
@@ -94,14 +101,15 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, prompt: st
             await asyncio.sleep(0.05)
 
 
-async def load(url: str, model: str, prompts: list[str], concurrency: int, output_len: int) -> dict:
-    """`concurrency` clients share `prompts`, one request at a time each."""
+async def load(url: str, model: str, prompts: list[str], concurrency: int, output_len: int, progress: tqdm) -> dict:
+    """`concurrency` clients share `prompts`, one request at a time each; `progress` counts the
+    streamed chunks that carry text."""
     queue = list(prompts)
     results: list[dict] = []
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while queue:
-            results.append(await one_stream(client, url, model, queue.pop(), output_len))
+            results.append(await one_stream(client, url, model, queue.pop(), output_len, progress))
 
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
@@ -165,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    expect(DEFAULTS_TAKE, OPENBLAS)
     load_bench_model(args.model)  # builds the default model if needed, and says what runs it
     model = str(args.model or DEFAULT_MODEL)
     rng = np.random.default_rng(args.seed)
@@ -180,12 +189,16 @@ def main(argv: list[str] | None = None) -> None:
     rows: dict[tuple[str, int], dict] = {}
     logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     print(f"server logs: {logs}")
+    progress = bar(2 * sum(map(len, workloads.values())) * args.output_len, "", unit="tok")
     for name, command in servers(model, port := free_port(), args.max_model_len).items():
+        progress.set_description(f"{name}: starting")
         proc = launch(command, port, logs / f"{name}.log")
+        url = f"http://127.0.0.1:{port}"
         try:
-            asyncio.run(load(f"http://127.0.0.1:{port}", model, ["warm up"] * 2, 2, 4))
+            asyncio.run(load(url, model, ["warm up"] * 2, 2, 4, tqdm(disable=True)))
             for c in args.concurrency:
-                rows[name, c] = asyncio.run(load(f"http://127.0.0.1:{port}", model, workloads[c], c, args.output_len))
+                progress.set_description(f"{name}: {c} clients")
+                rows[name, c] = asyncio.run(load(url, model, workloads[c], c, args.output_len, progress))
             peak = peak_rss_gib(proc.pid)
         finally:
             proc.terminate()
@@ -193,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         for c in args.concurrency:
             rows[name, c]["peak RSS GiB"] = peak
 
+    progress.close()
     columns = ["tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "peak RSS GiB", "retries"]
     print(f"{'server':16}{'clients':>8}" + "".join(f"{c:>14}" for c in columns))
     for (name, c), row in sorted(rows.items(), key=lambda item: (item[0][1], item[0][0])):

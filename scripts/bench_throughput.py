@@ -35,10 +35,14 @@ from harness import (
     run_mlxkv,
     runnable,
 )
+from progress import OPENBLAS, bar, expect
+from tqdm import tqdm
 
 from mlxkv import SamplingParams
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
+
+DEFAULTS_TAKE = 1376  # seconds on progress.MACHINE (docs/benchmarks.md)
 
 
 def make_workload(args, vocab_size: int) -> Workload:
@@ -53,8 +57,8 @@ def make_workload(args, vocab_size: int) -> Workload:
     return Workload(prompts, outputs, arrivals.tolist())
 
 
-def long_prompt_latency(model, tokenizer, length: int, chunk: int | None) -> dict[str, float]:
-    """ITL of 8 running decodes while one `length`-token prompt is prefilled."""
+def long_prompt_latency(model, tokenizer, length: int, chunk: int | None, progress: tqdm) -> dict[str, float]:
+    """ITL of 8 running decodes while one `length`-token prompt is prefilled (`progress` counts its tokens)."""
     budget = chunk or length + 8
     engine = LLMEngine(
         model, tokenizer, EngineConfig(max_num_seqs=9, max_num_batched_tokens=budget, max_model_len=length + 64)
@@ -65,11 +69,13 @@ def long_prompt_latency(model, tokenizer, length: int, chunk: int | None) -> dic
     while any(not r.output_ids for r in decodes):
         engine.step()
     long = engine.add_request(list(range(1, length + 1)), SamplingParams(max_tokens=1, ignore_eos=True))
-    times, start = [], time.perf_counter()
+    times, start, computed = [], time.perf_counter(), 0
     last = {r.request_id: start for r in decodes}
     while long.finish_reason is None:
         outputs = engine.step()
         now = time.perf_counter()
+        progress.update(long.num_computed - computed)
+        computed = long.num_computed
         for out in outputs:
             if out.request_id in last:
                 times.append(now - last[out.request_id])
@@ -116,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    expect(DEFAULTS_TAKE, OPENBLAS)
     model, tokenizer = load_bench_model(args.model)
     workload = make_workload(args, model.args.vocab_size)
     print(
@@ -126,7 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     warm = Workload([[1, 2, 3]] * 2, [4, 4], [0.0, 0.0])
     bytes_per_token = model_kv_bytes_per_token(model)
     run_mlx_lm(model, warm, 2, bytes_per_token)
-    reference = run_mlx_lm(model, workload, args.max_num_seqs, bytes_per_token)
+    equal_kv = f"equal KV, cap {args.num_requests}"
+    bits = [b for b in args.kv_bits if runnable(model, EngineConfig(kv_bits=b), f"mlxkv {b}-bit {equal_kv}")]
+    total = 3 + len(bits)
+    progress = bar(total * sum(workload.output_lens), f"run 1/{total}: mlx-lm BatchGenerator", unit="tok")
+    reference = run_mlx_lm(model, workload, args.max_num_seqs, bytes_per_token, progress)
     small = EngineConfig(
         page_size=args.page_size,
         max_num_seqs=args.max_num_seqs,
@@ -136,17 +147,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     equal = replace(small, kv_cache_memory=reference.peak_allocated, max_num_seqs=args.num_requests)
     plans = [(f"mlxkv {args.kv_fraction:g}x KV, cap {args.max_num_seqs}", small)]
-    plans += [
-        (f"mlxkv{f' {b}-bit' if b else ''} equal KV, cap {args.num_requests}", replace(equal, kv_bits=b))
-        for b in [None] + args.kv_bits
-    ]
-    plans = [(name, config) for name, config in plans if runnable(model, config, name)]
+    plans += [(f"mlxkv{f' {b}-bit' if b else ''} {equal_kv}", replace(equal, kv_bits=b)) for b in [None, *bits]]
     runs, engines = [reference], {}
-    for name, config in plans:
+    for number, (name, config) in enumerate(plans, start=2):
+        progress.set_description(f"run {number}/{total}: {name}")
         run_mlxkv(model, tokenizer, warm, config, "warm-up")
-        run, engines[name] = run_mlxkv(model, tokenizer, workload, config, name)
+        run, engines[name] = run_mlxkv(model, tokenizer, workload, config, name, progress)
         assert all(len(run.token_times[i]) == n for i, n in enumerate(workload.output_lens))
         runs.append(run)
+    progress.close()
 
     rows = {
         r.name: r.latency(workload)
@@ -166,13 +175,14 @@ def main(argv: list[str] | None = None) -> None:
             f"of it, at most {most} sequences at once, {engine.scheduler.num_preemptions} preemptions"
         )
     if args.long_prompt:
+        progress = bar(2 * args.long_prompt, "long prompt, chunked then not", unit="tok")
+        latency = {
+            "chunked (512 tokens/step)": long_prompt_latency(model, tokenizer, args.long_prompt, 512, progress),
+            "not chunked": long_prompt_latency(model, tokenizer, args.long_prompt, None, progress),
+        }
+        progress.close()
         print(f"\n8 decodes while a {args.long_prompt}-token prompt is prefilled (mlxkv):")
-        print_table(
-            {
-                "chunked (512 tokens/step)": long_prompt_latency(model, tokenizer, args.long_prompt, 512),
-                "not chunked": long_prompt_latency(model, tokenizer, args.long_prompt, None),
-            }
-        )
+        print_table(latency)
     base = rows["mlx-lm BatchGenerator"]["tok/s"]
     ratios = {name: rows[name]["tok/s"] / base for name, _ in plans}
     quantized = [f"throughput_ratio_{config.kv_bits}bit={ratios[name]:.3f}" for name, config in plans[2:]]

@@ -33,6 +33,7 @@ from harness import (
     runnable,
 )
 from mlx_lm import load as mlx_lm_load
+from progress import FLOAT16, bar, expect
 
 from mlxkv.cache.storage import dtype_name
 from mlxkv.config import EngineConfig, parse_memory
@@ -42,6 +43,7 @@ from mlxkv.models.loading import DEMO_MODEL, model_context
 
 PAGE_SIZES = (8, 16, 32, 64)
 KV_BITS = (8, 4)
+DEFAULTS_TAKE = 1006  # seconds on progress.MACHINE (docs/benchmarks.md)
 
 
 def make_workload(args, vocab_size: int, max_len: int) -> Workload:
@@ -148,25 +150,33 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     budget = parse_memory(args.kv_budget)
+    expect(DEFAULTS_TAKE, FLOAT16)
     model, tokenizer = mlx_lm_load(str(args.model))
     max_len = context_length(args.max_model_len, model_context(model))
     workload = make_workload(args, model.args.vocab_size, max_len)
     bytes_per_token = model_kv_bytes_per_token(model)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    runs: dict[str, Run] = {}
     common = dict(max_num_seqs=args.max_num_seqs, max_model_len=max_len)
-    for size in PAGE_SIZES:
-        config = EngineConfig(kv_layout="paged", page_size=size, **common)
-        runs[f"mlxkv paged (pages of {size})"] = run_mlxkv(model, tokenizer, workload, config, f"paged {size}")[0]
-    for bits in KV_BITS:
-        config = EngineConfig(kv_layout="paged", page_size=16, kv_bits=bits, **common)
-        name = f"mlxkv paged {bits}-bit (pages of 16)"
-        if runnable(model, config, name):
-            runs[name] = run_mlxkv(model, tokenizer, workload, config, f"{bits}-bit")[0]
-    config = EngineConfig(kv_layout="contiguous", **common)
-    runs["mlxkv contiguous"] = run_mlxkv(model, tokenizer, workload, config, "contiguous")[0]
-    runs["mlx-lm BatchGenerator"] = run_mlx_lm(model, workload, args.max_num_seqs, bytes_per_token)
+    paged = {
+        f"mlxkv paged (pages of {size})": EngineConfig(kv_layout="paged", page_size=size, **common)
+        for size in PAGE_SIZES
+    }
+    paged |= {
+        f"mlxkv paged {bits}-bit (pages of 16)": EngineConfig(kv_layout="paged", page_size=16, kv_bits=bits, **common)
+        for bits in KV_BITS
+    }
+    plans: dict[str, EngineConfig | None] = {name: c for name, c in paged.items() if runnable(model, c, name)}
+    plans |= {"mlxkv contiguous": EngineConfig(kv_layout="contiguous", **common), "mlx-lm BatchGenerator": None}
+    runs: dict[str, Run] = {}
+    progress = bar(len(plans) * sum(workload.output_lens), "", unit="tok")
+    for i, (name, config) in enumerate(plans.items()):
+        progress.set_description(f"run {i + 1}/{len(plans)}: {name}")
+        if config is None:
+            runs[name] = run_mlx_lm(model, workload, args.max_num_seqs, bytes_per_token, progress)
+        else:
+            runs[name] = run_mlxkv(model, tokenizer, workload, config, name, progress)[0]
+    progress.close()
 
     rows = {name: summarise(run, workload, budget) for name, run in runs.items()}
     floor = 100 * page_floor(runs["mlxkv paged (pages of 16)"], 16)
@@ -188,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     charts = plot(args.out, runs, rows)
     print((args.out / "layout-comparison.md").read_text())
-    print("charts: " + (", ".join(charts) if charts else "none (pip install 'mlxkv[plot]' for PNG charts)"))
+    print("charts: " + (", ".join(charts) if charts else "none (pip install -e '.[bench]' for PNG charts)"))
     paged, contiguous, mlx_lm = (
         rows[n] for n in ("mlxkv paged (pages of 16)", "mlxkv contiguous", "mlx-lm BatchGenerator")
     )

@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import BatchGenerator
+from tqdm import tqdm
 
 from mlxkv import SamplingParams
 from mlxkv.cache.storage import check_quantization, kv_bytes_per_token
@@ -36,7 +37,7 @@ def blas_in_use() -> str:
     for name in ("openblas", "mkl", "blis"):
         if f"lib{name}" in maps:
             return f"{name} (loaded into the process)"
-    return "the reference BLAS bundled with mlx[cpu] (slow; see the README for OpenBLAS)"
+    return "the reference BLAS bundled with mlx[cpu] (slow at float32; docs/benchmarks.md: preloading OpenBLAS)"
 
 
 def load_bench_model(path: Path | None):
@@ -140,8 +141,9 @@ def _arrived(pending: list[int], workload: Workload, start: float) -> tuple[list
     return [i for i, d in zip(pending, due) if d], [i for i, d in zip(pending, due) if not d]
 
 
-def run_mlx_lm(model, workload: Workload, max_num_seqs: int, bytes_per_token: int) -> Run:
-    """mlx-lm's BatchGenerator: continuous batching over a dense, left-padded cache."""
+def run_mlx_lm(model, workload: Workload, max_num_seqs: int, bytes_per_token: int, progress: tqdm | None = None) -> Run:
+    """mlx-lm's BatchGenerator: continuous batching over a dense, left-padded cache; `progress`
+    counts the tokens it generates."""
     gen = BatchGenerator(model, completion_batch_size=max_num_seqs, prefill_batch_size=min(8, max_num_seqs))
     run = Run("mlx-lm BatchGenerator", bytes_per_token)
     pending, live = list(range(workload.size)), {}
@@ -157,6 +159,8 @@ def run_mlx_lm(model, workload: Workload, max_num_seqs: int, bytes_per_token: in
             continue
         _, responses = gen.next()
         now = time.perf_counter()
+        if progress is not None:
+            progress.update(len(responses))
         for r in responses:
             run.token_times.setdefault(live[r.uid], []).append(now)
             if r.finish_reason is not None:
@@ -187,8 +191,10 @@ def _mlx_lm_sample(gen: BatchGenerator, live: dict[int, int], workload: Workload
     )
 
 
-def run_mlxkv(model, tokenizer, workload: Workload, config: EngineConfig, name: str) -> tuple[Run, LLMEngine]:
-    """mlxkv's engine in either layout."""
+def run_mlxkv(
+    model, tokenizer, workload: Workload, config: EngineConfig, name: str, progress: tqdm | None = None
+) -> tuple[Run, LLMEngine]:
+    """mlxkv's engine in either layout; `progress` counts the tokens it generates."""
     engine = LLMEngine(model, tokenizer, config)
     run = Run(name, engine.cache.storage.bytes_per_token, pool_bytes=engine.cache.nbytes)
     pending = list(range(workload.size))
@@ -204,6 +210,8 @@ def run_mlxkv(model, tokenizer, workload: Workload, config: EngineConfig, name: 
             )
         outputs = engine.step()
         now = time.perf_counter()
+        if progress is not None:
+            progress.update(len(outputs))
         for out in outputs:
             run.token_times.setdefault(int(out.request_id), []).append(now)
         usage = engine.cache.usage()

@@ -25,12 +25,16 @@ import mlx.core as mx
 import numpy as np
 from harness import blas_in_use, runnable
 from mlx_lm import load as mlx_lm_load
+from progress import FLOAT16, bar, expect, say
+from tqdm import tqdm
 
 from mlxkv import KVCacheManager
 from mlxkv.attention import AttentionSpec, choose_attention
 from mlxkv.config import EngineConfig
 from mlxkv.engine.model_runner import ModelRunner, kv_shape, layer_variants
 from mlxkv.models.loading import DEMO_MODEL
+
+DEFAULTS_TAKE = 140  # seconds on progress.MACHINE (docs/benchmarks.md)
 
 MODULES = (
     "argparse",
@@ -79,9 +83,12 @@ class Scores:
     count: int = 0
 
 
-def score(model, windows: list[np.ndarray], formats: list, group_size: int, page_size: int, chunk: int) -> dict:
+def score(
+    model, windows: list[np.ndarray], formats: list, group_size: int, page_size: int, chunk: int, progress: tqdm
+) -> dict:
     """Run every window through one paged cache per KV format (bits, None for floats) in step;
-    compare each format's next-token distributions with the float pages' at every position."""
+    compare each format's next-token distributions with the float pages' at every position
+    (`progress` counts the tokens scored)."""
     layers, kv_heads, head_dim, dtype = kv_shape(model)
 
     def runner(bits: int | None) -> ModelRunner:
@@ -130,13 +137,16 @@ def score(model, windows: list[np.ndarray], formats: list, group_size: int, page
                 got.agree += (mx.argmax(lp, axis=-1) == mx.argmax(reference, axis=-1)).sum().item()
                 got.count += len(ids)
             mx.eval([runner.cache.tensors for runner in runners.values()])
+            progress.update(len(ids))
         for bits, runner in runners.items():
             runner.cache.release(seqs[bits])
     return scores
 
 
 def windows_of(tokenizer, text: str, window: int, limit: int) -> list[np.ndarray]:
-    ids = np.asarray(tokenizer.encode(text), np.int32)[:limit]
+    """The text's first `limit` tokens in windows of `window` (the whole text is encoded at once,
+    longer than the model's context, hence `verbose=False` against transformers' warning)."""
+    ids = np.asarray(tokenizer.encode(text, verbose=False), np.int32)[:limit]
     return [ids[lo : lo + window] for lo in range(0, len(ids), window) if len(ids) - lo > 1]
 
 
@@ -155,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-group-size", type=int, default=64, choices=[32, 64, 128])
     args = parser.parse_args(argv)
 
+    expect(DEFAULTS_TAKE, FLOAT16)
     model, tokenizer = mlx_lm_load(str(args.model))
     dtype = str(kv_shape(model)[3]).split(".")[-1]
     print(
@@ -171,28 +182,31 @@ def main(argv: list[str] | None = None) -> None:
         for bits in FORMATS
         if bits is None or runnable(model, EngineConfig(kv_bits=bits, kv_group_size=args.kv_group_size), f"{bits}-bit")
     ]
+    windows = {name: windows_of(tokenizer, text, args.window, args.max_tokens) for name, text in texts.items()}
+    progress = bar(sum(len(w) - 1 for ws in windows.values() for w in ws), "", unit="tok")
     ratios = {}
-    for name, text in texts.items():
-        windows = windows_of(tokenizer, text, args.window, args.max_tokens)
-        scores = score(model, windows, formats, args.kv_group_size, args.page_size, args.chunk)
-        print(
-            f"\n{name} text: {sum(map(len, windows))} tokens in {len(windows)} windows of up to {args.window}"
+    for name, cut in windows.items():
+        progress.set_description(f"{name} text, {len(formats)} KV formats")
+        scores = score(model, cut, formats, args.kv_group_size, args.page_size, args.chunk, progress)
+        say(
+            f"\n{name} text: {sum(map(len, cut))} tokens in {len(cut)} windows of up to {args.window}"
             + (
                 f" (docstrings of {len(MODULES)} standard-library modules)"
                 if name == "held-out"
                 else " (the language reference the demo model learnt)"
             )
         )
-        print(f"{'KV pages':>26} {'perplexity':>11} {'vs float':>9} {'KL nats/token':>14} {'same top-1':>11}")
+        say(f"{'KV pages':>26} {'perplexity':>11} {'vs float':>9} {'KL nats/token':>14} {'same top-1':>11}")
         base = math.exp(scores[None].nll / scores[None].count)
         for bits, got in scores.items():
             ppl = math.exp(got.nll / got.count)
             label = dtype if bits is None else f"{bits}-bit, groups of {args.kv_group_size}"
-            print(
+            say(
                 f"{label:>26} {ppl:>11.3f} {100 * (ppl / base - 1):>+8.2f}% {got.kl / got.count:>14.5f} "
                 f"{100 * got.agree / got.count:>10.2f}%"
             )
             ratios[(name, bits)] = ppl / base
+    progress.close()
     print(
         "\n"
         + " ".join(

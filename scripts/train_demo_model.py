@@ -5,9 +5,7 @@ The corpus is the Python language reference that every CPython carries offline
 with `tokenizers`; the model is mlx-lm's own `llama` class, saved in the mlx-lm directory
 format, so it loads through exactly the code path of any mlx-community checkpoint.
 
-Fast only with a real BLAS under MLX's CPU build, e.g.:
-    pip install cmeel-openblas   # needs libgfortran5
-    LD_PRELOAD=.../cmeel.prefix/lib/libopenblas.so.0 python scripts/train_demo_model.py
+Fast only with a real BLAS under MLX's CPU build (docs/benchmarks.md, Speed on Linux).
 """
 
 from __future__ import annotations
@@ -26,8 +24,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from progress import OPENBLAS, bar, expect, say
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+DEFAULTS_TAKE = 26 * 60  # seconds on progress.MACHINE, OpenBLAS preloaded (docs/benchmarks.md)
 EOS = "<|endoftext|>"
 CONFIG = dict(
     model_type="llama",
@@ -97,7 +97,7 @@ def save(model: nn.Module, tokenizer: Tokenizer, out: Path, meta: dict) -> None:
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "mlxkv" / "demo_model")
     parser.add_argument("--steps", type=int, default=1200)
@@ -105,8 +105,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps must be at least 2, got {args.steps}")
 
+    expect(DEFAULTS_TAKE, OPENBLAS)
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
     docs = corpus()
@@ -117,8 +120,10 @@ def main() -> None:
     model = llama.Model(llama.ModelArgs(**CONFIG))
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"model: {params / 1e6:.2f}M parameters")
+    warmup = min(100, args.steps // 10 + 1)  # 100 steps of the default 1,200
     schedule = optim.join_schedules(
-        [optim.linear_schedule(0.0, args.lr, 100), optim.cosine_decay(args.lr, args.steps - 100, args.lr / 20)], [100]
+        [optim.linear_schedule(0.0, args.lr, warmup), optim.cosine_decay(args.lr, args.steps - warmup, args.lr / 20)],
+        [warmup],
     )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.1)
 
@@ -128,15 +133,18 @@ def main() -> None:
     step_fn = nn.value_and_grad(model, loss_fn)
     start = time.perf_counter()
     data = batches(tokens, args.batch, args.seq_len, rng)
+    progress = bar(args.steps, "training", unit="step")
     for step in range(1, args.steps + 1):
         inputs, targets = next(data)
         loss, grads = step_fn(model, inputs, targets)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss)
+        progress.update()
         if step % 100 == 0 or step == 1:
-            elapsed = time.perf_counter() - start
-            print(f"step {step}: loss {loss.item():.3f} ({elapsed:.0f}s)", flush=True)
+            progress.set_postfix(loss=f"{loss.item():.3f}")
+            say(f"step {step}: loss {loss.item():.3f} ({time.perf_counter() - start:.0f}s)")
+    progress.close()
     meta = dict(
         vars(args),
         out=None,

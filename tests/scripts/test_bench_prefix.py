@@ -33,6 +33,7 @@ def test_a_small_run_reuses_all_but_the_new_tokens_and_prints_the_summary(checkp
         ]
     )
     out = capsys.readouterr().out
+    assert out.startswith("With its defaults this takes about ")
     rows = re.findall(r"^ +(\d) +(\d+) +(\d+) +(\d+) +[\d.]+ +[\d.]+ +[\d.]+$", out, re.MULTILINE)
     assert [(turn, computed) for turn, _, _, computed in rows] == [("1", "20"), ("2", "21"), ("3", "21")]
     assert "replies identical with caching on and off: True; equal to mlx-lm's: True" in out

@@ -27,6 +27,7 @@ def test_a_small_run_drives_both_servers_and_prints_the_summary(checkpoint, caps
         ]
     )
     out = capsys.readouterr().out
+    assert out.startswith("With its defaults this takes about ")
     rows = re.findall(r"^(mlx_lm\.server|mlxkv serve) +(\d+) +([\d.]+) ", out, re.MULTILINE)
     assert sorted((name, clients) for name, clients, _ in rows) == [
         ("mlx_lm.server", "1"),

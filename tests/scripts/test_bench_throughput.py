@@ -18,6 +18,7 @@ def test_quantized_runs_the_model_cannot_run_are_skipped_with_one_line_each(chec
     """head_dim 16 fits no KV group size, so its quantized runs are skipped; head_dim 64 runs them all."""
     bench_throughput.main(["--model", str(checkpoint(model)), *SMALL])
     out = capsys.readouterr().out
+    assert out.startswith("With its defaults this takes about ")
     lines = [line for line in out.splitlines() if line.startswith("skipped: ")]
     assert len(lines) == len(skipped)
     for bits, line in zip(skipped, lines):
