@@ -5,8 +5,9 @@ out in shuffled order) and also laid out contiguously per sequence; both attenti
 them and the script prints the K/V bytes read per second and the paged/SDPA time ratio.
 With `--kv-bits` both hold quantized K/V and the baseline is mlx-lm's own quantized attention
 (`mx.quantized_matmul` over the packed K/V, as its `QuantizedKVCache` runs).
-On a Mac this times the Metal kernels; elsewhere it times the pure-MLX reference path
-(there is no Metal) and says so. `--prefill` (a Mac) times prefill chunks of growing length on
+On a Mac this times the Metal kernels; elsewhere, where there is no Metal, it counts them in
+the simulator as `--model` does and says so (`--reference` times the pure-MLX reference path
+there instead). `--prefill` (a Mac) times prefill chunks of growing length on
 the paged kernel against MLX's SDPA over the gathered pages, the choice `PREFILL_FROM` makes.
 
 `--model` runs anywhere: the kernels run in the project's CPU simulator, which counts what a
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import subprocess
 import sys
 import tempfile
@@ -33,6 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
+from progress import FLOAT16, bar, expect, say
 
 from mlxkv import KVBatch, reference_attention
 from mlxkv.attention.kernels import PARTITION, THREADGROUPS_PER_CORE, PagedAttentionKernels, launch_shape
@@ -41,6 +44,11 @@ from mlxkv.cache.storage import QuantizedPages, kv_bytes_per_token
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "b728b4a"  # the kernels before the tiled, reduce-scatter decode (issue 16)
+PREFILL_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+# seconds the defaults take on progress.MACHINE (docs/benchmarks.md)
+MODEL_TAKES = 107  # --model, its kernels already compiled
+REFERENCE_TAKES = 1440  # --reference
+SIMULATOR = "kernels compiled by an earlier run; the first run compiles them with clang, minutes more"
 
 
 def timed(fn, repeats: int) -> float:
@@ -93,6 +101,7 @@ def prefill(args) -> None:
     if not mx.metal.is_available():
         print("--prefill times the Metal kernel against SDPA, which needs a Mac (no Metal on this machine)")
         return
+    progress = bar(len(PREFILL_CHUNKS), "prefill chunks", unit="chunk")
     kernels, dtype = PagedAttentionKernels(), getattr(mx, args.dtype)
     context, bs, d = args.contexts[0], args.page_size, args.head_dim
     pages = -(-context // bs)
@@ -100,13 +109,16 @@ def prefill(args) -> None:
     table = np.random.default_rng(0).permutation(pages).astype(np.int32)
     print(f"prefill chunks at context {context}, {args.q_heads}/{args.kv_heads} heads, head_dim {d}, {args.dtype}")
     print(f"{'chunk':>6} {'paged ms':>9} {'SDPA ms':>8} {'paged/SDPA':>11}")
-    for length in (1, 2, 4, 8, 16, 32, 64, 128, 512):
+    for length in PREFILL_CHUNKS:
+        progress.set_description(f"prefill chunks of {length}")
         q = mx.random.normal((length, args.q_heads, d)).astype(dtype)
         batch = KVBatch((0,), np.array([length], np.int32), np.array([context], np.int32), table[None], bs)
         mx.eval(q, k_pages, v_pages)
         paged = timed(partial(kernels.paged, q, k_pages, v_pages, batch, d**-0.5), args.repeats)
         sdpa = timed(partial(chunk_attention, q, k_pages, v_pages, table, context, d**-0.5), args.repeats)
-        print(f"{length:>6} {paged * 1e3:>9.3f} {sdpa * 1e3:>8.3f} {paged / sdpa:>11.2f}")
+        progress.update()
+        say(f"{length:>6} {paged * 1e3:>9.3f} {sdpa * 1e3:>8.3f} {paged / sdpa:>11.2f}")
+    progress.close()
 
 
 # ---- the cost model ------------------------------------------------------------------------
@@ -252,6 +264,7 @@ def contenders(gpu: Gpu, rev: str) -> list[Contender]:
 
 def model(args) -> None:
     """The counter table for decode batches, this tree's kernels beside `--baseline`'s."""
+    expect(MODEL_TAKES, SIMULATOR)
     gpu, kv_heads = Gpu(), args.kv_heads
     rivals = contenders(gpu, args.baseline)
     print(
@@ -270,30 +283,35 @@ def model(args) -> None:
         f"{'est GB/s':>8} {'of BW':>6}"
     )
     counted: dict = {}
-    for head_dim in args.model_head_dims:
-        for group in args.model_groups:
-            for context in args.model_contexts:
-                for batch in args.model_batches:
-                    for rival in rivals:
-                        split = rival.splits(batch * kv_heads * group // rival.heads(group, head_dim), context)
-                        key = (rival.name, context, group, head_dim, split)
-                        if key not in counted:
-                            counted[key] = count(rival.kernels, context, group, head_dim, split)
-                        _row(
-                            batch,
-                            context,
-                            group,
-                            head_dim,
-                            rival.name,
-                            split,
-                            counted[key],
-                            kv_heads,
-                            rival.in_flight(group, head_dim),
-                            gpu,
-                        )
+    rows = list(
+        itertools.product(args.model_head_dims, args.model_groups, args.model_contexts, args.model_batches, rivals)
+    )
+    progress = bar(len(rows), "", unit="row")
+    for head_dim, group, context, batch, rival in rows:
+        progress.set_description(f"simulating {rival.name} kernels, head_dim {head_dim}, G {group}, context {context}")
+        split = rival.splits(batch * kv_heads * group // rival.heads(group, head_dim), context)
+        key = (rival.name, context, group, head_dim, split)
+        if key not in counted:
+            counted[key] = count(rival.kernels, context, group, head_dim, split)
+        progress.update()
+        say(
+            _row(
+                batch,
+                context,
+                group,
+                head_dim,
+                rival.name,
+                split,
+                counted[key],
+                kv_heads,
+                rival.in_flight(group, head_dim),
+                gpu,
+            )
+        )
+    progress.close()
 
 
-def _row(batch, context, group, head_dim, name, split, launches, kv_heads, in_flight, gpu) -> None:
+def _row(batch, context, group, head_dim, name, split, launches, kv_heads, in_flight, gpu) -> str:
     kv = 2 * context * head_dim * 2  # K and V of one KV head, float16
     total = {
         f: sum(getattr(c, f) for c in launches)
@@ -311,7 +329,7 @@ def _row(batch, context, group, head_dim, name, split, launches, kv_heads, in_fl
     }
     main = launches[0]
     rate = kv * batch * kv_heads / estimate(launches, batch * kv_heads, in_flight, group, head_dim, context, gpu)
-    print(
+    return (
         f"{batch:>5} {context:>6} {group:>2} {head_dim:>4} {name:>8} {'yes' if split else 'no':>5} "
         f"{main.threads:>5} {main.threadgroup_memory:>7} "
         f"{(total['read_bytes'] + total['written_bytes']) / kv:>7.3f} "
@@ -322,7 +340,45 @@ def _row(batch, context, group, head_dim, name, split, launches, kv_heads, in_fl
     )
 
 
-def main() -> None:
+def timings(args, attention, what: str) -> None:
+    """K/V bytes read per second by `attention` and by the baseline, per batch and context."""
+    print(
+        f"paged: {what}; device {mx.default_device()}, MLX {mx.__version__}, {args.dtype}, "
+        f"{args.q_heads}/{args.kv_heads} heads, head_dim {args.head_dim}, pages of {args.page_size}, "
+        + (
+            f"{args.kv_bits}-bit K/V in groups of {args.kv_group_size} (baseline: mlx-lm's quantized attention)"
+            if args.kv_bits
+            else "float K/V (baseline: MLX's SDPA)"
+        )
+    )
+    per_token = kv_bytes_per_token(
+        1, args.kv_heads, args.head_dim, getattr(mx, args.dtype), args.kv_bits, args.kv_group_size
+    )
+    cases = [(b, c) for b in args.batches for c in args.contexts]
+    too_big = [
+        (b, c) for b, c in cases if b * c * per_token > 8 * 2**30 or b * c * args.kv_heads * args.head_dim >= 2**31
+    ]
+    if too_big:
+        print(
+            "(left out: over 8 GiB of K/V, or a gathered K of 2**31 elements, on which MLX 0.32's SDPA "
+            "crashes on the CPU: " + ", ".join(f"batch {b} x context {c}" for b, c in too_big) + ")"
+        )
+    cases = [case for case in cases if case not in too_big]
+    print(f"{'batch':>6} {'context':>8} {'paged GB/s':>11} {'base GB/s':>10} {'paged/base time':>16}")
+    progress = bar(len(cases), "", unit="case")
+    for batch, context in cases:
+        progress.set_description(f"batch {batch}, context {context}")
+        kv_bytes = batch * context * per_token
+        paged, sdpa = case(attention, batch, context, args)
+        progress.update()
+        say(
+            f"{batch:>6} {context:>8} {kv_bytes / paged / 1e9:>11.2f} {kv_bytes / sdpa / 1e9:>10.2f} "
+            f"{paged / sdpa:>16.2f}"
+        )
+    progress.close()
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
@@ -335,45 +391,32 @@ def main() -> None:
     parser.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--prefill", action="store_true", help="time prefill chunks: paged kernel vs SDPA (a Mac)")
-    parser.add_argument("--model", action="store_true", help="count the kernels in the simulator (any machine)")
+    parser.add_argument(
+        "--model", action="store_true", help="count the kernels in the simulator [default where there is no Metal]"
+    )
+    parser.add_argument(
+        "--reference", action="store_true", help="where there is no Metal, time the pure-MLX reference path instead"
+    )
     parser.add_argument("--baseline", default=BASELINE, help="commit whose kernels --model counts beside these")
     parser.add_argument("--model-batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--model-contexts", type=int, nargs="+", default=[512, 4096, 32768])
     parser.add_argument("--model-groups", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--model-head-dims", type=int, nargs="+", default=[64, 128])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.model:
         return model(args)
     if args.prefill:
         return prefill(args)
-
     if mx.metal.is_available():
-        attention, what = PagedAttentionKernels(), "Metal paged-attention kernels"
-    else:
-        attention, what = reference_attention, "the pure-MLX reference path (no Metal on this machine)"
+        return timings(args, PagedAttentionKernels(), "Metal paged-attention kernels")
+    if args.reference:
+        expect(REFERENCE_TAKES, FLOAT16)
+        return timings(args, reference_attention, "the pure-MLX reference path (no Metal on this machine)")
     print(
-        f"paged: {what}; device {mx.default_device()}, MLX {mx.__version__}, {args.dtype}, "
-        f"{args.q_heads}/{args.kv_heads} heads, head_dim {args.head_dim}, pages of {args.page_size}, "
-        + (
-            f"{args.kv_bits}-bit K/V in groups of {args.kv_group_size} (baseline: mlx-lm's quantized attention)"
-            if args.kv_bits
-            else "float K/V (baseline: MLX's SDPA)"
-        )
+        "No Metal on this machine, so no kernel to time: counting the kernels in the CPU simulator instead "
+        "(--model; --reference times the pure-MLX reference path)."
     )
-    print(f"{'batch':>6} {'context':>8} {'paged GB/s':>11} {'base GB/s':>10} {'paged/base time':>16}")
-    per_token = kv_bytes_per_token(
-        1, args.kv_heads, args.head_dim, getattr(mx, args.dtype), args.kv_bits, args.kv_group_size
-    )
-    for batch in args.batches:
-        for context in args.contexts:
-            kv_bytes = batch * context * per_token
-            if kv_bytes > 8 * 2**30:
-                continue
-            paged, sdpa = case(attention, batch, context, args)
-            print(
-                f"{batch:>6} {context:>8} {kv_bytes / paged / 1e9:>11.2f} {kv_bytes / sdpa / 1e9:>10.2f} "
-                f"{paged / sdpa:>16.2f}"
-            )
+    model(args)
 
 
 if __name__ == "__main__":
