@@ -14,9 +14,12 @@ def request_key(request_id: object) -> str:
 
 
 def encode_text(tokenizer: TokenizerWrapper, text: str) -> list[int]:
-    """Token ids of `text`, with the tokenizer's BOS unless the text starts with it (as mlx-lm does)."""
+    """Token ids of `text`, with the tokenizer's BOS unless the text starts with it (as mlx-lm does).
+    `verbose=False` silences transformers' warning on text longer than the model: the engine
+    checks the length itself, and names the setting that limits it."""
     bos = tokenizer.bos_token
-    ids: list[int] = tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
+    add_bos = bos is None or not text.startswith(bos)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=add_bos, verbose=False)
     return ids
 
 

@@ -1,4 +1,6 @@
 import gc
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -86,6 +88,16 @@ def test_text_prompts_stream_the_same_text_generate_returns(checkpoint):
     assert completion.text == mlx_lm_text(llm.tokenizer, completion.token_ids)
 
 
+def test_prefill_counts_the_prompt_chunk_by_chunk_and_the_text_is_unchanged(checkpoint):
+    llm = LLM(str(checkpoint("llama-fp32")), max_num_batched_tokens=16)
+    prompt = list(range(1, 41))
+    params = SamplingParams(max_tokens=8)
+    stream = llm.stream(prompt, params)
+    assert list(stream.prefill()) == [16, 32, 40]
+    assert list(stream.prefill()) == []
+    assert "".join(stream) == llm.generate([prompt], params)[0].text
+
+
 def test_stop_string_ends_the_text_before_it(checkpoint):
     llm = LLM(str(checkpoint("qwen3-bf16")))
     full = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20))[0].text
@@ -143,6 +155,20 @@ def test_prompt_the_cache_can_never_hold_is_refused_and_nothing_is_held(checkpoi
     assert llm.engine.cache.free_pages == 4
     assert not llm.engine.has_unfinished()
     assert len(llm.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
+def test_a_text_too_long_for_the_model_is_refused_in_our_words_alone():
+    # A fresh process: transformers warns once per tokenizer, and the demo model's says 2,048 tokens.
+    code = """
+from mlxkv import LLM, RequestTooLong
+try:
+    LLM().generate("def f(x): return x " * 300)
+except RequestTooLong as exc:
+    print(exc)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.endswith("one request can have at most 2048\n")
+    assert done.stderr == ""
 
 
 def test_bad_prompts_are_named(checkpoint):
