@@ -21,6 +21,7 @@ from typing import Any, NoReturn, Optional, get_args, get_type_hints
 
 import mlx.core as mx
 import typer
+from tqdm import tqdm
 
 from ..cache.layout import KVLayout
 from ..config import EngineConfig
@@ -31,7 +32,7 @@ from ..engine.request import Request
 from ..engine.sampling_params import SamplingParams
 from ..errors import MlxkvError
 from ..models.loading import load, model_context
-from .llm import LLM
+from .llm import LLM, Stream
 from .prompts import prompt_ids
 
 logger = logging.getLogger("mlxkv")
@@ -223,6 +224,7 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
     if verbose:
         typer.echo("==========")
     try:
+        show_prefill(stream)
         for delta in stream:
             typer.echo(delta, nl=False)
     finally:
@@ -236,6 +238,26 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
         typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
         typer.echo(f"KV cache: {llm.engine.peak_usage}; {prefix_figures(llm, request)}")
     return request
+
+
+PREFILL_BAR_AFTER = 0.5  # seconds; a shorter prefill shows no bar
+
+
+def show_prefill(stream: Stream) -> None:
+    """A progress bar on stderr while a long prompt is prefilled, where stderr is a terminal:
+    a prompt of thousands of tokens can take a while before the first token on a small Mac."""
+    with tqdm(
+        total=len(stream.request.prompt_ids),
+        desc="prefill",
+        unit="tok",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        leave=False,
+        delay=PREFILL_BAR_AFTER,
+        smoothing=0,
+    ) as bar:
+        for computed in stream.prefill():
+            bar.update(computed - bar.n)
 
 
 def utf8(text: str | bytes, what: str) -> str:

@@ -64,6 +64,14 @@ class Stream:
             self._llm._step()
         return self._deltas.popleft()
 
+    def prefill(self) -> Iterator[int]:
+        """Step the engine until this request's prompt is in the cache, yielding how many of its
+        tokens are after each step: what a progress display of a long prompt counts."""
+        prompt = len(self.request.prompt_ids)
+        while not self._deltas and self.request.finish_reason is None and self.request.num_computed < prompt:
+            self._llm._step()
+            yield min(self.request.num_computed, prompt)
+
     def close(self) -> None:
         self._closed()
 

@@ -1,3 +1,4 @@
+import io
 import itertools
 import re
 import subprocess
@@ -8,6 +9,8 @@ from helpers import mlx_lm_greedy, mlx_lm_quantized_greedy, mlx_lm_text
 from mlx_lm import load as mlx_lm_load
 from typer.testing import CliRunner
 
+from mlxkv import LLM, SamplingParams
+from mlxkv.entrypoints import cli
 from mlxkv.entrypoints.cli import app
 
 runner = CliRunner()
@@ -316,3 +319,20 @@ def test_reset_in_chat_says_so(checkpoint):
     )
     assert result.exit_code == 0, result.output
     assert ">> [conversation reset]\n>> " in result.stdout
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_prefill_longer_than_half_a_second_shows_a_bar_on_a_terminal(checkpoint, monkeypatch):
+    llm = LLM(str(checkpoint("llama-fp32")), max_num_batched_tokens=16)
+    terminal = Terminal()
+    monkeypatch.setattr(cli, "PREFILL_BAR_AFTER", 0)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    request = cli.run_and_report(llm, list(range(1, 41)), SamplingParams(max_tokens=4), verbose=False)
+    assert len(request.output_ids) == 4
+    drawn = terminal.getvalue().split("\r")
+    assert re.match(r"prefill: +0%\|.*\| 0/40 \[00:00<\?, \?tok/s\]", drawn[1])
+    assert drawn[-2].strip() == drawn[-1] == ""  # cleared, so the reply's text starts on a clean line
