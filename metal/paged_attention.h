@@ -21,6 +21,10 @@
 // control flow, loads are guarded, one threadgroup array per declaration.
 
 static constant constexpr const float LOG2_E = 1.4426950408889634f;
+// The lowest score, finite: running maxima start here and masked scores sit here, as in MLX's
+// kernels, because Metal defines fast::exp2 for finite inputs only. exp2(NO_SCORE - m) is 0
+// for any real score m, and an empty state (max NO_SCORE, sum 0) weighs nothing in a merge.
+static constant constexpr const float NO_SCORE = -3.402823466e38f;  // -FLT_MAX
 
 // Index of key j's row for one KV head, counting rows of D values. 64-bit: one layer's pages pass
 // 2^31 elements at 4 GiB of float16 per layer.
@@ -191,7 +195,7 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
       st.acc[h][i] = 0.0f;
     }
   }
-  st.m = -INFINITY;
+  st.m = NO_SCORE;
   st.l = 0.0f;
   const int my_head = int(lane) / KT;  // lane e sums entry e = head * KT + key of each tile
   const int tile_first = (first / PS) * TILES_PER_PAGE + (first % PS) / KT;
@@ -225,13 +229,13 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
     if (SOFTCAP) {
       s = softcap * metal::tanh(s / softcap) * LOG2_E;
     }
-    s = valid ? s : -INFINITY;
+    s = valid ? s : NO_SCORE;
     float tile_max = s;
     for (int o = 1; o < KT; o *= 2) {
       tile_max = metal::max(tile_max, simd_shuffle_xor(tile_max, ushort(o)));
     }
     const float m_new = metal::max(st.m, tile_max);
-    const float correction = m_new == -INFINITY ? 1.0f : metal::fast::exp2(st.m - m_new);
+    const float correction = metal::fast::exp2(st.m - m_new);
     const float p = valid ? metal::fast::exp2(s - m_new) : 0.0f;
     st.l = st.l * correction + p;
     st.m = m_new;
@@ -272,7 +276,7 @@ void head_stats(thread const SoftmaxState<H, EPL>& st, int h, thread float& m, t
 }
 
 // Merge `count` softmax states (max in log2 units, sum, unnormalised output element) spaced
-// by the given strides; an empty state has max -inf and weighs nothing. The states may sit
+// by the given strides; an empty state (max NO_SCORE, sum 0) weighs nothing. The states may sit
 // in threadgroup memory or in device/constant buffers, each in its own space.
 template <typename ML, typename Acc>
 void merge_states(ML m, ML l, Acc acc, int count, int ml_stride, int acc_stride,
@@ -281,12 +285,12 @@ void merge_states(ML m, ML l, Acc acc, int count, int ml_stride, int acc_stride,
   for (int s = 0; s < count; s++) {
     top = metal::max(top, float(m[s * ml_stride]));
   }
-  float w0 = max_out == -INFINITY ? 0.0f : metal::fast::exp2(max_out - top);
+  float w0 = metal::fast::exp2(max_out - top);
   float sum = w0 * sum_out;
   float out = w0 * acc_out;
   for (int s = 0; s < count; s++) {
     float ms = float(m[s * ml_stride]);
-    float w = ms == -INFINITY ? 0.0f : metal::fast::exp2(ms - top);
+    float w = metal::fast::exp2(ms - top);
     sum += w * float(l[s * ml_stride]);
     out += w * float(acc[s * acc_stride]);
   }
@@ -302,13 +306,13 @@ int first_key(int pos, int window) {
 }
 
 // Fold an attention sink (a logit that joins the softmax and adds no value, GPT-OSS) into a
-// merged state when SINKS; a state with no keys (max -inf) keeps only the sink's weight.
+// merged state when SINKS; a state with no keys (max NO_SCORE) keeps only the sink's weight.
 template <bool SINKS>
 void add_sink(float sink, thread float& top, thread float& sum, thread float& acc) {
   if (SINKS) {
     float s = sink * LOG2_E;
     float m = metal::max(top, s);
-    float w = top == -INFINITY ? 0.0f : metal::fast::exp2(top - m);
+    float w = metal::fast::exp2(top - m);
     sum = sum * w + metal::fast::exp2(s - m);
     acc = acc * w;
     top = m;

@@ -9,7 +9,7 @@ const int partial = (token * tiles + tile) * partitions;
 for (int e = int(thread_index_in_threadgroup); e < HG * D; e += NSG * 32) {
   int g = e / D;
   int d = e % D;
-  float top = -INFINITY;
+  float top = NO_SCORE;
   float sum = 0.0f;
   float acc = 0.0f;
   merge_states(partial_ml + (partial * HG + g) * 2, partial_ml + (partial * HG + g) * 2 + 1,

@@ -31,6 +31,20 @@ def test_barrier_simd_and_threadgroup_memory_work():
     assert np.array(out).tolist() == expected.tolist()
 
 
+def test_fast_functions_give_nan_outside_finite_inputs_and_precise_ones_do_not():
+    # Metal defines fast:: for finite inputs only; the simulator returns the worst it could.
+    source = """
+        uint i = thread_position_in_grid.x;
+        const float x[4] = {-INFINITY, INFINITY, NAN, -1.0f};
+        out[i] = i < 4 ? metal::fast::exp2(x[i]) : metal::precise::exp2(x[i - 4]) + a[0];
+    """
+    out = run(source, n=8, threads=8)
+    got = np.array(out).tolist()
+    assert [math.isnan(v) for v in got[:3]] == [True, True, True]
+    assert got[3] == 0.5
+    assert got[4:6] == [0.0, math.inf] and math.isnan(got[6]) and got[7] == 0.5
+
+
 def test_out_of_bounds_read_names_the_buffer():
     with pytest.raises(
         SimulatorError,
