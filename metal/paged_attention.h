@@ -1,7 +1,7 @@
 // Paged attention shared by the kernels in this folder. One threadgroup serves one query
 // token and the HG query heads of one KV head. Its SIMD groups form HS = HG / H head sets
 // of H query heads each (at most 4 at head_dim 128: more spill registers) times KS key
-// splits; a SIMD group walks tiles of KT keys of one page (one page-table lookup a tile),
+// splits; a SIMD group walks tiles of KT keys of one page (one page-table lookup a page),
 // each lane holding EPL consecutive head dimensions and reading them with vector loads.
 // The head sets of one key split read the same rows at the same time, so a K/V byte comes
 // from device memory once per threadgroup and from the core's cache after that.
@@ -200,11 +200,16 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
   const int my_head = int(lane) / KT;  // lane e sums entry e = head * KT + key of each tile
   const int tile_first = (first / PS) * TILES_PER_PAGE + (first % PS) / KT;
   const int tile_last = last > first ? ((last - 1) / PS) * TILES_PER_PAGE + ((last - 1) % PS) / KT : tile_first - 1;
+  int mapped = -1;  // the page whose entry `physical` holds: one page-table load a page, not a tile
+  int physical = 0;
   for (int t = tile_first + split; t <= tile_last; t += KS) {
     const int page = t / TILES_PER_PAGE;
     const int offset = (t % TILES_PER_PAGE) * KT;
     const int key0 = page * PS + offset;
-    const int physical = page_table[page];
+    if (page != mapped) {
+      physical = page_table[page];
+      mapped = page;
+    }
     float part[32];
     for (int e = 0; e < 32; e++) {
       part[e] = 0.0f;

@@ -295,6 +295,23 @@ def test_decode_at_gqa_8_head_dim_128_meets_the_cost_goals(kernels, split):
     assert attention.shuffles / 2048 < 18 and attention.transcendentals / 2048 < 24
 
 
+def test_each_simd_group_loads_a_page_table_entry_once_per_page(kernels):
+    """2,048 keys at GQA 8, head_dim 128: four SIMD groups of 32 lanes, two key splits taking
+    alternate tiles of 8 keys. Pages of 16 give each SIMD group one tile of each of 128 pages,
+    pages of 64 four tiles of each of 32 pages: 96 fewer table loads per lane, K/V loads equal."""
+    from mlxkv.attention.simulator import cost_counters
+
+    q = mx.array(np.random.default_rng(1).standard_normal((1, 8, 128)), mx.float16)
+    loads = {}
+    for page_size in (16, 64):
+        cache, batch = packed_step("paged", page_size, 1, 128, mx.float16, [2048], [1], max_model_len=2048)
+        with cost_counters() as launches:
+            kernels(q, *cache.kv(0), batch, None, split=False)
+        loads[page_size] = (launches[0].loads, launches[0].vector_loads)
+    assert loads[16][1] == loads[64][1]
+    assert loads[16][0] - loads[64][0] == (128 - 32) * 128
+
+
 @pytest.mark.parametrize(
     "architecture, cores", [("applegpu_g14c", 24), ("applegpu_g13g", 8), ("applegpu_g15d", 48), ("something_else", 8)]
 )
