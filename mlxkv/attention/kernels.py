@@ -97,6 +97,13 @@ def launch_shape(group: int, head_dim: int, page_size: int) -> LaunchShape:
     return shape
 
 
+@lru_cache(maxsize=64)
+def _constant(value: float, dtype: mx.Dtype, shape: tuple[int, ...] = ()) -> mx.array:
+    """A constant kernel input (scale, window, soft-cap, partition count, no sinks), made once
+    for every layer and step that passes the same value rather than once per layer call."""
+    return mx.full(shape, value, dtype)
+
+
 @lru_cache(maxsize=8)
 def _batch_inputs(batch: KVBatch) -> tuple[mx.array, mx.array, mx.array]:
     """The kernels' per-step inputs: page tables, each token's row and position (made once per
@@ -218,14 +225,14 @@ class PagedAttentionKernels:
         kv = [*arrays_of(k_pages), *arrays_of(v_pages)]
         packing = [("BITS", k_pages.bits), ("GS", k_pages.group_size)] if isinstance(k_pages, QuantizedPages) else []
         quantized = bool(packing)
-        sinks = mx.zeros((1,), mx.float32) if variant.sinks is None else variant.sinks.astype(mx.float32)
+        sinks = _constant(0.0, mx.float32, (1,)) if variant.sinks is None else variant.sinks.astype(mx.float32)
         args = [
             queries,
             *kv,
             *_batch_inputs(batch),
-            mx.array(scale, mx.float32),
-            mx.array(variant.window or 0, mx.int32),
-            mx.array(variant.softcap or 0.0, mx.float32),
+            _constant(scale, mx.float32),
+            _constant(variant.window or 0, mx.int32),
+            _constant(variant.softcap or 0.0, mx.float32),
             sinks,
         ]
         template = [
@@ -252,7 +259,7 @@ class PagedAttentionKernels:
             )[0]
         parts = max(1, -(-longest // PARTITION))
         acc, ml = self.partitioned[quantized](
-            inputs=args + [mx.array(parts, mx.int32)],
+            inputs=args + [_constant(parts, mx.int32)],
             template=template + [("PARTITION", PARTITION)],
             grid=(threads, tiles, tokens * parts),
             output_shapes=[(tokens, tiles, parts, shape.heads, head_dim), (tokens, tiles, parts, shape.heads, 2)],

@@ -295,6 +295,22 @@ def test_decode_at_gqa_8_head_dim_128_meets_the_cost_goals(kernels, split):
     assert attention.shuffles / 2048 < 18 and attention.transcendentals / 2048 < 24
 
 
+def test_every_layer_of_a_step_passes_the_same_input_arrays(kernels, monkeypatch):
+    """Page tables, positions and the scalar settings are made once per step, not per layer."""
+    cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [40, 70], [1, 1], max_model_len=128)
+    q = mx.array(np.random.default_rng(1).standard_normal((2, 4, 64)), mx.float32)
+    passed = []
+    direct = kernels.direct[False]
+    monkeypatch.setitem(
+        kernels.direct, False, lambda inputs, **launch: passed.append(inputs) or direct(inputs=inputs, **launch)
+    )
+    for _layer in range(2):
+        kernels(q, *cache.kv(0), batch, 0.125, split=False)
+    first, second = passed
+    assert len(first) == len(second) == 10
+    assert all(a is b for a, b in zip(first[3:], second[3:]))  # all but the queries and K/V pages
+
+
 def test_each_simd_group_loads_a_page_table_entry_once_per_page(kernels):
     """2,048 keys at GQA 8, head_dim 128: four SIMD groups of 32 lanes, two key splits taking
     alternate tiles of 8 keys. Pages of 16 give each SIMD group one tile of each of 128 pages,
