@@ -148,6 +148,16 @@ QuantizedRows<D, BITS, GS, S> quantized_rows(const device uint* words, const dev
   return QuantizedRows<D, BITS, GS, S>{words, scales, biases};
 }
 
+// Key k of the tile of KT keys at `key0` (`offset` into its page) moved into the page and into
+// [first, last): a row of the sequence that is always there, so a tile loads every row
+// unconditionally and masks the scores of keys outside, and no load waits behind a branch.
+// The tile holds at least one key of [first, last), so the clamped key stays in its page.
+template <int PS>
+int resident_key(int key0, int offset, int k, int first, int last) {
+  const int in_page = key0 + (offset + k < PS ? k : PS - 1 - offset);
+  return metal::min(metal::max(in_page, first), last - 1);
+}
+
 // The running softmax state of one SIMD group for its H query heads: every lane holds the
 // output of its EPL dims for each head; lane e holds max and sum for head e / KT.
 template <int H, int EPL>
@@ -185,6 +195,10 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
                                     uint lane) {
   constexpr int EPL = (D + 31) / 32;
   constexpr int TILES_PER_PAGE = (PS + KT - 1) / KT;
+  // Rows loaded before the first is used: a tile's keys in groups of at most 32 floats a lane
+  // (a power of two dividing KT), so their loads are in flight together and stay in registers.
+  constexpr int FIT = 32 / EPL >= 32 ? 32 : 32 / EPL >= 16 ? 16 : 32 / EPL >= 8 ? 8 : 32 / EPL >= 4 ? 4 : 2;
+  constexpr int AT_ONCE = KT < FIT ? KT : FIT;
   const float q_scale = SOFTCAP ? scale : scale * LOG2_E;
   float q[H][EPL];
   SoftmaxState<H, EPL> st;
@@ -214,17 +228,19 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
     for (int e = 0; e < 32; e++) {
       part[e] = 0.0f;
     }
-    for (int k = 0; k < KT; k++) {
-      const int j = key0 + k;
-      if (j >= first && j < last && offset + k < PS) {
-        float kv[EPL];
-        k_rows.template load<EPL>(kv_row<PS>(physical, kv_heads, kv_head, j), lane, kv);
+    for (int k0 = 0; k0 < KT; k0 += AT_ONCE) {
+      float kv[AT_ONCE][EPL];
+      for (int b = 0; b < AT_ONCE; b++) {
+        const int j = resident_key<PS>(key0, offset, k0 + b, first, last);
+        k_rows.template load<EPL>(kv_row<PS>(physical, kv_heads, kv_head, j), lane, kv[b]);
+      }
+      for (int b = 0; b < AT_ONCE; b++) {
         for (int h = 0; h < H; h++) {
           float dot = 0.0f;
           for (int i = 0; i < EPL; i++) {
-            dot += q[h][i] * kv[i];
+            dot += q[h][i] * kv[b][i];
           }
-          part[h * KT + k] = dot;
+          part[h * KT + k0 + b] = dot;
         }
       }
     }
@@ -250,19 +266,18 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
         st.acc[h][i] *= c;
       }
     }
-    for (int k = 0; k < KT; k++) {
-      const int jk = key0 + k;
-      float kv[EPL];
-      for (int i = 0; i < EPL; i++) {
-        kv[i] = 0.0f;
+    for (int k0 = 0; k0 < KT; k0 += AT_ONCE) {
+      float kv[AT_ONCE][EPL];
+      for (int b = 0; b < AT_ONCE; b++) {
+        const int j = resident_key<PS>(key0, offset, k0 + b, first, last);
+        v_rows.template load<EPL>(kv_row<PS>(physical, kv_heads, kv_head, j), lane, kv[b]);
       }
-      if (jk >= first && jk < last && offset + k < PS) {
-        v_rows.template load<EPL>(kv_row<PS>(physical, kv_heads, kv_head, jk), lane, kv);
-      }
-      for (int h = 0; h < H; h++) {
-        const float pk = simd_shuffle(p, ushort(h * KT + k));
-        for (int i = 0; i < EPL; i++) {
-          st.acc[h][i] += pk * kv[i];
+      for (int b = 0; b < AT_ONCE; b++) {
+        for (int h = 0; h < H; h++) {
+          const float pk = simd_shuffle(p, ushort(h * KT + k0 + b));  // 0 for a masked key
+          for (int i = 0; i < EPL; i++) {
+            st.acc[h][i] += pk * kv[b][i];
+          }
         }
       }
     }

@@ -295,6 +295,22 @@ def test_decode_at_gqa_8_head_dim_128_meets_the_cost_goals(kernels, split):
     assert attention.shuffles / 2048 < 18 and attention.transcendentals / 2048 < 24
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
+def test_a_tile_loads_all_its_rows_whatever_the_mask(kernels, split):
+    """Loads sit before any branch on the key: 2,041 keys load as many K/V rows as 2,048 (the last
+    tile's 7 keys past the end read a row of the sequence instead, their scores masked)."""
+    from mlxkv.attention.simulator import cost_counters
+
+    q = mx.array(np.random.default_rng(1).standard_normal((1, 8, 128)), mx.float16)
+    vector_loads = []
+    for context in (2048, 2041):
+        cache, batch = packed_step("paged", 16, 1, 128, mx.float16, [context], [1], max_model_len=2048)
+        with cost_counters() as launches:
+            kernels(q, *cache.kv(0), batch, None, split=split)
+        vector_loads.append(launches[0].vector_loads)
+    assert vector_loads[0] == vector_loads[1]
+
+
 def test_every_layer_of_a_step_passes_the_same_input_arrays(kernels, monkeypatch):
     """Page tables, positions and the scalar settings are made once per step, not per layer."""
     cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [40, 70], [1, 1], max_model_len=128)
