@@ -38,7 +38,7 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from progress import FLOAT16, bar, expect, say
 
 from mlxkv import KVBatch, reference_attention
-from mlxkv.attention.kernels import PARTITION, THREADGROUPS_PER_CORE, PagedAttentionKernels, launch_shape
+from mlxkv.attention.kernels import PagedAttentionKernels, launch_shape, partition_keys
 from mlxkv.attention.prefill import chunk_attention
 from mlxkv.cache.storage import QuantizedPages, kv_bytes_per_token
 
@@ -244,7 +244,7 @@ def contenders(gpu: Gpu, rev: str) -> list[Contender]:
             "new",
             PagedAttentionKernels(metal_kernel, cores=gpu.cores),
             lambda g, d: launch_shape(g, d, 16).heads,
-            lambda t, c: t < THREADGROUPS_PER_CORE * gpu.cores and c > PARTITION,
+            lambda t, c: partition_keys(t, c, gpu.cores) is not None,
             lambda g, d: 2 * d * launch_shape(g, d, 16).keys_per_tile,
         )
     ]

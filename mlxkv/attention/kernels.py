@@ -1,7 +1,7 @@
 """The Metal paged-attention kernels: sources from `metal/`, launched through `mx.fast.metal_kernel`.
 
 Decode rows and short prefill chunks run on the paged kernel, one threadgroup per query token
-and KV head, split into 512-key partitions when a step would leave the GPU's cores idle; chunks
+and KV head, split into partitions when a step would leave the GPU's cores idle; chunks
 of `PREFILL_FROM` tokens or more run on MLX's SDPA over their gathered pages (`prefill.py`). The
 contiguous layout runs through the same kernels: its storage is one page of `max_model_len`
 tokens per sequence, so the page table has one column and the kernel's indexing is unchanged.
@@ -30,7 +30,8 @@ METAL_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).parents[2] / "me
 
 SIMDGROUPS = 4  # SIMD groups a threadgroup aims for (128 threads): more key splits when fewer head sets
 THREADGROUP_MEMORY = 32 * 1024  # bytes of threadgroup memory an Apple GPU gives a threadgroup
-PARTITION = 512  # keys per split-K partition
+MAX_THREADS = 256  # per threadgroup: MLX refuses a launch over a pipeline's limit, below 1,024 for heavy kernels
+MIN_PARTITION = 256  # keys per split-K partition at the least: its merge moves 6% of its K/V bytes (GQA 8, d 128)
 THREADGROUPS_PER_CORE = 4  # split-K when a decode step would give the GPU's cores fewer threadgroups than this
 # GPU cores by the last letter of MLX's architecture name (applegpu_g14c: an M2 Max): phone, base,
 # Pro, Max, Ultra chips. The smallest of each class, so that a split is never missed for want of cores.
@@ -80,21 +81,35 @@ def launch_shape(group: int, head_dim: int, page_size: int) -> LaunchShape:
 
     A SIMD group takes as many of the group's heads as its registers hold without spilling
     (4 at head_dim 128, as MLX found for its SDPA; 8 at 64, 2 at 256), the rest go to other
-    SIMD groups reading the same rows; key splits fill the threadgroup to `SIMDGROUPS`. A tile
-    has 32 / heads keys (rounded to powers of two), so that one reduce-scatter sums all of a
-    tile's dot products, and at most a page.
+    SIMD groups reading the same rows, up to `MAX_THREADS` (a larger group takes several
+    threadgroups); key splits fill the threadgroup to `SIMDGROUPS`. A tile has 32 / heads keys
+    (rounded to powers of two), so that one reduce-scatter sums all of a tile's dot products,
+    and at most a page.
     """
     lane_dims = 32 * -(-head_dim // 32)
     most = max(1, min(8, 512 // lane_dims))
     per_simdgroup = max(h for h in range(1, min(group, most) + 1) if group % h == 0)
-    head_sets = group // per_simdgroup
-    if head_sets > 32:
-        raise ValueError(f"a GQA group of {group} heads at head_dim={head_dim} needs more than 1,024 threads")
+    sets = group // per_simdgroup
+    head_sets = max(n for n in range(1, min(sets, MAX_THREADS // 32) + 1) if sets % n == 0)
     keys_per_tile = min(32 // (1 << (per_simdgroup - 1).bit_length()), 1 << (page_size.bit_length() - 1))
-    shape = LaunchShape(group, per_simdgroup, keys_per_tile, max(1, SIMDGROUPS // head_sets), head_dim)
+    splits = max(1, SIMDGROUPS // head_sets)
+    shape = LaunchShape(head_sets * per_simdgroup, per_simdgroup, keys_per_tile, splits, head_dim)
     if shape.threadgroup_memory > THREADGROUP_MEMORY:
         raise ValueError(f"head_dim={head_dim} is too large for the Metal kernels' threadgroup memory")
     return shape
+
+
+def partition_keys(threadgroups: int, longest: int, cores: int) -> int | None:
+    """Keys per split-K partition for a step of `threadgroups` threadgroups whose longest row
+    has `longest` keys, or None for no split. A step that would give each of the GPU's `cores`
+    fewer than `THREADGROUPS_PER_CORE` threadgroups splits its rows into partitions that make up
+    about that many: a power of two of keys (a few kernel variants), `MIN_PARTITION` at least."""
+    wanted = THREADGROUPS_PER_CORE * cores
+    if threadgroups >= wanted or longest <= MIN_PARTITION:
+        return None
+    per_row = -(-wanted // threadgroups)
+    keys = max(MIN_PARTITION, 1 << (-(-longest // per_row) - 1).bit_length())
+    return keys if keys < longest else None
 
 
 @lru_cache(maxsize=64)
@@ -115,7 +130,9 @@ def gpu_cores() -> int:
     """The GPU's core count by its class (MLX names the architecture), or a base chip's off Metal."""
     if not mx.metal.is_available():
         return GPU_CORES["g"]
-    info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    # The GPU's own info: without a device, mx.device_info() describes the default one, the CPU
+    # after mx.set_default_device(mx.cpu).
+    info = mx.device_info(mx.gpu) if hasattr(mx, "device_info") else mx.metal.device_info()
     return GPU_CORES.get(str(info.get("architecture", "g"))[-1:], GPU_CORES["g"])
 
 
@@ -124,7 +141,7 @@ def _check_batch(
 ):
     """A small batch for the start-up check: a decode row over two split-K partitions, pages
     out of order, and a 3-token prefill chunk whose page table fits MLX's `constant` space."""
-    contexts, query_lens = np.array([PARTITION + 3, 5], np.int32), np.array([1, 3], np.int32)
+    contexts, query_lens = np.array([MIN_PARTITION + 3, 5], np.int32), np.array([1, 3], np.int32)
     pages = -(-contexts // page_size)
     tables = np.zeros((2, int(pages.max())), np.int32)
     tables[0, : pages[0]] = np.arange(pages[0])[::-1]
@@ -220,8 +237,9 @@ class PagedAttentionKernels:
         shape = launch_shape(group, head_dim, k_pages.shape[2])
         tiles = q_heads // shape.heads
         longest = int(batch.context_lens.max()) if tokens else 0
+        partition = partition_keys(tokens * tiles, longest, self.cores)
         if split is None:
-            split = tokens * tiles < THREADGROUPS_PER_CORE * self.cores and longest > PARTITION
+            split = partition is not None
         kv = [*arrays_of(k_pages), *arrays_of(v_pages)]
         packing = [("BITS", k_pages.bits), ("GS", k_pages.group_size)] if isinstance(k_pages, QuantizedPages) else []
         quantized = bool(packing)
@@ -257,10 +275,11 @@ class PagedAttentionKernels:
                 output_dtypes=[queries.dtype],
                 **launch,
             )[0]
-        parts = max(1, -(-longest // PARTITION))
+        partition = partition or MIN_PARTITION
+        parts = max(1, -(-longest // partition))
         acc, ml = self.partitioned[quantized](
             inputs=args + [_constant(parts, mx.int32)],
-            template=template + [("PARTITION", PARTITION)],
+            template=template + [("PARTITION", partition)],
             grid=(threads, tiles, tokens * parts),
             output_shapes=[(tokens, tiles, parts, shape.heads, head_dim), (tokens, tiles, parts, shape.heads, 2)],
             output_dtypes=[mx.float32, mx.float32],
