@@ -190,9 +190,9 @@ float reduce_scatter(thread float* v, uint lane) {
 // head, taking every KS-th tile of KT keys from tile `split` on. Scores are capped to
 // softcap * tanh(score / softcap) when SOFTCAP (Gemma 2).
 template <int D, int PS, int H, int KT, int KS, bool SOFTCAP, typename Q, typename K, typename V, typename Table>
-SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table page_table, int q_base, int kv_heads,
-                                    int kv_head, int first, int last, float scale, float softcap, int split,
-                                    uint lane) {
+SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table page_table, int q_base, int heads,
+                                    int kv_heads, int kv_head, int first, int last, float scale, float softcap,
+                                    int split, uint lane) {
   constexpr int EPL = (D + 31) / 32;
   constexpr int TILES_PER_PAGE = (PS + KT - 1) / KT;
   // Rows loaded before the first is used: a tile's keys in groups of at most 32 floats a lane
@@ -205,7 +205,7 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
   for (int h = 0; h < H; h++) {
     for (int i = 0; i < EPL; i++) {
       const int d = int(lane) * EPL + i;
-      q[h][i] = d < D ? float(queries[q_base + h * D + d]) * q_scale : 0.0f;
+      q[h][i] = d < D && h < heads ? float(queries[q_base + h * D + d]) * q_scale : 0.0f;
       st.acc[h][i] = 0.0f;
     }
   }
@@ -350,20 +350,22 @@ struct Merged {
 // Attend one query token's keys [first, last) with every SIMD group of the threadgroup and
 // merge the key splits' states in threadgroup memory: split k > 0 writes, split 0 reads and
 // returns the merged state of its head set (what other SIMD groups return is not used).
-// tg_ml holds (KS - 1) * HG * 2 floats and tg_acc (KS - 1) * HG * D: what the merge needs,
-// not a copy of every SIMD group's state.
+// tg_ml holds (KS - 1) * HP * 2 floats and tg_acc (KS - 1) * HP * D, HP = HS * H: what the
+// merge needs, not a copy of every SIMD group's state. When H does not divide HG (GQA 5 or 7)
+// the last head set is padded with heads that read no query, and are neither merged nor written.
 template <int D, int PS, int HG, int H, int KT, int KS, bool SOFTCAP, typename Q, typename K, typename V,
           typename Table>
 Merged<H, (D + 31) / 32> attend_and_merge(Q queries, K k_rows, V v_rows, Table page_table, int q_base, int kv_heads,
                                           int kv_head, int first, int last, float scale, float softcap,
                                           threadgroup float* tg_ml, threadgroup float* tg_acc, uint sg, uint lane) {
   constexpr int EPL = (D + 31) / 32;
-  constexpr int HS = HG / H;
+  constexpr int HS = (HG + H - 1) / H;
+  constexpr int HP = HS * H;
   const int head_set = int(sg) % HS;
   const int split = int(sg) / HS;
   const SoftmaxState<H, EPL> st = attend_keys<D, PS, H, KT, KS, SOFTCAP>(
-      queries, k_rows, v_rows, page_table, q_base + head_set * H * D, kv_heads, kv_head, first, last, scale,
-      softcap, split, lane);
+      queries, k_rows, v_rows, page_table, q_base + head_set * H * D, metal::min(H, HG - head_set * H), kv_heads,
+      kv_head, first, last, scale, softcap, split, lane);
   Merged<H, EPL> out;
   for (int h = 0; h < H; h++) {
     float m, l;
@@ -377,7 +379,7 @@ Merged<H, (D + 31) / 32> attend_and_merge(Q queries, K k_rows, V v_rows, Table p
   if (KS > 1) {
     if (split > 0) {
       for (int h = 0; h < H; h++) {
-        const int entry = (split - 1) * HG + head_set * H + h;
+        const int entry = (split - 1) * HP + head_set * H + h;
         if (lane == 0) {
           tg_ml[entry * 2] = out.m[h][0];
           tg_ml[entry * 2 + 1] = out.l[h][0];
@@ -397,7 +399,7 @@ Merged<H, (D + 31) / 32> attend_and_merge(Q queries, K k_rows, V v_rows, Table p
         for (int i = 0; i < EPL; i++) {
           const int d = int(lane) * EPL + i;
           if (d < D) {
-            merge_states(tg_ml + g * 2, tg_ml + g * 2 + 1, tg_acc + g * D + d, KS - 1, HG * 2, HG * D, out.m[h][i],
+            merge_states(tg_ml + g * 2, tg_ml + g * 2 + 1, tg_acc + g * D + d, KS - 1, HP * 2, HP * D, out.m[h][i],
                          out.l[h][i], out.acc[h][i]);
           }
         }

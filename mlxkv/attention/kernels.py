@@ -58,13 +58,20 @@ class LaunchShape:
     head_dim: int
 
     @property
+    def head_sets(self) -> int:
+        """SIMD groups across the heads; the last is padded when `heads_per_simdgroup` does not
+        divide `heads` (GQA 5 or 7), its extra heads computed and never written."""
+        return -(-self.heads // self.heads_per_simdgroup)
+
+    @property
     def simdgroups(self) -> int:
-        return self.heads // self.heads_per_simdgroup * self.splits
+        return self.head_sets * self.splits
 
     @property
     def threadgroup_memory(self) -> int:
         """Bytes: the states the key splits other than the first hand over to be merged."""
-        return (self.splits - 1) * self.heads * (self.head_dim + 2) * 4 if self.splits > 1 else 8
+        padded = self.head_sets * self.heads_per_simdgroup
+        return (self.splits - 1) * padded * (self.head_dim + 2) * 4 if self.splits > 1 else 8
 
     def template(self) -> list[tuple[str, int]]:
         return [
@@ -88,12 +95,18 @@ def launch_shape(group: int, head_dim: int, page_size: int) -> LaunchShape:
     """
     lane_dims = 32 * -(-head_dim // 32)
     most = max(1, min(8, 512 // lane_dims))
-    per_simdgroup = max(h for h in range(1, min(group, most) + 1) if group % h == 0)
-    sets = group // per_simdgroup
-    head_sets = max(n for n in range(1, min(sets, MAX_THREADS // 32) + 1) if sets % n == 0)
+    if -(-group // most) <= MAX_THREADS // 32:  # one threadgroup: the fewest head sets, the last padded
+        head_sets = -(-group // most)
+        per_simdgroup = -(-group // head_sets)
+        heads = group
+    else:  # several threadgroups, each a whole number of head sets
+        per_simdgroup = max(h for h in range(1, most + 1) if group % h == 0)
+        sets = group // per_simdgroup
+        head_sets = max(n for n in range(1, MAX_THREADS // 32 + 1) if sets % n == 0)
+        heads = head_sets * per_simdgroup
     keys_per_tile = min(32 // (1 << (per_simdgroup - 1).bit_length()), 1 << (page_size.bit_length() - 1))
     splits = max(1, SIMDGROUPS // head_sets)
-    shape = LaunchShape(head_sets * per_simdgroup, per_simdgroup, keys_per_tile, splits, head_dim)
+    shape = LaunchShape(heads, per_simdgroup, keys_per_tile, splits, head_dim)
     if shape.threadgroup_memory > THREADGROUP_MEMORY:
         raise ValueError(f"head_dim={head_dim} is too large for the Metal kernels' threadgroup memory")
     return shape

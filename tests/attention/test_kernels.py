@@ -205,7 +205,8 @@ def test_block_tables_of_any_size_in_either_address_space(kernels, entries, spli
         (256, 8, (2, 16, 1), 4, 8),  # ... 2 at 256; no key split, nothing to merge
         (128, 16, (4, 8, 1), 4, 8),
         (256, 16, (2, 16, 1), 8, 8),
-        (96, 7, (1, 16, 1), 7, 8),  # an odd group: one head per SIMD group
+        (96, 7, (4, 8, 2), 4, 3136),  # GQA 7: two head sets of 4, the last padded with one head
+        (128, 5, (3, 8, 2), 4, 3120),  # GQA 5 (Qwen2.5 14B, 32B): 3 + 2 and a padding head
         (256, 32, (2, 16, 1), 8, 8),  # 16 head sets: 8 per threadgroup (256 threads), two threadgroups
     ],
 )
@@ -215,6 +216,13 @@ def test_launch_shape_spreads_heads_over_simd_groups_and_merges_in_little_memory
     launch = launch_shape(group, head_dim, 16)
     assert (launch.heads_per_simdgroup, launch.keys_per_tile, launch.splits) == shape
     assert (launch.simdgroups, launch.threadgroup_memory) == (simdgroups, memory)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
+@pytest.mark.parametrize("group", [5, 6, 7])  # Qwen2.5 14B and 32B; 7B
+def test_head_sets_padded_for_groups_of_5_6_and_7_match_the_reference(kernels, group, split):
+    cache, batch = packed_step("paged", 16, 2, 128, mx.float16, [300, 9], [1, 4], max_model_len=512)
+    compare(kernels, cache, batch, 2 * group, mx.float16, split)
 
 
 @pytest.mark.parametrize("head_dim, group, heads", [(256, 32, 16), (128, 64, 32), (128, 8, 8), (64, 40, 40)])
