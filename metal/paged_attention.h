@@ -26,11 +26,12 @@ static constant constexpr const float LOG2_E = 1.4426950408889634f;
 // for any real score m, and an empty state (max NO_SCORE, sum 0) weighs nothing in a merge.
 static constant constexpr const float NO_SCORE = -3.402823466e38f;  // -FLT_MAX
 
-// Index of key j's row for one KV head, counting rows of D values. 64-bit: one layer's pages pass
-// 2^31 elements at 4 GiB of float16 per layer.
+// Index of the first row of one KV head in physical page `page`, counting rows of D values.
+// 64-bit: one layer's pages pass 2^31 elements at 4 GiB of float16 per layer. Computed once per
+// page; rows within the page are then 32-bit offsets (64-bit arithmetic is emulated on Apple GPUs).
 template <int PS>
-int64_t kv_row(int page, int kv_heads, int kv_head, int j) {
-  return (int64_t(page) * kv_heads + kv_head) * PS + j % PS;
+int64_t page_row(int page, int kv_heads, int kv_head) {
+  return (int64_t(page) * kv_heads + kv_head) * PS;
 }
 
 // How N (1, 2 or 4) consecutive values of T pages are loaded, one vector load, as floats.
@@ -68,9 +69,13 @@ struct Chunk<T, 1> {
 template <int D, typename T>
 struct DenseRows {
   const device T* pages;
+  // The rows from `first_row` on, to index with 32-bit row numbers.
+  DenseRows page(int64_t first_row) const {
+    return DenseRows{pages + first_row * D};
+  }
   template <int EPL>
-  void load(int64_t row, uint lane, thread float* out) const {
-    const device T* p = pages + row * D + lane * EPL;
+  void load(int row, uint lane, thread float* out) const {
+    const device T* p = pages + row * D + int(lane) * EPL;
     if (D % 32 == 0) {
       constexpr int C = EPL % 4 == 0 ? 4 : EPL % 2 == 0 ? 2 : 1;
       for (int c = 0; c < EPL; c += C) {
@@ -94,8 +99,13 @@ struct QuantizedRows {
   const device uint* words;
   const device S* scales;
   const device S* biases;
+  // The rows from `first_row` on, to index with 32-bit row numbers.
+  QuantizedRows page(int64_t first_row) const {
+    return QuantizedRows{words + first_row * (D * BITS / 32), scales + first_row * (D / GS),
+                         biases + first_row * (D / GS)};
+  }
   template <int EPL>
-  void load(int64_t row, uint lane, thread float* out) const {
+  void load(int row, uint lane, thread float* out) const {
     constexpr int PER_WORD = 32 / BITS;
     constexpr int WORDS = EPL >= PER_WORD ? EPL / PER_WORD : 1;
     constexpr bool ALIGNED = D == 32 * EPL && (EPL % PER_WORD == 0 || PER_WORD % EPL == 0) && GS % EPL == 0;
@@ -114,7 +124,7 @@ struct QuantizedRows {
           packed[i] = w[first / PER_WORD + i];
         }
       }
-      const int64_t group = row * (D / GS) + first / GS;
+      const int group = row * (D / GS) + first / GS;
       const float scale = float(scales[group]);
       const float bias = float(biases[group]);
       for (int i = 0; i < EPL; i++) {
@@ -127,7 +137,7 @@ struct QuantizedRows {
         const int d = first + i;
         if (d < D) {
           const uint q = (w[d / PER_WORD] >> (BITS * (d % PER_WORD))) & ((1u << BITS) - 1u);
-          const int64_t group = row * (D / GS) + d / GS;
+          const int group = row * (D / GS) + d / GS;
           out[i] = float(scales[group]) * float(q) + float(biases[group]);
         } else {
           out[i] = 0.0f;
@@ -214,14 +224,17 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
   const int my_head = int(lane) / KT;  // lane e sums entry e = head * KT + key of each tile
   const int tile_first = (first / PS) * TILES_PER_PAGE + (first % PS) / KT;
   const int tile_last = last > first ? ((last - 1) / PS) * TILES_PER_PAGE + ((last - 1) % PS) / KT : tile_first - 1;
-  int mapped = -1;  // the page whose entry `physical` holds: one page-table load a page, not a tile
-  int physical = 0;
+  int mapped = -1;  // the page k_page and v_page start at: one page-table load a page, not a tile
+  K k_page = k_rows;
+  V v_page = v_rows;
   for (int t = tile_first + split; t <= tile_last; t += KS) {
     const int page = t / TILES_PER_PAGE;
     const int offset = (t % TILES_PER_PAGE) * KT;
     const int key0 = page * PS + offset;
     if (page != mapped) {
-      physical = page_table[page];
+      const int64_t first_row = page_row<PS>(page_table[page], kv_heads, kv_head);
+      k_page = k_rows.page(first_row);
+      v_page = v_rows.page(first_row);
       mapped = page;
     }
     float part[32];
@@ -232,7 +245,7 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
       float kv[AT_ONCE][EPL];
       for (int b = 0; b < AT_ONCE; b++) {
         const int j = resident_key<PS>(key0, offset, k0 + b, first, last);
-        k_rows.template load<EPL>(kv_row<PS>(physical, kv_heads, kv_head, j), lane, kv[b]);
+        k_page.template load<EPL>(j % PS, lane, kv[b]);
       }
       for (int b = 0; b < AT_ONCE; b++) {
         for (int h = 0; h < H; h++) {
@@ -270,7 +283,7 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
       float kv[AT_ONCE][EPL];
       for (int b = 0; b < AT_ONCE; b++) {
         const int j = resident_key<PS>(key0, offset, k0 + b, first, last);
-        v_rows.template load<EPL>(kv_row<PS>(physical, kv_heads, kv_head, j), lane, kv[b]);
+        v_page.template load<EPL>(j % PS, lane, kv[b]);
       }
       for (int b = 0; b < AT_ONCE; b++) {
         for (int h = 0; h < H; h++) {

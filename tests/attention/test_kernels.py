@@ -251,23 +251,23 @@ def test_the_simulator_refuses_a_launch_over_32_kib_naming_the_arrays(kernels, m
         compare(kernels, cache, batch, 8, mx.float16, False)
 
 
-def test_key_offsets_are_64_bit():
+def test_page_offsets_are_64_bit():
     """One layer's float16 K pages of 4 GiB hold more than 2^31 elements."""
     kernel = metal_kernel(
-        "kv_row",
+        "page_row",
         ["pages"],
         ["out"],
         header=(METAL_DIR / "paged_attention.h").read_text(),
-        source="uint i = thread_position_in_grid.x;\nout[i] = kv_row<16>(pages[i], 8, 7, 15);",
+        source="uint i = thread_position_in_grid.x;\nout[i] = page_row<16>(pages[i], 8, 7);",
     )
     pages = np.array([0, 1, 2**20, 2**31 - 1], np.int32)
     out = kernel(
         inputs=[mx.array(pages)], output_shapes=[(4,)], output_dtypes=[mx.int64], grid=(4, 1, 1), threadgroup=(4, 1, 1)
     )[0]
-    assert np.array(out).tolist() == ((pages.astype(np.int64) * 8 + 7) * 16 + 15).tolist()
+    assert np.array(out).tolist() == ((pages.astype(np.int64) * 8 + 7) * 16).tolist()
 
 
-# Around and across split-K partition boundaries (512 keys), in one batch: decode rows, and a
+# Around and across split-K partition boundaries (256 keys when a split is forced), in one batch: decode rows, and a
 # 20-token prefill chunk over keys 500..519 that straddles the first boundary.
 CONTEXTS, QUERY_LENS = [511, 512, 513, 1024, 1025, 2900, 520], [1, 1, 1, 1, 1, 1, 20]
 
