@@ -64,6 +64,17 @@ struct Chunk<T, 1> {
   }
 };
 
+// A lane's EPL values of one K or V row, value i = w[i] * scale + bias: quantized pages keep
+// their integers and their group's scale and bias, so that a dot product or an accumulation
+// applies them once per group (MLX's qdot form), not once per value; float pages and values
+// read one by one have scale 1 and bias 0.
+template <int EPL>
+struct RowPart {
+  float w[EPL];
+  float scale;
+  float bias;
+};
+
 // Lane `lane`'s EPL values (dims lane * EPL ...) of row `row` of float pages [.., D]: vector
 // loads when D is a multiple of 32, else guarded single loads.
 template <int D, typename T>
@@ -74,16 +85,18 @@ struct DenseRows {
     return DenseRows{pages + first_row * D};
   }
   template <int EPL>
-  void load(int row, uint lane, thread float* out) const {
+  void load(int row, uint lane, thread RowPart<EPL>& out) const {
     const device T* p = pages + row * D + int(lane) * EPL;
+    out.scale = 1.0f;
+    out.bias = 0.0f;
     if (D % 32 == 0) {
       constexpr int C = EPL % 4 == 0 ? 4 : EPL % 2 == 0 ? 2 : 1;
       for (int c = 0; c < EPL; c += C) {
-        Chunk<T, C>::load(p + c, out + c);
+        Chunk<T, C>::load(p + c, out.w + c);
       }
     } else {
       for (int i = 0; i < EPL; i++) {
-        out[i] = int(lane) * EPL + i < D ? float(p[i]) : 0.0f;
+        out.w[i] = int(lane) * EPL + i < D ? float(p[i]) : 0.0f;
       }
     }
   }
@@ -105,7 +118,7 @@ struct QuantizedRows {
                          biases + first_row * (D / GS)};
   }
   template <int EPL>
-  void load(int row, uint lane, thread float* out) const {
+  void load(int row, uint lane, thread RowPart<EPL>& out) const {
     constexpr int PER_WORD = 32 / BITS;
     constexpr int WORDS = EPL >= PER_WORD ? EPL / PER_WORD : 1;
     constexpr bool ALIGNED = D == 32 * EPL && (EPL % PER_WORD == 0 || PER_WORD % EPL == 0) && GS % EPL == 0;
@@ -125,22 +138,24 @@ struct QuantizedRows {
         }
       }
       const int group = row * (D / GS) + first / GS;
-      const float scale = float(scales[group]);
-      const float bias = float(biases[group]);
+      out.scale = float(scales[group]);
+      out.bias = float(biases[group]);
       for (int i = 0; i < EPL; i++) {
         const int d = first + i;
         const uint q = (packed[EPL >= PER_WORD ? i / PER_WORD : 0] >> (BITS * (d % PER_WORD))) & ((1u << BITS) - 1u);
-        out[i] = scale * float(q) + bias;
+        out.w[i] = float(q);
       }
     } else {
+      out.scale = 1.0f;
+      out.bias = 0.0f;
       for (int i = 0; i < EPL; i++) {
         const int d = first + i;
         if (d < D) {
           const uint q = (w[d / PER_WORD] >> (BITS * (d % PER_WORD))) & ((1u << BITS) - 1u);
           const int group = row * (D / GS) + d / GS;
-          out[i] = float(scales[group]) * float(q) + float(biases[group]);
+          out.w[i] = float(scales[group]) * float(q) + float(biases[group]);
         } else {
-          out[i] = 0.0f;
+          out.w[i] = 0.0f;
         }
       }
     }
@@ -211,11 +226,16 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
   constexpr int AT_ONCE = KT < FIT ? KT : FIT;
   const float q_scale = SOFTCAP ? scale : scale * LOG2_E;
   float q[H][EPL];
+  float q_sum[H];   // a head's query over this lane's dims: what a row's bias adds to its dot product
+  float v_bias[H];  // the V rows' p * bias of each head, added to every dim of the lane at the end
   SoftmaxState<H, EPL> st;
   for (int h = 0; h < H; h++) {
+    q_sum[h] = 0.0f;
+    v_bias[h] = 0.0f;
     for (int i = 0; i < EPL; i++) {
       const int d = int(lane) * EPL + i;
       q[h][i] = d < D && h < heads ? float(queries[q_base + h * D + d]) * q_scale : 0.0f;
+      q_sum[h] += q[h][i];
       st.acc[h][i] = 0.0f;
     }
   }
@@ -242,7 +262,7 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
       part[e] = 0.0f;
     }
     for (int k0 = 0; k0 < KT; k0 += AT_ONCE) {
-      float kv[AT_ONCE][EPL];
+      RowPart<EPL> kv[AT_ONCE];
       for (int b = 0; b < AT_ONCE; b++) {
         const int j = resident_key<PS>(key0, offset, k0 + b, first, last);
         k_page.template load<EPL>(j % PS, lane, kv[b]);
@@ -251,9 +271,9 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
         for (int h = 0; h < H; h++) {
           float dot = 0.0f;
           for (int i = 0; i < EPL; i++) {
-            dot += q[h][i] * kv[b][i];
+            dot += q[h][i] * kv[b].w[i];
           }
-          part[h * KT + k0 + b] = dot;
+          part[h * KT + k0 + b] = dot * kv[b].scale + q_sum[h] * kv[b].bias;
         }
       }
     }
@@ -278,9 +298,10 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
       for (int i = 0; i < EPL; i++) {
         st.acc[h][i] *= c;
       }
+      v_bias[h] *= c;
     }
     for (int k0 = 0; k0 < KT; k0 += AT_ONCE) {
-      float kv[AT_ONCE][EPL];
+      RowPart<EPL> kv[AT_ONCE];
       for (int b = 0; b < AT_ONCE; b++) {
         const int j = resident_key<PS>(key0, offset, k0 + b, first, last);
         v_page.template load<EPL>(j % PS, lane, kv[b]);
@@ -288,11 +309,18 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
       for (int b = 0; b < AT_ONCE; b++) {
         for (int h = 0; h < H; h++) {
           const float pk = simd_shuffle(p, ushort(h * KT + k0 + b));  // 0 for a masked key
+          const float ps = pk * kv[b].scale;
           for (int i = 0; i < EPL; i++) {
-            st.acc[h][i] += pk * kv[b][i];
+            st.acc[h][i] += ps * kv[b].w[i];
           }
+          v_bias[h] += pk * kv[b].bias;
         }
       }
+    }
+  }
+  for (int h = 0; h < H; h++) {
+    for (int i = 0; i < EPL; i++) {
+      st.acc[h][i] += v_bias[h];
     }
   }
   for (int o = 1; o < KT; o *= 2) {
