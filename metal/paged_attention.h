@@ -183,6 +183,15 @@ int resident_key(int key0, int offset, int k, int first, int last) {
   return metal::min(metal::max(in_page, first), last - 1);
 }
 
+// Keys k0 .. k0 + N - 1 of the tile at `key0`, each read from its resident key: all N loads
+// issued before any row is used. `rows` reads one page (K or V, float or quantized).
+template <int PS, int N, int EPL, typename Rows>
+void load_rows(Rows rows, int key0, int offset, int k0, int first, int last, uint lane, thread RowPart<EPL>* out) {
+  for (int b = 0; b < N; b++) {
+    rows.template load<EPL>(resident_key<PS>(key0, offset, k0 + b, first, last) % PS, lane, out[b]);
+  }
+}
+
 // The running softmax state of one SIMD group for its H query heads: every lane holds the
 // output of its EPL dims for each head; lane e holds max and sum for head e / KT.
 template <int H, int EPL>
@@ -263,10 +272,7 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
     }
     for (int k0 = 0; k0 < KT; k0 += AT_ONCE) {
       RowPart<EPL> kv[AT_ONCE];
-      for (int b = 0; b < AT_ONCE; b++) {
-        const int j = resident_key<PS>(key0, offset, k0 + b, first, last);
-        k_page.template load<EPL>(j % PS, lane, kv[b]);
-      }
+      load_rows<PS, AT_ONCE>(k_page, key0, offset, k0, first, last, lane, kv);
       for (int b = 0; b < AT_ONCE; b++) {
         for (int h = 0; h < H; h++) {
           float dot = 0.0f;
@@ -302,10 +308,7 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
     }
     for (int k0 = 0; k0 < KT; k0 += AT_ONCE) {
       RowPart<EPL> kv[AT_ONCE];
-      for (int b = 0; b < AT_ONCE; b++) {
-        const int j = resident_key<PS>(key0, offset, k0 + b, first, last);
-        v_page.template load<EPL>(j % PS, lane, kv[b]);
-      }
+      load_rows<PS, AT_ONCE>(v_page, key0, offset, k0, first, last, lane, kv);
       for (int b = 0; b < AT_ONCE; b++) {
         for (int h = 0; h < H; h++) {
           const float pk = simd_shuffle(p, ushort(h * KT + k0 + b));  // 0 for a masked key
