@@ -363,7 +363,7 @@ def timings(args, attention, what: str) -> None:
             "(left out: over 8 GiB of K/V, or a gathered K of 2**31 elements, on which MLX 0.32's SDPA "
             "crashes on the CPU: " + ", ".join(f"batch {b} x context {c}" for b, c in too_big) + ")"
         )
-    cases = [case for case in cases if case not in too_big]
+    cases = [pair for pair in cases if pair not in too_big]
     print(f"{'batch':>6} {'context':>8} {'paged GB/s':>11} {'base GB/s':>10} {'paged/base time':>16}")
     progress = bar(len(cases), "", unit="case")
     for batch, context in cases:

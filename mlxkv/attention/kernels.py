@@ -95,8 +95,9 @@ def launch_shape(group: int, head_dim: int, page_size: int) -> LaunchShape:
     """
     lane_dims = 32 * -(-head_dim // 32)
     most = max(1, min(8, 512 // lane_dims))
-    if -(-group // most) <= MAX_THREADS // 32:  # one threadgroup: the fewest head sets, the last padded
-        head_sets = -(-group // most)
+    fewest = -(-group // most)  # head sets
+    if fewest <= MAX_THREADS // 32:  # one threadgroup: the fewest head sets, the last padded
+        head_sets = fewest
         per_simdgroup = -(-group // head_sets)
         heads = group
     else:  # several threadgroups, each a whole number of head sets
