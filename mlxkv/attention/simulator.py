@@ -506,22 +506,60 @@ def _write_once(path: Path, text: str) -> None:
 
 def _precompiled_runtime(cxx: Compiler, flags: list[str]) -> Path:
     """The runtime copy built once as a precompiled header for `flags`: parsing it and the
-    standard headers it includes is most of the time a kernel takes to compile."""
+    standard headers it includes is most of the time a kernel takes to compile.
+
+    Its name carries a fingerprint of every file clang read to build it, as clang's dependency file
+    lists them: clang refuses a precompiled header whose inputs have changed, and a reinstalled
+    compiler (CI's fresh virtual environment) ships the same headers with new modification times.
+    A header built from older inputs is removed when its successor is built."""
     runtime = _runtime_copy()
     digest = hashlib.sha256("\n".join([runtime.name, str(runtime.stat().st_mtime_ns), cxx.name, *flags]).encode())
-    key = digest.hexdigest()[:24]
-    pch = CACHE / f"{runtime.stem}-{key}.pch"
-    if not pch.exists():
-        wrapper = pch.with_suffix(".h")  # included, so that the runtime stays a system header
-        _write_once(wrapper, f'#include "{runtime}"\n')
-        partial = pch.with_suffix(f".{os.getpid()}.tmp")
-        built = subprocess.run(
-            [*cxx.command, *flags, "-x", "c++-header", str(wrapper), "-o", str(partial)], capture_output=True, text=True
-        )
-        if built.returncode != 0:
-            raise SimulatorError("the simulator's runtime does not compile:\n" + built.stderr[:3000])
-        partial.replace(pch)
+    stem = f"{runtime.stem}-{digest.hexdigest()[:24]}"
+    inputs = CACHE / f"{stem}.inputs"  # the files it was built from, a line each
+    if inputs.exists():
+        pch = CACHE / f"{stem}-{_fingerprint(inputs)}.pch"
+        if pch.exists():
+            return pch
+    wrapper = CACHE / f"{stem}.h"  # included, so that the runtime stays a system header
+    _write_once(wrapper, f'#include "{runtime}"\n')
+    partial, dependencies = (CACHE / f"{stem}.{os.getpid()}.{suffix}" for suffix in ("tmp", "d"))
+    built = subprocess.run(
+        [*cxx.command, *flags, "-x", "c++-header", str(wrapper), "-o", str(partial), "-MD", "-MF", str(dependencies)],
+        capture_output=True,
+        text=True,
+    )
+    if built.returncode != 0:
+        raise SimulatorError("the simulator's runtime does not compile:\n" + built.stderr[:3000])
+    listed = CACHE / f"{stem}.{os.getpid()}.inputs"
+    listed.write_text("\n".join(_dependencies(dependencies.read_text())))
+    dependencies.unlink()
+    listed.replace(inputs)
+    pch = CACHE / f"{stem}-{_fingerprint(inputs)}.pch"
+    partial.replace(pch)
+    for older in CACHE.glob(f"{stem}-*.pch"):
+        if older != pch:
+            older.unlink(missing_ok=True)
     return pch
+
+
+def _dependencies(makefile_rule: str) -> list[str]:
+    """The prerequisites of the one rule in a dependency file as clang writes it (`target: a b \\`
+    continued over lines, a space in a path escaped as `\\ `)."""
+    prerequisites = re.split(r":\s", makefile_rule.replace("\\\n", " "), maxsplit=1)[1]
+    return [word.replace("\\ ", " ") for word in re.split(r"(?<!\\)\s+", prerequisites.strip())]
+
+
+def _fingerprint(inputs: Path) -> str:
+    """A digest of the path, size and modification time of each file `inputs` lists (what clang
+    checks before it accepts a precompiled header), a missing file included."""
+    digest = hashlib.sha256()
+    for name in inputs.read_text().splitlines():
+        try:
+            found = os.stat(name)
+            digest.update(f"{name} {found.st_size} {found.st_mtime_ns}\n".encode())
+        except FileNotFoundError:
+            digest.update(f"{name} missing\n".encode())
+    return digest.hexdigest()[:24]
 
 
 def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], counting: bool = False) -> Path:

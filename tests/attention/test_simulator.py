@@ -1,4 +1,5 @@
 import math
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -251,6 +252,28 @@ def test_checkouts_sharing_one_cache_build_kernels_wherever_and_whenever_cloned(
         assert run(f"out[thread_position_in_grid.x] = a[thread_position_in_grid.x] + {n};").tolist() == list(
             range(n, 64 + n)
         )
+
+
+def test_a_reinstalled_compiler_header_rebuilds_the_precompiled_runtime(tmp_path, monkeypatch):
+    """A fresh virtual environment reinstalls the compiler, so every standard header it ships gets a
+    new modification time under the same path, and clang refuses a precompiled header whose inputs
+    changed: the cache must build a new one, and keep only that one."""
+    from mlxkv.attention import simulator
+
+    monkeypatch.setattr(simulator, "CACHE", tmp_path / "cache")
+    header = tmp_path / "include" / "standard.h"  # stands for a header of the compiler's
+    header.parent.mkdir()
+    header.write_text("#pragma once\nconstexpr int standard = 0;\n")  # clang checks a header when a unit uses it
+    runtime = tmp_path / "runtime.h"
+    runtime.write_text(simulator.RUNTIME.read_text() + f'\n#include "{header}"\n')
+    monkeypatch.setattr(simulator, "RUNTIME", runtime)
+    for n, hours in enumerate((0, 1, 2)):
+        stamp = header.stat().st_mtime + 3600 * hours
+        os.utime(header, (stamp, stamp))  # the same text, installed again later
+        assert run(f"out[thread_position_in_grid.x] = a[thread_position_in_grid.x] + {n} + standard;").tolist() == list(
+            range(n, 64 + n)
+        )
+    assert len(list((tmp_path / "cache").glob("runtime-*.pch"))) == 2  # one for checking, one for building
 
 
 def test_cost_counters_count_what_a_launch_does():
