@@ -1,7 +1,8 @@
 // Paged attention shared by the kernels in this folder. One threadgroup serves one query
-// token and the HG query heads of one KV head. Its SIMD groups form HS = HG / H head sets
-// of H query heads each (at most 4 at head_dim 128: more spill registers) times KS key
-// splits; a SIMD group walks tiles of KT keys of one page (one page-table lookup a page),
+// token and the HG query heads of one KV head. Its SIMD groups form HS = ceil(HG / H) head
+// sets of H query heads each (at most 4 at head_dim 128: more spill registers; the last set
+// padded when H does not divide HG) times KS key splits; a SIMD group walks tiles of KT keys
+// of one page (one page-table lookup a page),
 // each lane holding EPL consecutive head dimensions and reading them with vector loads.
 // The head sets of one key split read the same rows at the same time, so a K/V byte comes
 // from device memory once per threadgroup and from the core's cache after that.
@@ -13,12 +14,16 @@
 //
 // K and V pages are [pages, kv_heads, PS, D]; key j of a sequence lives in page
 // page_table[j / PS] at offset j % PS. Float pages are read through DenseRows, quantized
-// ones (mx.quantize's affine format) through QuantizedRows, which dequantize a lane's values
-// from one load of packed words and one scale and bias. K/V pages are always `device` buffers
+// ones (mx.quantize's affine format) through QuantizedRows, which unpack a lane's integers
+// from one load of packed words, with one scale and bias applied per group, not per value. K/V pages are always `device` buffers
 // (MLX passes only inputs under 8 elements as `constant`); other helpers take kernel inputs
 // through template pointer types, since Metal converts neither space to the other.
 // Rules for the simulator as for the GPU: SIMD functions and barriers sit in uniform
 // control flow, loads are guarded, one threadgroup array per declaration.
+
+// Before every loop whose trip count is a compile-time constant: unrolled, its private arrays are
+// indexed by constants and stay in registers (an array indexed at run time lives in memory).
+#define MLXKV_UNROLL _Pragma("clang loop unroll(full)")
 
 static constant constexpr const float LOG2_E = 1.4426950408889634f;
 // The lowest score, finite: running maxima start here and masked scores sit here, as in MLX's
@@ -34,8 +39,9 @@ int64_t page_row(int page, int kv_heads, int kv_head) {
   return (int64_t(page) * kv_heads + kv_head) * PS;
 }
 
-// How N (1, 2 or 4) consecutive values of T pages are loaded, one vector load, as floats.
-// bfloat16 is loaded as its bits, which every Metal version can put in a vector.
+// How values of T pages are held in registers until used: as T (a half takes a 16-bit register
+// and converts for free where an instruction reads it), bfloat16 as its bits, which every Metal
+// version can put in a vector.
 template <typename T>
 struct Bits {
   typedef T type;
@@ -47,30 +53,33 @@ struct Bits<bfloat16_t> {
   static float to_float(ushort x) { return as_type<float>(uint(x) << 16); }
 };
 
+// N (1, 2 or 4) consecutive values of T pages in one load, held as Bits<T>::type.
 template <typename T, int N>
 struct Chunk {
-  static void load(const device T* p, thread float* out) {
+  static void load(const device T* p, thread typename Bits<T>::type* out) {
     typedef vec<typename Bits<T>::type, N> V;
     const V v = *reinterpret_cast<const device V*>(p);
+    MLXKV_UNROLL
     for (int i = 0; i < N; i++) {
-      out[i] = Bits<T>::to_float(v[i]);
+      out[i] = v[i];
     }
   }
 };
 template <typename T>
 struct Chunk<T, 1> {
-  static void load(const device T* p, thread float* out) {
-    out[0] = float(p[0]);
+  static void load(const device T* p, thread typename Bits<T>::type* out) {
+    out[0] = *reinterpret_cast<const device typename Bits<T>::type*>(p);
   }
 };
 
-// A lane's EPL values of one K or V row, value i = w[i] * scale + bias: quantized pages keep
-// their integers and their group's scale and bias, so that a dot product or an accumulation
-// applies them once per group (MLX's qdot form), not once per value; float pages and values
-// read one by one have scale 1 and bias 0.
-template <int EPL>
+// A lane's EPL values of one K or V row, value i = Rows::value(w[i]) * scale + bias: float pages
+// hold their values as loaded (W = Bits<T>::type: a row of half takes half the registers of
+// floats) with scale 1 and bias 0; quantized pages hold their integers as floats and their
+// group's scale and bias, so that a dot product or an accumulation applies them once per group
+// (MLX's qdot form), not once per value.
+template <typename W, int EPL>
 struct RowPart {
-  float w[EPL];
+  W w[EPL];
   float scale;
   float bias;
 };
@@ -79,24 +88,30 @@ struct RowPart {
 // loads when D is a multiple of 32, else guarded single loads.
 template <int D, typename T>
 struct DenseRows {
+  typedef typename Bits<T>::type Held;
+  template <int EPL>
+  using Part = RowPart<Held, EPL>;
+  static float value(Held x) { return Bits<T>::to_float(x); }
   const device T* pages;
   // The rows from `first_row` on, to index with 32-bit row numbers.
   DenseRows page(int64_t first_row) const {
     return DenseRows{pages + first_row * D};
   }
   template <int EPL>
-  void load(int row, uint lane, thread RowPart<EPL>& out) const {
+  void load(int row, uint lane, thread Part<EPL>& out) const {
     const device T* p = pages + row * D + int(lane) * EPL;
     out.scale = 1.0f;
     out.bias = 0.0f;
     if (D % 32 == 0) {
       constexpr int C = EPL % 4 == 0 ? 4 : EPL % 2 == 0 ? 2 : 1;
+      MLXKV_UNROLL
       for (int c = 0; c < EPL; c += C) {
         Chunk<T, C>::load(p + c, out.w + c);
       }
     } else {
+      MLXKV_UNROLL
       for (int i = 0; i < EPL; i++) {
-        out.w[i] = int(lane) * EPL + i < D ? float(p[i]) : 0.0f;
+        out.w[i] = int(lane) * EPL + i < D ? *reinterpret_cast<const device Held*>(p + i) : Held(0);
       }
     }
   }
@@ -109,6 +124,9 @@ struct DenseRows {
 // (e.g. head_dim 96) each value is read on its own.
 template <int D, int BITS, int GS, typename S>
 struct QuantizedRows {
+  template <int EPL>
+  using Part = RowPart<float, EPL>;
+  static float value(float x) { return x; }
   const device uint* words;
   const device S* scales;
   const device S* biases;
@@ -118,7 +136,7 @@ struct QuantizedRows {
                          biases + first_row * (D / GS)};
   }
   template <int EPL>
-  void load(int row, uint lane, thread RowPart<EPL>& out) const {
+  void load(int row, uint lane, thread Part<EPL>& out) const {
     constexpr int PER_WORD = 32 / BITS;
     constexpr int WORDS = EPL >= PER_WORD ? EPL / PER_WORD : 1;
     constexpr bool ALIGNED = D == 32 * EPL && (EPL % PER_WORD == 0 || PER_WORD % EPL == 0) && GS % EPL == 0;
@@ -129,10 +147,12 @@ struct QuantizedRows {
       if (WORDS == 4 || WORDS == 2) {
         typedef vec<uint, (WORDS == 4 ? 4 : 2)> V;
         const V v = *reinterpret_cast<const device V*>(w + first / PER_WORD);
+        MLXKV_UNROLL
         for (int i = 0; i < WORDS; i++) {
           packed[i] = v[i];
         }
       } else {
+        MLXKV_UNROLL
         for (int i = 0; i < WORDS; i++) {
           packed[i] = w[first / PER_WORD + i];
         }
@@ -140,6 +160,7 @@ struct QuantizedRows {
       const int group = row * (D / GS) + first / GS;
       out.scale = float(scales[group]);
       out.bias = float(biases[group]);
+      MLXKV_UNROLL
       for (int i = 0; i < EPL; i++) {
         const int d = first + i;
         const uint q = (packed[EPL >= PER_WORD ? i / PER_WORD : 0] >> (BITS * (d % PER_WORD))) & ((1u << BITS) - 1u);
@@ -148,6 +169,7 @@ struct QuantizedRows {
     } else {
       out.scale = 1.0f;
       out.bias = 0.0f;
+      MLXKV_UNROLL
       for (int i = 0; i < EPL; i++) {
         const int d = first + i;
         if (d < D) {
@@ -186,7 +208,9 @@ int resident_key(int key0, int offset, int k, int first, int last) {
 // Keys k0 .. k0 + N - 1 of the tile at `key0`, each read from its resident key: all N loads
 // issued before any row is used. `rows` reads one page (K or V, float or quantized).
 template <int PS, int N, int EPL, typename Rows>
-void load_rows(Rows rows, int key0, int offset, int k0, int first, int last, uint lane, thread RowPart<EPL>* out) {
+void load_rows(Rows rows, int key0, int offset, int k0, int first, int last, uint lane,
+               thread typename Rows::template Part<EPL>* out) {
+  MLXKV_UNROLL
   for (int b = 0; b < N; b++) {
     rows.template load<EPL>(resident_key<PS>(key0, offset, k0 + b, first, last) % PS, lane, out[b]);
   }
@@ -205,15 +229,18 @@ struct SoftmaxState {
 // step keeps half the entries and adds the partner lane's copy of them.
 template <int N>
 float reduce_scatter(thread float* v, uint lane) {
+  MLXKV_UNROLL
   for (int o = N / 2; o >= 1; o /= 2) {
     const bool upper = (lane & uint(o)) != 0;
+    MLXKV_UNROLL
     for (int i = 0; i < o; i++) {
-      const float keep = upper ? v[i + o] : v[i];
-      const float send = upper ? v[i] : v[i + o];
-      v[i] = keep + simd_shuffle_xor(send, ushort(o));
+      const float lo = v[i];  // values, not `upper ? v[i + o] : v[i]`: that is one load at a chosen
+      const float hi = v[i + o];  // address, which keeps v in memory instead of in registers
+      v[i] = (upper ? hi : lo) + simd_shuffle_xor(upper ? lo : hi, ushort(o));
     }
   }
   float total = v[0];
+  MLXKV_UNROLL
   for (int o = N; o < 32; o *= 2) {
     total += simd_shuffle_xor(total, ushort(o));
   }
@@ -229,18 +256,25 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
                                     int split, uint lane) {
   constexpr int EPL = (D + 31) / 32;
   constexpr int TILES_PER_PAGE = (PS + KT - 1) / KT;
-  // Rows loaded before the first is used: a tile's keys in groups of at most 32 floats a lane
+  // Rows loaded before the first is used: a tile's keys in groups of at most 32 values a lane
   // (a power of two dividing KT), so their loads are in flight together and stay in registers.
   constexpr int FIT = 32 / EPL >= 32 ? 32 : 32 / EPL >= 16 ? 16 : 32 / EPL >= 8 ? 8 : 32 / EPL >= 4 ? 4 : 2;
   constexpr int AT_ONCE = KT < FIT ? KT : FIT;
+  // A small tile (at most 16 K and 16 V values a lane, GQA 8 at head_dim 64) loads its V rows with
+  // its K rows: one round of load latency a tile instead of two. A larger one would hold more
+  // registers than that saves, and fewer SIMD groups would fit a core.
+  constexpr bool V_WITH_K = AT_ONCE == KT && KT * EPL <= 16;
+  constexpr int EARLY = V_WITH_K ? KT : 1;
   const float q_scale = SOFTCAP ? scale : scale * LOG2_E;
   float q[H][EPL];
   float q_sum[H];   // a head's query over this lane's dims: what a row's bias adds to its dot product
   float v_bias[H];  // the V rows' p * bias of each head, added to every dim of the lane at the end
   SoftmaxState<H, EPL> st;
+  MLXKV_UNROLL
   for (int h = 0; h < H; h++) {
     q_sum[h] = 0.0f;
     v_bias[h] = 0.0f;
+    MLXKV_UNROLL
     for (int i = 0; i < EPL; i++) {
       const int d = int(lane) * EPL + i;
       q[h][i] = d < D && h < heads ? float(queries[q_base + h * D + d]) * q_scale : 0.0f;
@@ -266,18 +300,27 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
       v_page = v_rows.page(first_row);
       mapped = page;
     }
+    typename V::template Part<EPL> early[EARLY];  // the tile's V rows when V_WITH_K
     float part[32];
+    MLXKV_UNROLL
     for (int e = 0; e < 32; e++) {
       part[e] = 0.0f;
     }
+    MLXKV_UNROLL
     for (int k0 = 0; k0 < KT; k0 += AT_ONCE) {
-      RowPart<EPL> kv[AT_ONCE];
-      load_rows<PS, AT_ONCE>(k_page, key0, offset, k0, first, last, lane, kv);
+      typename K::template Part<EPL> kv[AT_ONCE];
+      load_rows<PS, AT_ONCE, EPL>(k_page, key0, offset, k0, first, last, lane, kv);
+      if (V_WITH_K) {
+        load_rows<PS, EARLY, EPL>(v_page, key0, offset, 0, first, last, lane, early);
+      }
+      MLXKV_UNROLL
       for (int b = 0; b < AT_ONCE; b++) {
+        MLXKV_UNROLL
         for (int h = 0; h < H; h++) {
           float dot = 0.0f;
+          MLXKV_UNROLL
           for (int i = 0; i < EPL; i++) {
-            dot += q[h][i] * kv[b].w[i];
+            dot += q[h][i] * K::value(kv[b].w[i]);
           }
           part[h * KT + k0 + b] = dot * kv[b].scale + q_sum[h] * kv[b].bias;
         }
@@ -291,6 +334,7 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
     }
     s = valid ? s : NO_SCORE;
     float tile_max = s;
+    MLXKV_UNROLL
     for (int o = 1; o < KT; o *= 2) {
       tile_max = metal::max(tile_max, simd_shuffle_xor(tile_max, ushort(o)));
     }
@@ -299,33 +343,49 @@ SoftmaxState<H, (D + 31) / 32> attend_keys(Q queries, K k_rows, V v_rows, Table 
     const float p = valid ? metal::fast::exp2(s - m_new) : 0.0f;
     st.l = st.l * correction + p;
     st.m = m_new;
+    MLXKV_UNROLL
     for (int h = 0; h < H; h++) {
       const float c = simd_shuffle(correction, ushort(h * KT));
+      MLXKV_UNROLL
       for (int i = 0; i < EPL; i++) {
         st.acc[h][i] *= c;
       }
       v_bias[h] *= c;
     }
+    MLXKV_UNROLL
     for (int k0 = 0; k0 < KT; k0 += AT_ONCE) {
-      RowPart<EPL> kv[AT_ONCE];
-      load_rows<PS, AT_ONCE>(v_page, key0, offset, k0, first, last, lane, kv);
+      typename V::template Part<EPL> kv[AT_ONCE];
+      if (V_WITH_K) {
+        MLXKV_UNROLL
+        for (int b = 0; b < AT_ONCE; b++) {
+          kv[b] = early[(k0 + b) % EARLY];
+        }
+      } else {
+        load_rows<PS, AT_ONCE, EPL>(v_page, key0, offset, k0, first, last, lane, kv);
+      }
+      MLXKV_UNROLL
       for (int b = 0; b < AT_ONCE; b++) {
+        MLXKV_UNROLL
         for (int h = 0; h < H; h++) {
           const float pk = simd_shuffle(p, ushort(h * KT + k0 + b));  // 0 for a masked key
           const float ps = pk * kv[b].scale;
+          MLXKV_UNROLL
           for (int i = 0; i < EPL; i++) {
-            st.acc[h][i] += ps * kv[b].w[i];
+            st.acc[h][i] += ps * V::value(kv[b].w[i]);
           }
           v_bias[h] += pk * kv[b].bias;
         }
       }
     }
   }
+  MLXKV_UNROLL
   for (int h = 0; h < H; h++) {
+    MLXKV_UNROLL
     for (int i = 0; i < EPL; i++) {
       st.acc[h][i] += v_bias[h];
     }
   }
+  MLXKV_UNROLL
   for (int o = 1; o < KT; o *= 2) {
     st.l += simd_shuffle_xor(st.l, ushort(o));
   }
@@ -411,9 +471,11 @@ Merged<H, (D + 31) / 32> attend_and_merge(Q queries, K k_rows, V v_rows, Table p
       queries, k_rows, v_rows, page_table, q_base + head_set * H * D, metal::min(H, HG - head_set * H), kv_heads,
       kv_head, first, last, scale, softcap, split, lane);
   Merged<H, EPL> out;
+  MLXKV_UNROLL
   for (int h = 0; h < H; h++) {
     float m, l;
     head_stats<H, EPL, KT>(st, h, m, l);
+    MLXKV_UNROLL
     for (int i = 0; i < EPL; i++) {
       out.m[h][i] = m;
       out.l[h][i] = l;
@@ -422,12 +484,14 @@ Merged<H, (D + 31) / 32> attend_and_merge(Q queries, K k_rows, V v_rows, Table p
   }
   if (KS > 1) {
     if (split > 0) {
+      MLXKV_UNROLL
       for (int h = 0; h < H; h++) {
         const int entry = (split - 1) * HP + head_set * H + h;
         if (lane == 0) {
           tg_ml[entry * 2] = out.m[h][0];
           tg_ml[entry * 2 + 1] = out.l[h][0];
         }
+        MLXKV_UNROLL
         for (int i = 0; i < EPL; i++) {
           const int d = int(lane) * EPL + i;
           if (d < D) {
@@ -438,8 +502,10 @@ Merged<H, (D + 31) / 32> attend_and_merge(Q queries, K k_rows, V v_rows, Table p
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (split == 0) {
+      MLXKV_UNROLL
       for (int h = 0; h < H; h++) {
         const int g = head_set * H + h;
+        MLXKV_UNROLL
         for (int i = 0; i < EPL; i++) {
           const int d = int(lane) * EPL + i;
           if (d < D) {

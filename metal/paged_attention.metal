@@ -15,8 +15,10 @@ const Merged<H, EPL> r = attend_and_merge<D, PS, HG, H, KT, KS, SOFTCAP>(
     k_pages_shape[1], tile / (G / HG), first_key<WINDOWED>(token_pos[token], window), token_pos[token] + 1, scale,
     softcap, tg_ml, tg_acc, sg, lane);
 if (int(sg) < (HG + H - 1) / H) {
+  MLXKV_UNROLL
   for (int h = 0; h < H; h++) {
     const int g = int(sg) * H + h;
+    MLXKV_UNROLL
     for (int i = 0; i < EPL; i++) {
       const int d = int(lane) * EPL + i;
       float top = r.m[h][i];

@@ -19,8 +19,10 @@ const Merged<H, EPL> r = attend_and_merge<D, PS, HG, H, KT, KS, SOFTCAP>(
     k_pages_shape[1], tile / (G / HG), first, last, scale, softcap, tg_ml, tg_acc, sg, lane);
 const int partial = (token * (q_heads / HG) + tile) * partitions + part;
 if (int(sg) < (HG + H - 1) / H) {
+  MLXKV_UNROLL
   for (int h = 0; h < H; h++) {
     const int g = int(sg) * H + h;
+    MLXKV_UNROLL
     for (int i = 0; i < EPL; i++) {
       const int d = int(lane) * EPL + i;
       if (d < D && g < HG) {  // g >= HG: a head padding the last head set

@@ -14,6 +14,9 @@ differ are reported as a race.
 Inside `with cost_counters() as launches:` each launch is also counted (`Counters`): device
 bytes and load/store instructions, SIMD-group reductions and shuffles, transcendental calls,
 barriers, threadgroup memory and threads. Those are the inputs of a cost model, not a timing.
+The counters also name every private array the kernel indexes with a value known only at run
+time once fixed-count loops are unrolled (`dynamic_arrays`): such an array lives in memory on
+the GPU, not in registers, and every access to it is a load or a store.
 """
 
 from __future__ import annotations
@@ -107,7 +110,11 @@ class Counters:
     repeated reads); loads and stores count instructions on device buffers, a vector load being
     one `vec<T, N>` copied out of device memory. SIMD-group operations and barriers count once
     per SIMD group or threadgroup; transcendental calls once per thread. `threadgroup_memory` and
-    `threads` are per threadgroup.
+    `threads` are per threadgroup. `dynamic_arrays` names the private arrays (as `name at
+    file:line`) that stay in memory after inlining, full unrolling and scalar replacement, the
+    passes Metal's compiler runs too (LLVM's -O2): an array is left there when an index is not a
+    constant after unrolling, including `c ? a[i] : a[j]`, which C++ makes one access at a chosen
+    address.
     """
 
     name: str
@@ -126,6 +133,7 @@ class Counters:
     threadgroups: int
     threadgroup_memory: int
     threads: int
+    dynamic_arrays: tuple[str, ...] = ()
 
 
 _counted: list[Counters] | None = None
@@ -322,7 +330,7 @@ class SimKernel:
         binary = _compile(unit, {"header": self.header, "body": self.source}, constant, counting)
         forward, counters = _run(binary, params, grid, threadgroup, init_value, reverse=False, counting=counting)
         if counted is not None:
-            counted.append(Counters(self.name, **counters))
+            counted.append(Counters(self.name, **counters, dynamic_arrays=_dynamic_arrays(unit)))
         if check_races and not counting:  # a counted launch runs once
             backward, _ = _run(binary, params, grid, threadgroup, init_value, reverse=True)
             for name, a, b in zip(self.output_names, forward, backward):
@@ -582,6 +590,57 @@ def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], cou
     finally:
         source.unlink()
     return binary
+
+
+# What a GPU compiler does to a kernel before it allocates registers: everything inlined (Metal
+# inlines all calls), -O2's full unrolling of fixed-count loops and scalar replacement of arrays.
+OPTIMISED_FLAGS = ["-std=c++20", "-O2", "-g", "-w", "-fno-discard-value-names", "-mllvm", "-inline-threshold=100000"]
+DEBUG_RECORD = re.compile(r"(?:#dbg_\w+|llvm\.dbg\.\w+)\((.*)\)")
+LOCAL_VARIABLE = re.compile(r'^(!\d+) = !DILocalVariable\(name: "(\w+)", (?!arg:).*?file: (!\d+), line: (\d+)')
+KERNEL_FILE = re.compile(r'^(!\d+) = !DIFile\(filename: "(header|body)"')
+ARRAY_ALLOCA = re.compile(r"^\s*(%[\w.]+) = alloca \[")
+
+
+def _dynamic_arrays(unit: str) -> tuple[str, ...]:
+    """The kernel's private arrays (declared in its header or body) that optimised code keeps in
+    memory: `unit` built to LLVM IR as a GPU compiler would optimise it, its surviving array
+    allocations traced to their variables through the debug records."""
+    key = hashlib.sha256("\n".join([unit, compiler().name, *OPTIMISED_FLAGS]).encode()).hexdigest()[:24]
+    found = CACHE / f"{key}.arrays"
+    if not found.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            source, ir = Path(tmp) / "unit.cpp", Path(tmp) / "unit.ll"
+            source.write_text(unit)
+            built = subprocess.run(
+                [*compiler().command, *OPTIMISED_FLAGS, "-emit-llvm", "-S", "-o", str(ir), str(source)],
+                capture_output=True,
+                text=True,
+            )
+            if built.returncode != 0:
+                raise SimulatorError("kernel does not compile optimised:\n" + "\n".join(built.stderr.splitlines()[:30]))
+            _write_once(found, "\n".join(_arrays_in_memory(ir.read_text())))
+    return tuple(line for line in found.read_text().splitlines() if line)
+
+
+def _arrays_in_memory(ir: str) -> list[str]:
+    """`name at file:line` for each array allocation left in `ir` whose variable the kernel's own
+    files declare (the simulator's runtime has arrays of its own)."""
+    lines = ir.splitlines()
+    files = {m.group(1): m.group(2) for m in map(KERNEL_FILE.match, lines) if m}
+    variables = {
+        m.group(1): f"{m.group(2)} at {files[m.group(3)]}:{m.group(4)}"
+        for m in map(LOCAL_VARIABLE.match, lines)
+        if m and m.group(3) in files
+    }
+    allocas = {m.group(1) for m in map(ARRAY_ALLOCA.match, lines) if m}
+    arrays = set()
+    for record in (m.group(1) for line in lines if (m := DEBUG_RECORD.search(line))):
+        pointers = set(re.findall(r"%[\w.]+", record)) & allocas
+        names = [variables[v] for v in re.findall(r"!\d+", record) if v in variables]
+        if pointers and names:
+            arrays.add(names[0])
+    return sorted(arrays)
 
 
 def _check_and_build(

@@ -336,6 +336,32 @@ def test_a_tile_loads_all_its_rows_whatever_the_mask(kernels, split):
     assert vector_loads[0] == vector_loads[1]
 
 
+@pytest.mark.parametrize(
+    "dtype, head_dim, group, kv_bits, prefill",
+    [
+        (mx.float16, 128, 8, None, False),
+        (mx.bfloat16, 96, 5, None, False),
+        (mx.float32, 64, 1, None, True),
+        (mx.float16, 128, 4, 4, False),
+        (mx.bfloat16, 64, 2, 8, True),
+    ],
+)
+def test_kernels_keep_every_private_array_in_registers(kernels, dtype, head_dim, group, kv_bits, prefill):
+    """Every fixed-count loop is unrolled and indexes its arrays by constants, so nothing a lane
+    holds (query parts, tile rows, the reduce-scatter's entries) is spilled to memory; split and
+    unsplit, decode and a prefill chunk."""
+    from mlxkv.attention.simulator import cost_counters
+
+    cache, batch = packed_step(
+        "paged", 16, 1, head_dim, dtype, [300], [4 if prefill else 1], max_model_len=512, kv_bits=kv_bits
+    )
+    q = mx.array(np.random.default_rng(1).standard_normal((4 if prefill else 1, group, head_dim)), dtype)
+    for split in (False, True):
+        with cost_counters() as launches:
+            kernels(q, *cache.kv(0), batch, None, split=split)
+        assert [(c.name, c.dynamic_arrays) for c in launches] == [(c.name, ()) for c in launches]
+
+
 def test_every_layer_of_a_step_passes_the_same_input_arrays(kernels, monkeypatch):
     """Page tables, positions and the scalar settings are made once per step, not per layer."""
     cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [40, 70], [1, 1], max_model_len=128)

@@ -311,6 +311,51 @@ def test_cost_counters_count_what_a_launch_does():
     assert (c.threadgroups, c.threadgroup_memory, c.threads) == (2, 128, 32)
 
 
+@pytest.mark.parametrize(
+    "pick, in_memory",
+    [
+        ("a[(i + thread_position_in_grid.x) % 8]", ["a at body:2"]),  # an index known at run time
+        ("a[0]", []),
+        ("(upper ? a[i + 4] : a[i])", ["a at body:2"]),  # one load at a chosen address
+        ("(upper ? hi : lo)", []),  # two loads, then a choice of values
+    ],
+)
+def test_cost_counters_name_private_arrays_indexed_at_run_time(pick, in_memory):
+    """An array indexed by constants after unrolling stays in registers; one indexed at run time
+    (or through `c ? a[i] : a[j]`) would live in memory on the GPU, and the counters name it."""
+    from mlxkv.attention.simulator import cost_counters
+
+    kernel = metal_kernel(
+        "probe",
+        ["x"],
+        ["out"],
+        f"""
+        float a[8];
+        for (int i = 0; i < 8; i++) {{
+          a[i] = x[(thread_position_in_grid.x + i) % 32] * x[i];
+        }}
+        const bool upper = (thread_position_in_grid.x & 1) != 0;
+        float total = 0.0f;
+        MLXKV_UNROLL
+        for (int i = 0; i < 4; i++) {{
+          const float lo = a[i];
+          const float hi = a[i + 4];
+          total += {pick};
+        }}
+        out[thread_position_in_grid.x] = total;""",
+        header='#define MLXKV_UNROLL _Pragma("clang loop unroll(full)")',
+    )
+    with cost_counters() as launches:
+        kernel(
+            inputs=[mx.arange(32, dtype=mx.float32)],
+            output_shapes=[(32,)],
+            output_dtypes=[mx.float32],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+        )
+    assert list(launches[0].dynamic_arrays) == in_memory
+
+
 def test_metal_vectors_convert_and_index_as_metal_does():
     out = run(
         """
