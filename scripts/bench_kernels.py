@@ -10,11 +10,13 @@ the simulator as `--model` does and says so (`--reference` times the pure-MLX re
 there instead). `--prefill` (a Mac) times prefill chunks of growing length on
 the paged kernel against MLX's SDPA over the gathered pages, the choice `PREFILL_FROM` makes.
 
-`--model` runs anywhere: the kernels run in the project's CPU simulator, which counts what a
-launch does (device bytes, vector loads, SIMD reductions and shuffles, transcendentals,
-barriers, threadgroup memory), printed per K/V byte and per key for decode batches beside the
-kernels of commit `--baseline`, with a roofline estimate of the share of an M2 Max's memory
-bandwidth each would reach. Those are models; the GB/s table above, run on a Mac, is the
+`--model` runs anywhere: first it calibrates `mlxkv.attention.cost_model` against MLX's
+published SDPA speeds (a kernel with MLX's structure, counted in the simulator and modelled on
+an M5 Pro, beside the published figure and mlxkv's kernel at the same geometry); then it counts
+the kernels for decode batches (device bytes, vector loads, SIMD reductions and shuffles,
+transcendentals, barriers, threadgroup memory, private arrays left in memory), per K/V byte and
+per key, beside the kernels of commit `--baseline`, with the calibrated model's registers,
+residency, bound and share of bandwidth. Those are models; the GB/s table, run on a Mac, is the
 measurement.
 """
 
@@ -26,74 +28,49 @@ import itertools
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
-from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from progress import FLOAT16, bar, expect, say
 
-from mlxkv import KVBatch, reference_attention
-from mlxkv.attention.kernels import PagedAttentionKernels, launch_shape, partition_keys
-from mlxkv.attention.prefill import chunk_attention
-from mlxkv.cache.storage import QuantizedPages, kv_bytes_per_token
+from mlxkv import reference_attention
+from mlxkv.attention import speed
+from mlxkv.attention.cost_model import (
+    ASSUMED_LATENCY,
+    M5_PRO,
+    PUBLISHED,
+    PUBLISHED_CONTEXTS,
+    Gpu,
+    calibration_points,
+    decode_row,
+    estimate,
+    fit_latency,
+    kv_bytes,
+    paged_work,
+)
+from mlxkv.attention.kernels import PagedAttentionKernels
+from mlxkv.attention.speed import Geometry
 
 REPO = Path(__file__).resolve().parents[1]
-BASELINE = "b728b4a"  # the kernels before the tiled, reduce-scatter decode (issue 16)
+BASELINE = "a7e596a"  # the kernels before issue 29 (loads in flight, registers, split from the GPU's cores)
 PREFILL_CHUNKS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 # seconds the defaults take on progress.MACHINE (docs/benchmarks.md)
-MODEL_TAKES = 107  # --model, its kernels already compiled
+MODEL_TAKES = 399  # --model, its kernels already compiled
 REFERENCE_TAKES = 1440  # --reference
 SIMULATOR = "kernels compiled by an earlier run; the first run compiles them with clang, minutes more"
 
 
-def timed(fn, repeats: int) -> float:
-    mx.eval(fn())
-    start = time.perf_counter()
-    for _ in range(repeats):
-        mx.eval(fn())
-    return (time.perf_counter() - start) / repeats
-
-
-def case(attention, batch: int, context: int, args) -> tuple[float, float]:
-    """(paged seconds, SDPA seconds) for one decode step of `batch` sequences of `context` tokens."""
-    rng = np.random.default_rng(0)
-    bs, kv_heads, q_heads, d = args.page_size, args.kv_heads, args.q_heads, args.head_dim
-    dtype = getattr(mx, args.dtype)
-    pages_per_seq = -(-context // bs)
-    pages = rng.permutation(batch * pages_per_seq).astype(np.int32).reshape(batch, pages_per_seq)
-    k_pages = mx.random.normal((batch * pages_per_seq, kv_heads, bs, d)).astype(dtype)
-    v_pages = mx.random.normal((batch * pages_per_seq, kv_heads, bs, d)).astype(dtype)
-    ones = np.ones(batch, np.int32)
-    meta = KVBatch(tuple(range(batch)), ones, np.full(batch, context, np.int32), pages, bs)
-    q = mx.random.normal((batch, q_heads, d)).astype(dtype)
-    order = mx.array(pages.reshape(-1))
-    k = k_pages[order].reshape(batch, pages_per_seq, kv_heads, bs, d).transpose(0, 2, 1, 3, 4)
-    k = k.reshape(batch, kv_heads, pages_per_seq * bs, d)[:, :, :context]
-    v = v_pages[order].reshape(batch, pages_per_seq, kv_heads, bs, d).transpose(0, 2, 1, 3, 4)
-    v = v.reshape(batch, kv_heads, pages_per_seq * bs, d)[:, :, :context]
-    scale = d**-0.5
-    if args.kv_bits:
-        quantized = dict(group_size=args.kv_group_size, bits=args.kv_bits)
-        k_pages, v_pages = (
-            QuantizedPages.quantize(array, args.kv_bits, args.kv_group_size) for array in (k_pages, v_pages)
-        )
-        k, v = mx.quantize(k, **quantized), mx.quantize(v, **quantized)
-
-        def baseline():
-            return quantized_scaled_dot_product_attention(q[:, :, None], k, v, scale, None, **quantized)
-    else:
-
-        def baseline():
-            return mx.fast.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale)
-
-    mx.eval(q, k, v, [getattr(pages, "parts", pages) for pages in (k_pages, v_pages)])
-    paged = timed(lambda: attention(q, k_pages, v_pages, meta, scale), args.repeats)
-    return paged, timed(baseline, args.repeats)
+def geometry(args) -> Geometry:
+    return Geometry(
+        args.q_heads,
+        args.kv_heads,
+        args.head_dim,
+        getattr(mx, args.dtype),
+        args.page_size,
+        args.kv_bits,
+        args.kv_group_size,
+    )
 
 
 def prefill(args) -> None:
@@ -102,43 +79,21 @@ def prefill(args) -> None:
         print("--prefill times the Metal kernel against SDPA, which needs a Mac (no Metal on this machine)")
         return
     progress = bar(len(PREFILL_CHUNKS), "prefill chunks", unit="chunk")
-    kernels, dtype = PagedAttentionKernels(), getattr(mx, args.dtype)
-    context, bs, d = args.contexts[0], args.page_size, args.head_dim
-    pages = -(-context // bs)
-    k_pages, v_pages = (mx.random.normal((pages, args.kv_heads, bs, d)).astype(dtype) for _ in range(2))
-    table = np.random.default_rng(0).permutation(pages).astype(np.int32)
-    print(f"prefill chunks at context {context}, {args.q_heads}/{args.kv_heads} heads, head_dim {d}, {args.dtype}")
+    kernels, context = PagedAttentionKernels(), args.contexts[0]
+    print(
+        f"prefill chunks at context {context}, {args.q_heads}/{args.kv_heads} heads, head_dim {args.head_dim}, "
+        f"{args.dtype}"
+    )
     print(f"{'chunk':>6} {'paged ms':>9} {'SDPA ms':>8} {'paged/SDPA':>11}")
     for length in PREFILL_CHUNKS:
         progress.set_description(f"prefill chunks of {length}")
-        q = mx.random.normal((length, args.q_heads, d)).astype(dtype)
-        batch = KVBatch((0,), np.array([length], np.int32), np.array([context], np.int32), table[None], bs)
-        mx.eval(q, k_pages, v_pages)
-        paged = timed(partial(kernels.paged, q, k_pages, v_pages, batch, d**-0.5), args.repeats)
-        sdpa = timed(partial(chunk_attention, q, k_pages, v_pages, table, context, d**-0.5), args.repeats)
+        paged, sdpa = speed.prefill(kernels, geometry(args), length, context, args.repeats)
         progress.update()
         say(f"{length:>6} {paged * 1e3:>9.3f} {sdpa * 1e3:>8.3f} {paged / sdpa:>11.2f}")
     progress.close()
 
 
 # ---- the cost model ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Gpu:
-    """An M2 Max (38 cores), as the roofline below assumes it."""
-
-    name: str = "M2 Max"
-    bandwidth: float = 400e9  # bytes/s of unified memory
-    cores: int = 38
-    lanes: int = 128  # ALU lanes per core issuing one instruction a cycle (4 SIMD groups)
-    clock: float = 1.398e9
-    launch: float = 4e-6  # s of fixed dispatch and tail per kernel launch (assumed)
-    latency: float = 700e-9  # s from a device load's issue to its data (assumed)
-    tg_memory: int = 64 * 1024  # threadgroup memory a core holds for its resident threadgroups (assumed)
-    simdgroups: int = 32  # SIMD groups resident on a core (assumed)
-    transcendental: int = 4  # issue cycles of an exp2/tanh (quarter-rate special-function unit)
-    reduction: int = 5  # shuffles a 32-lane reduction takes (log2 32 steps)
-
-
 def baseline_kernels(rev: str):
     """The kernels module as commit `rev` had it (its launcher and its `metal/` sources), loaded
     beside this tree's package; None, saying why, when git cannot show it or it no longer loads."""
@@ -158,7 +113,7 @@ def baseline_kernels(rev: str):
             ).stdout
             (tmp / ("mlxkv/metal/" + Path(name).name if name.startswith("metal/") else name)).write_text(text)
     except (OSError, subprocess.CalledProcessError):
-        print(f"(git cannot show commit {rev} here: no baseline columns)")
+        print(f"(git cannot show commit {rev} here: no baseline rows)")
         return None
     name = "mlxkv.attention.baseline_kernels"
     spec = importlib.util.spec_from_file_location(name, tmp / "mlxkv" / "attention" / "kernels.py")
@@ -168,176 +123,122 @@ def baseline_kernels(rev: str):
     try:
         spec.loader.exec_module(module)
     except ImportError as exc:  # it imports names this tree has since renamed
-        print(f"(commit {rev}'s kernel launcher does not load beside this tree: {exc}; no baseline columns)")
+        print(f"(commit {rev}'s kernel launcher does not load beside this tree: {exc}; no baseline rows)")
         return None
     return module
 
 
-def count(kernels, context: int, group: int, head_dim: int, split: bool, page_size: int = 16) -> list:
-    """The counted launches of one decode row of one KV head (a threadgroup's work is the same
-    for every sequence and KV head, so per K/V byte this is the whole batch's)."""
-    from mlxkv.attention.simulator import cost_counters
+def baseline_counters(old, context: int, group: int, head_dim: int, replicas: int, cores: int) -> list:
+    """Commit `--baseline`'s launches for one decode row of one KV head, split as its launcher
+    (a fixed partition of `old.PARTITION` keys) would split a step of `replicas` of them."""
+    from mlxkv.attention.simulator import cost_counters, metal_kernel
 
-    rng = np.random.default_rng(0)
-    pages = -(-context // page_size)
-    k_pages, v_pages = (mx.array(rng.standard_normal((pages, 1, page_size, head_dim)), mx.float16) for _ in range(2))
-    batch = KVBatch(
-        (0,),
-        np.ones(1, np.int32),
-        np.array([context], np.int32),
-        rng.permutation(pages).astype(np.int32)[None],
-        page_size,
-    )
-    q = mx.array(rng.standard_normal((1, group, head_dim)), mx.float16)
+    tiles = group // old.launch_shape(group, head_dim, 16).heads
+    split = replicas * tiles < old.THREADGROUPS_PER_CORE * cores and context > old.PARTITION
+    q, k_pages, v_pages, batch = decode_row(context, group, head_dim)
     with cost_counters() as launches:
-        mx.eval(kernels(q, k_pages, v_pages, batch, head_dim**-0.5, split=split))
+        mx.eval(old.PagedAttentionKernels(metal_kernel, cores=cores)(q, k_pages, v_pages, batch, split=split))
     return launches
 
 
-def estimate(launches: list, replicas: int, in_flight: int, group: int, head_dim: int, context: int, gpu: Gpu) -> float:
-    """Seconds the launches would take on `gpu` for `replicas` (sequences x KV heads) copies of
-    the counted work, each launch bound by the slowest of: device bytes at full bandwidth;
-    device bytes at what its resident SIMD groups keep in flight (`in_flight` bytes each for
-    the attention launch, Little's law over the load latency; residency limited by threadgroup
-    memory and SIMD groups per core); the ALUs (FMAs, loads, transcendentals, shuffles); on the
-    cores its threadgroups occupy. Plus a fixed cost per launch."""
-    seconds = 0.0
-    for i, c in enumerate(launches):
-        issued = (2 * group * head_dim * context if i == 0 else 0) + c.loads + gpu.transcendental * c.transcendentals
-        issued += 32 * (c.shuffles + gpu.reduction * c.reductions)
-        threadgroups, simdgroups = c.threadgroups * replicas, c.threads // 32
-        cores = min(gpu.cores, threadgroups)
-        resident = min(
-            gpu.tg_memory // max(1, c.threadgroup_memory), gpu.simdgroups // simdgroups, -(-threadgroups // gpu.cores)
+COUNTER_COLUMNS = (
+    f"{'batch':>5} {'ctx':>6} {'G':>2} {'D':>4} {'kernel':>8} {'split':>5} {'thr':>4} {'tg mem':>6} {'dev/KV':>6} "
+    f"{'vec%':>4} {'B/load':>6} {'red/key':>7} {'shf/key':>7} {'exp/key':>7} {'bar/tg':>6} {'spill':>5} "
+    f"{'live':>4} {'SGs':>3} {'bound':>7} {'GB/s':>5} {'of BW':>5}"
+)
+
+
+def counter_row(case: tuple, name: str, launches: list, work: list | None, gpu: Gpu) -> str:
+    """One row of the counter table: the simulator's counts per K/V byte and per key, and for
+    this tree's kernels the model's registers, residency, bound and rate."""
+    batch, context, group, head_dim, kv_heads = case
+    kv = kv_bytes(context, head_dim)  # one KV head's
+    main = launches[0]
+
+    def total(field: str) -> int:
+        return sum(getattr(c, field) for c in launches)
+
+    row = (
+        f"{batch:>5} {context:>6} {group:>2} {head_dim:>4} {name:>8} {'yes' if len(launches) > 1 else 'no':>5} "
+        f"{main.threads:>4} {main.threadgroup_memory:>6} {(total('read_bytes') + total('written_bytes')) / kv:>6.3f} "
+        f"{100 * total('vector_load_bytes') / max(1, total('load_bytes')):>4.0f} "
+        f"{total('load_bytes') / max(1, total('loads')):>6.1f} {total('reductions') / context:>7.2f} "
+        f"{total('shuffles') / context:>7.2f} {total('transcendentals') / context:>7.1f} "
+        f"{total('barriers') / max(1, main.threadgroups):>6.2f} {sum(len(c.dynamic_arrays) for c in launches):>5}"
+    )
+    if work is None:
+        return row + f" {'-':>4} {'-':>3} {'-':>7} {'-':>5} {'-':>5}"
+    est = estimate(work, batch * kv_heads, gpu)
+    modelled = f"{est.resident:>3} {est.bound:>7} {est.rate / 1e9:>5.0f} {est.rate / gpu.bandwidth:>5.0%}"
+    return row + f" {work[0].live:>4.0f} {modelled}"
+
+
+def calibrate() -> Gpu:
+    """Count the calibration kernel at MLX's published points, fit the load latency, print both."""
+    progress = bar(len(PUBLISHED) * len(PUBLISHED_CONTEXTS), "counting the calibration kernel", unit="point")
+    points = calibration_points(lambda _point: progress.update())
+    progress.close()
+    gpu = fit_latency(points)
+    assumed = replace(gpu, latency=ASSUMED_LATENCY)
+    print(f"Calibration on {gpu.name}: the model of a kernel with MLX's vector SDPA structure (one query head per")
+    print(
+        "SIMD group, each re-reading K/V; metal/vector_sdpa.metal) against MLX's published SDPA speeds (float16, "
+        f"batch 1,\nml-explore/mlx issue 4076). Load latency fitted to these points: {gpu.latency * 1e9:.0f} ns "
+        f"(cost_model.M5_PRO has {M5_PRO.latency * 1e9:.0f} ns; assumed before: {ASSUMED_LATENCY * 1e9:.0f} ns)."
+    )
+    print(
+        f"{'q/kv heads':>10} {'D':>4} {'ctx':>6} {'published':>9} {'of BW':>5} {'modelled':>8} {'error':>6} "
+        f"{'bound':>7} {'at ' + format(ASSUMED_LATENCY * 1e9, '.0f') + ' ns':>9} {'mlxkv':>6} {'of BW':>5} "
+        f"{'bound':>7}"
+    )
+    for p in points:
+        est = p.modelled(gpu)
+        work = paged_work(p.context, p.q_heads // p.kv_heads, p.head_dim, p.kv_heads, gpu.cores)
+        ours = estimate(work, p.kv_heads, gpu)
+        ours_rate = ours.rate / 1e9
+        say(
+            f"{f'{p.q_heads}/{p.kv_heads}':>10} {p.head_dim:>4} {p.context:>6} {p.published:>9.0f} "
+            f"{p.published * 1e9 / gpu.bandwidth:>5.0%} {p.rate(gpu):>8.0f} {p.error(gpu):>+6.0%} {est.bound:>7} "
+            f"{p.error(assumed):>+9.0%} {ours_rate:>6.0f} {ours_rate * 1e9 / gpu.bandwidth:>5.0%} {ours.bound:>7}"
         )
-        bandwidth = gpu.bandwidth if i else min(gpu.bandwidth, cores * resident * simdgroups * in_flight / gpu.latency)
-        seconds += (
-            max(
-                (c.read_bytes + c.written_bytes) * replicas / bandwidth,
-                issued * replicas / (cores * gpu.lanes * gpu.clock),
-            )
-            + gpu.launch
-        )
-    return seconds
-
-
-@dataclass(frozen=True)
-class Contender:
-    """A kernel set to count, and what its launcher decides for a decode step: query heads per
-    threadgroup `(group, head_dim)`, split-K `(threadgroups, context)`, and K/V bytes a SIMD
-    group has in flight `(group, head_dim)` for the roofline."""
-
-    name: str
-    kernels: object
-    heads: Callable[[int, int], int]
-    splits: Callable[[int, int], bool]
-    in_flight: Callable[[int, int], int]
-
-
-def contenders(gpu: Gpu, rev: str) -> list[Contender]:
-    """This tree's kernels (a tile's K rows in flight), and commit `rev`'s when git can show them
-    (one K and one V row in flight)."""
-    from mlxkv.attention.simulator import metal_kernel
-
-    found = [
-        Contender(
-            "new",
-            PagedAttentionKernels(metal_kernel, cores=gpu.cores),
-            lambda g, d: launch_shape(g, d, 16).heads,
-            lambda t, c: partition_keys(t, c, gpu.cores) is not None,
-            lambda g, d: 2 * d * launch_shape(g, d, 16).keys_per_tile,
-        )
-    ]
-    old = baseline_kernels(rev)
-    if old is None:
-        return found
-    return found + [
-        Contender(
-            rev,
-            old.PagedAttentionKernels(metal_kernel),
-            lambda g, d: old.launch_shape(g, d)[1],
-            lambda t, c: t < old.SPLIT_BELOW and c >= old.SPLIT_FROM,
-            lambda g, d: 2 * d * 2,
-        )
-    ]
+    errors = [p.error(gpu) for p in points]
+    print(
+        f"Model error on the published points: {min(errors):+.0%} to {max(errors):+.0%}, mean "
+        f"{sum(map(abs, errors)) / len(errors):.0%} (at the assumed latency: "
+        f"{min(p.error(assumed) for p in points):+.0%} to {max(p.error(assumed) for p in points):+.0%})."
+    )
+    return gpu
 
 
 def model(args) -> None:
-    """The counter table for decode batches, this tree's kernels beside `--baseline`'s."""
+    """The calibration table, then the counter table for decode batches, this tree's kernels
+    (with the calibrated model's estimate) beside `--baseline`'s (counts only)."""
     expect(MODEL_TAKES, SIMULATOR)
-    gpu, kv_heads = Gpu(), args.kv_heads
-    rivals = contenders(gpu, args.baseline)
+    old = baseline_kernels(args.baseline)
+    gpu = calibrate()
+    kv_heads = args.kv_heads
+    print(f"\nAssumed: {gpu.describe()}.")
     print(
-        f"Modeled in the CPU simulator, float16 K/V, {kv_heads} KV heads, pages of 16; roofline for an {gpu.name}: "
-        f"{gpu.bandwidth / 1e9:.0f} GB/s, {gpu.cores} cores x {gpu.lanes} lanes at {gpu.clock / 1e9:.2f} GHz, "
-        f"{gpu.launch * 1e6:.0f} us a launch, {gpu.latency * 1e9:.0f} ns load latency, {gpu.tg_memory // 1024} KiB "
-        f"threadgroup memory and {gpu.simdgroups} SIMD groups resident a core, exp2/tanh {gpu.transcendental} issue "
-        f"cycles, a 32-lane reduction {gpu.reduction} shuffles, a shuffle a SIMD instruction; in flight per SIMD "
-        "group: a tile's K rows (new) or one K and one V row (baseline). Per key = per key of one KV head (its G "
-        "query heads); device bytes count once per threadgroup. To be confirmed on a Mac: "
+        f"Counted in the CPU simulator, float16 K/V, {kv_heads} KV heads, pages of 16. Per key = per key of one KV "
+        "head (its G query heads); device bytes count once per threadgroup; spill = private arrays left in memory; "
+        "live = 32-bit values a lane holds; SGs = SIMD groups resident a core. To be confirmed on a Mac: "
         "python scripts/bench_kernels.py"
     )
-    print(
-        f"{'batch':>5} {'ctx':>6} {'G':>2} {'D':>4} {'kernel':>8} {'split':>5} {'thr':>5} {'tg mem':>7} "
-        f"{'dev/KV':>7} {'vec%':>5} {'B/load':>6} {'red/key':>8} {'shf/key':>8} {'exp/key':>8} {'bar/tg':>6} "
-        f"{'est GB/s':>8} {'of BW':>6}"
-    )
-    counted: dict = {}
-    rows = list(
-        itertools.product(args.model_head_dims, args.model_groups, args.model_contexts, args.model_batches, rivals)
-    )
-    progress = bar(len(rows), "", unit="row")
-    for head_dim, group, context, batch, rival in rows:
-        progress.set_description(f"simulating {rival.name} kernels, head_dim {head_dim}, G {group}, context {context}")
-        split = rival.splits(batch * kv_heads * group // rival.heads(group, head_dim), context)
-        key = (rival.name, context, group, head_dim, split)
-        if key not in counted:
-            counted[key] = count(rival.kernels, context, group, head_dim, split)
+    print(COUNTER_COLUMNS)
+    cases = list(itertools.product(args.model_head_dims, args.model_groups, args.model_contexts, args.model_batches))
+    progress = bar(len(cases), "", unit="row")
+    for head_dim, group, context, batch in cases:
+        progress.set_description(f"simulating head_dim {head_dim}, G {group}, context {context}, batch {batch}")
+        case = (batch, context, group, head_dim, kv_heads)
+        work = paged_work(context, group, head_dim, batch * kv_heads, gpu.cores)
+        lines = [counter_row(case, "new", [w.counters for w in work], work, gpu)]
+        if old is not None:
+            launches = baseline_counters(old, context, group, head_dim, batch * kv_heads, gpu.cores)
+            lines.append(counter_row(case, args.baseline[:8], launches, None, gpu))
         progress.update()
-        say(
-            _row(
-                batch,
-                context,
-                group,
-                head_dim,
-                rival.name,
-                split,
-                counted[key],
-                kv_heads,
-                rival.in_flight(group, head_dim),
-                gpu,
-            )
-        )
+        for line in lines:
+            say(line)
     progress.close()
-
-
-def _row(batch, context, group, head_dim, name, split, launches, kv_heads, in_flight, gpu) -> str:
-    kv = 2 * context * head_dim * 2  # K and V of one KV head, float16
-    total = {
-        f: sum(getattr(c, f) for c in launches)
-        for f in (
-            "read_bytes",
-            "written_bytes",
-            "loads",
-            "load_bytes",
-            "vector_load_bytes",
-            "reductions",
-            "shuffles",
-            "transcendentals",
-            "barriers",
-        )
-    }
-    main = launches[0]
-    rate = kv * batch * kv_heads / estimate(launches, batch * kv_heads, in_flight, group, head_dim, context, gpu)
-    return (
-        f"{batch:>5} {context:>6} {group:>2} {head_dim:>4} {name:>8} {'yes' if split else 'no':>5} "
-        f"{main.threads:>5} {main.threadgroup_memory:>7} "
-        f"{(total['read_bytes'] + total['written_bytes']) / kv:>7.3f} "
-        f"{100 * total['vector_load_bytes'] / max(1, total['load_bytes']):>5.0f} "
-        f"{total['load_bytes'] / max(1, total['loads']):>6.1f} {total['reductions'] / context:>8.2f} "
-        f"{total['shuffles'] / context:>8.2f} {total['transcendentals'] / context:>8.1f} "
-        f"{total['barriers'] / max(1, main.threadgroups):>6.2f} {rate / 1e9:>8.0f} {rate / gpu.bandwidth:>6.0%}"
-    )
 
 
 def timings(args, attention, what: str) -> None:
@@ -351,25 +252,18 @@ def timings(args, attention, what: str) -> None:
             else "float K/V (baseline: MLX's SDPA)"
         )
     )
-    per_token = kv_bytes_per_token(
-        1, args.kv_heads, args.head_dim, getattr(mx, args.dtype), args.kv_bits, args.kv_group_size
-    )
+    shape, budget = geometry(args), speed.memory()
     cases = [(b, c) for b in args.batches for c in args.contexts]
-    too_big = [
-        (b, c) for b, c in cases if b * c * per_token > 8 * 2**30 or b * c * args.kv_heads * args.head_dim >= 2**31
-    ]
-    if too_big:
-        print(
-            "(left out: over 8 GiB of K/V, or a gathered K of 2**31 elements, on which MLX 0.32's SDPA "
-            "crashes on the CPU: " + ", ".join(f"batch {b} x context {c}" for b, c in too_big) + ")"
-        )
-    cases = [pair for pair in cases if pair not in too_big]
+    left_out = {(b, c): why for b, c in cases if (why := speed.too_big(shape, b, c, budget))}
+    for (b, c), why in left_out.items():
+        print(f"(left out: batch {b} x context {c}, {why})")
+    cases = [pair for pair in cases if pair not in left_out]
     print(f"{'batch':>6} {'context':>8} {'paged GB/s':>11} {'base GB/s':>10} {'paged/base time':>16}")
     progress = bar(len(cases), "", unit="case")
     for batch, context in cases:
         progress.set_description(f"batch {batch}, context {context}")
-        kv_bytes = batch * context * per_token
-        paged, sdpa = case(attention, batch, context, args)
+        kv_bytes = shape.kv_bytes(batch, context)
+        paged, sdpa = speed.decode(attention, shape, batch, context, args.repeats)
         progress.update()
         say(
             f"{batch:>6} {context:>8} {kv_bytes / paged / 1e9:>11.2f} {kv_bytes / sdpa / 1e9:>10.2f} "

@@ -146,7 +146,7 @@ def gpu_cores() -> int:
         return GPU_CORES["g"]
     # The GPU's own info: without a device, mx.device_info() describes the default one, the CPU
     # after mx.set_default_device(mx.cpu).
-    info = mx.device_info(mx.gpu) if hasattr(mx, "device_info") else mx.metal.device_info()
+    info = mx.device_info(mx.gpu)
     return GPU_CORES.get(str(info.get("architecture", "g"))[-1:], GPU_CORES["g"])
 
 
@@ -243,15 +243,19 @@ class PagedAttentionKernels:
         scale: float,
         variant: Variant = PLAIN,
         split: bool | None = None,
+        partition: int | None = None,
     ) -> mx.array:
         """The paged kernel for every row. Each of `variant`'s window, soft-cap and sinks is a
-        template switch, so plain attention pays for none of them."""
+        template switch, so plain attention pays for none of them. `partition` (keys per split-K
+        partition) replaces what `partition_keys` decides for this step: the cost model counts
+        one row as it would run inside a larger step."""
         tokens, q_heads, head_dim = queries.shape
         group = q_heads // k_pages.shape[1]
         shape = launch_shape(group, head_dim, k_pages.shape[2])
         tiles = q_heads // shape.heads
         longest = int(batch.context_lens.max()) if tokens else 0
-        partition = partition_keys(tokens * tiles, longest, self.cores)
+        if partition is None:
+            partition = partition_keys(tokens * tiles, longest, self.cores)
         if split is None:
             split = partition is not None
         kv = [*arrays_of(k_pages), *arrays_of(v_pages)]
