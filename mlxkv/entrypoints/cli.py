@@ -405,6 +405,19 @@ def serve(
         llm.shutdown()
 
 
+@app.command()
+def doctor() -> None:
+    """Print a report to paste into an issue: this machine, whether each Metal kernel variant compiled
+    and matched the reference, the paged kernel's decode and prefill speed against MLX's SDPA, and
+    greedy parity with mlx-lm on the demo model. Off a Mac: the cost model's table instead of timings."""
+    from .doctor import report
+
+    try:
+        report(lambda line: print(line, flush=True))
+    except (MlxkvError, ValueError, TypeError) as exc:
+        fail(exc)
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to `host`:`port`, or one error line: the port is taken, or why it cannot be had."""
     try:
