@@ -15,6 +15,22 @@ from ..errors import ModelLoadError
 from .adapters import FAMILIES
 
 SUPPORTED_MODEL_TYPES = FAMILIES
+# Families mlx-lm runs and mlxkv does not yet, by the layers that stop them.
+GATED_DELTANET, CONVOLUTION, MAMBA = (
+    "Gated DeltaNet (linear attention) layers",
+    "short-convolution layers",
+    "Mamba layers",
+)
+MLA = "multi-head latent attention"
+NOT_YET = {
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"), GATED_DELTANET),
+    **dict.fromkeys(("lfm2", "lfm2_moe"), CONVOLUTION),
+    **dict.fromkeys(("granitemoehybrid", "nemotron_h", "falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32"), MLA),
+    "gemma4_text": "K/V shared across layers (num_kv_shared_layers)",
+    "rwkv7": "RWKV-7 recurrent layers",
+    "recurrent_gemma": "RG-LRU recurrent layers",
+}
 DEMO_MODEL = Path(__file__).parents[1] / "demo_model"
 
 
@@ -52,6 +68,11 @@ def check_config(path: Path) -> dict:
     if not isinstance(config, dict):
         raise ModelLoadError(f"{str(config_file)!r} must hold a JSON object, got a {type(config).__name__}")
     model_type = config.get("model_type")
+    if model_type in NOT_YET:
+        raise ModelLoadError(
+            f"unsupported model_type {model_type!r} in {str(config_file)!r}: it uses {NOT_YET[model_type]}, "
+            "not supported yet"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"unsupported model_type {model_type!r} in {str(config_file)!r}; mlxkv supports "

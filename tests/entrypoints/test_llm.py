@@ -1,4 +1,5 @@
 import gc
+import json
 import subprocess
 import sys
 
@@ -197,6 +198,19 @@ def test_model_loading_errors_are_specific(tmp_path, checkpoint):
         r"multi-head latent attention ones such as deepseek_v3 are later work\)",
     ):
         LLM(str(tmp_path))
+    for model_type, layers in (
+        ("qwen3_5", "Gated DeltaNet (linear attention) layers"),
+        ("lfm2", "short-convolution layers"),
+        ("nemotron_h", "Mamba layers"),
+        ("gemma4_text", "K/V shared across layers (num_kv_shared_layers)"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+        with pytest.raises(ModelLoadError) as refused:
+            LLM(str(tmp_path))
+        assert str(refused.value) == (
+            f"unsupported model_type {model_type!r} in {str(tmp_path / 'config.json')!r}: it uses {layers}, "
+            "not supported yet"
+        )
 
 
 def test_unknown_layout_is_a_clear_error(checkpoint):
