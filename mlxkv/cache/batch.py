@@ -26,10 +26,17 @@ class KVBatch:
     page_tables: np.ndarray
     page_size: int
     by_window: dict[int, KVBatch] | None = None  # the same step in each sliding-window group's pages
+    state_indices: np.ndarray | None = None  # each row's place in the state pool, for recurrent layers
 
     @cached_property
     def num_tokens(self) -> int:
         return int(self.query_lens.sum())
+
+    @cached_property
+    def fresh(self) -> np.ndarray:
+        """Rows whose first tokens are in this step: they hold no earlier state."""
+        fresh: np.ndarray = self.context_lens == self.query_lens
+        return fresh
 
     @cached_property
     def query_starts(self) -> np.ndarray:
@@ -94,6 +101,7 @@ def _selected(batch: KVBatch, rows: tuple[int, ...]) -> KVBatch:
         batch.context_lens[index],
         batch.page_tables[index],
         batch.page_size,
+        state_indices=None if batch.state_indices is None else batch.state_indices[index],
     )
 
 
@@ -105,6 +113,7 @@ def _skipped(batch: KVBatch, leading: tuple[int, ...]) -> KVBatch:
         batch.context_lens,
         batch.page_tables,
         batch.page_size,
+        state_indices=batch.state_indices,
     )
 
 

@@ -16,6 +16,7 @@ from .batch import KVBatch
 from .layout import KVLayout, resolve_layout
 from .page_table import PageTable
 from .pool import PagePool
+from .state_pool import StatePool, StateShape
 from .storage import KVStorage, Pages, check_quantization
 from .usage import KVUsage
 
@@ -78,6 +79,11 @@ class KVCacheManager:
     layers' pages alone. Prefix caching is then off, since a windowed layer no longer holds
     a prefix's early tokens.
 
+    `state_shapes` gives each recurrent layer of a hybrid model the arrays it keeps per sequence
+    (`StatePool`; the layers numbered apart from the attention layers): a sequence's state index
+    is its row, taken by `claim` and given back by `release`. Prefix caching is then off, since cached
+    pages alone do not give a recurrent layer its state at the prefix's end.
+
     Thread safety: one re-entrant lock serialises every public method, so `claim`, `append`,
     `fetch` and `release` may be called from any thread. The tensors are different: MLX
     evaluates a lazy graph only on the thread that built it (another thread gets "There is
@@ -103,6 +109,7 @@ class KVCacheManager:
         kv_group_size: int = 64,
         layer_windows: Sequence[int | None] | None = None,
         window_pages: dict[int, int] | None = None,
+        state_shapes: Sequence[Sequence[StateShape]] = (),
     ) -> None:
         sizes = dict(
             num_layers=num_layers,
@@ -121,7 +128,8 @@ class KVCacheManager:
         if len(windows) != num_layers:
             raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
         grouped = self.layout is KVLayout.PAGED and any(windows)
-        self.prefix_caching = prefix_caching and self.layout is KVLayout.PAGED and not grouped
+        self.prefix_caching = prefix_caching and self.layout is KVLayout.PAGED and not grouped and not state_shapes
+        self.states = StatePool(max_num_seqs, state_shapes) if state_shapes else None
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         if self.layout is KVLayout.PAGED:
@@ -284,6 +292,8 @@ class KVCacheManager:
                 raise MlxkvError(f"reset needs every sequence released; {len(self._tables)} are open")
             for storage in [self.storage] + [group.storage for group in self.windowed.values()]:
                 storage.reset()
+            if self.states is not None:
+                self.states.reset()
             self.pool.forget_cached()
 
     def kv(self, layer: int) -> tuple[Pages, Pages]:
@@ -293,12 +303,14 @@ class KVCacheManager:
 
     @property
     def tensors(self) -> list[mx.array]:
-        """Every array of every layer's K and V pages, to evaluate at the end of a step."""
-        return self.storage.tensors + [t for group in self.windowed.values() for t in group.storage.tensors]
+        """Every array of every layer's K and V pages and recurrent state, to evaluate at the end of a step."""
+        states = self.states.tensors if self.states is not None else []
+        return self.storage.tensors + [t for group in self.windowed.values() for t in group.storage.tensors] + states
 
     @property
     def nbytes(self) -> int:
-        return self.storage.nbytes + sum(group.storage.nbytes for group in self.windowed.values())
+        states = self.states.nbytes if self.states is not None else 0
+        return self.storage.nbytes + sum(group.storage.nbytes for group in self.windowed.values()) + states
 
     def _layer(self, layer: int) -> tuple[int | None, int]:
         """(the layer's window group, or None for the shared pages; its index there)."""
@@ -356,6 +368,9 @@ class KVCacheManager:
                 self.pool.cached_free_count,
                 self.kv_bits,
                 windowed,
+                len(self._tables) if self.states is not None else 0,
+                self.states.size if self.states is not None else 0,
+                self.states.bytes_per_sequence if self.states is not None else 0,
             )
 
     @property
@@ -414,4 +429,5 @@ class KVCacheManager:
         """One pool's batch, its page tables cut from the tables' `rows` of its page `matrix`."""
         width = _stable_width(max((t.num_pages for t in tables), default=1), self.max_pages_per_seq)
         context_lens = np.array([t.num_tokens for t in tables], np.int32)
-        return KVBatch(seq_ids, query_lens, context_lens, matrix[rows, :width], self.page_size, by_window)
+        states = np.array(rows, np.int32) if self.states is not None else None
+        return KVBatch(seq_ids, query_lens, context_lens, matrix[rows, :width], self.page_size, by_window, states)

@@ -22,23 +22,32 @@ class KVUsage:
     pages_cached: int = 0  # free pages still holding cached prefix pages
     kv_bits: int | None = None  # quantized pages, else the cache dtype
     windowed: tuple[tuple[int, KVUsage], ...] = ()  # (window, usage) of each sliding-window group's own pages
+    states_used: int = 0  # sequences holding a hybrid model's recurrent state (see StatePool)
+    states_total: int = 0  # sequences the state pool has room for
+    state_bytes: int = 0  # bytes of one sequence's state
 
     block_size = RenamedAttribute("page_size")
 
     @property
     def bytes_allocated(self) -> int:
         """Bytes of the pages handed to sequences."""
-        own = self.pages_used * self.page_size * self.bytes_per_token
+        own = self.pages_used * self.page_size * self.bytes_per_token + self.state_bytes_used
         return own + sum(usage.bytes_allocated for _, usage in self.windowed)
 
     @property
     def bytes_holding_tokens(self) -> int:
-        return self.tokens * self.bytes_per_token + sum(usage.bytes_holding_tokens for _, usage in self.windowed)
+        own = self.tokens * self.bytes_per_token + self.state_bytes_used  # a state in use is all state
+        return own + sum(usage.bytes_holding_tokens for _, usage in self.windowed)
+
+    @property
+    def state_bytes_used(self) -> int:
+        return self.states_used * self.state_bytes
 
     @property
     def bytes_pool(self) -> int:
         """Bytes of the whole pool, in use or not."""
-        own = self.pages_total * self.page_size * self.bytes_per_token
+        states = self.states_total * self.state_bytes
+        own = self.pages_total * self.page_size * self.bytes_per_token + states
         return own + sum(usage.bytes_pool for _, usage in self.windowed)
 
     def __str__(self) -> str:
@@ -47,8 +56,13 @@ class KVUsage:
         cached = f", {self.pages_cached} more cached" if self.pages_cached else ""
         bits = f", {self.kv_bits}-bit" if self.kv_bits else ""
         windows = "".join(f", window-{w} layers {u.pages_used}/{u.pages_total}" for w, u in self.windowed)
+        states = (
+            f", recurrent state {self.states_used}/{self.states_total} sequences of {self.state_bytes / 2**20:.2f} MiB"
+            if self.states_total
+            else ""
+        )
         return (
             f"{self.layout.value}{bits}, {self.pages_used}/{self.pages_total} pages of {self.page_size} tokens "
-            f"in use{cached}{windows} (pool {size}), {self.bytes_holding_tokens / 2**20:.2f} of "
+            f"in use{cached}{windows}{states} (pool {size}), {self.bytes_holding_tokens / 2**20:.2f} of "
             f"{self.bytes_allocated / 2**20:.2f} MiB in use holding tokens"
         )
