@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from ..cache.layout import KVLayout
 from ..cache.manager import KVCacheManager, window_pool_pages
+from ..cache.state_pool import StateShape
 from ..cache.storage import check_quantization, kv_bytes_per_token
 from ..config import EngineConfig
 
@@ -39,8 +40,9 @@ def _gb(size: int) -> str:
 
 @dataclass(frozen=True)
 class ModelKV:
-    """What sizing a KV cache needs to know of a model: its K/V shape and dtype, its own context
-    (None if its config gives none), its weights' bytes and each layer's sliding window (None: full)."""
+    """What sizing a KV cache needs to know of a model: its attention layers' K/V shape and dtype, its
+    own context (None if its config gives none), its weights' bytes, each attention layer's sliding
+    window (None: full) and what each recurrent layer of a hybrid keeps per sequence."""
 
     num_layers: int
     num_kv_heads: int
@@ -49,6 +51,11 @@ class ModelKV:
     context: int | None = None
     weights_bytes: int = 0
     layer_windows: Sequence[int | None] | None = None
+    state_shapes: Sequence[Sequence[StateShape]] = ()
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        return sum(s.nbytes for layer in self.state_shapes for s in layer)
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,8 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     In the paged layout the pages of sliding-window layers (`layer_windows`) are a fixed, small
     pool (`window_pages` per window) taken from the budget first; the rest buys pages for the
     full-attention layers, whose bytes per token count only those layers. In the contiguous
-    layout the budget buys whole `max_model_len` pages, at most `max_num_seqs`."""
+    layout the budget buys whole `max_model_len` pages, at most `max_num_seqs`. A hybrid model's
+    recurrent state, a slot for each of `max_num_seqs` sequences, is taken from the budget first too."""
     check_quantization(config.kv_bits, config.kv_group_size, model.head_dim)  # before sizing by its groups
     max_len = context_length(config.max_model_len, model.context)
     contiguous = config.kv_layout is KVLayout.CONTIGUOUS
@@ -82,12 +90,14 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     bytes_per_token = per_layer * sum(w is None for w in windows)
     grouped = {w: window_pages(config, w) for w in set(windows) if w is not None}
     window_bytes = sum(pages * config.page_size * per_layer * windows.count(w) for w, pages in grouped.items())
+    state_bytes = config.max_num_seqs * model.state_bytes_per_sequence
+    fixed_bytes = window_bytes + state_bytes  # taken before the full-attention layers' pages
     memory = device_memory()
-    available = max(0, memory - model.weights_bytes - window_bytes)
+    available = max(0, memory - model.weights_bytes - fixed_bytes)
     per_seq = max_len if contiguous else -(-max_len // config.page_size) * config.page_size
     asked_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None else None
     budget = (
-        asked_memory - window_bytes
+        asked_memory - fixed_bytes
         if asked_memory
         else min(config.max_num_seqs * per_seq * bytes_per_token, int(config.kv_cache_fraction * available))
     )
@@ -111,7 +121,11 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
         return KVCachePlan(sequences, max_len, None, windows, grouped)
     pages = config.num_pages or budget // (config.page_size * bytes_per_token)
     if pages <= 0:
-        beside = f" beside the {window_bytes} bytes of the sliding-window layers' pages" if window_bytes else ""
+        beside = "".join(
+            f" beside the {size} bytes of the {what}"
+            for size, what in ((window_bytes, "sliding-window layers' pages"), (state_bytes, "recurrent state"))
+            if size
+        )
         source = "kv_cache_memory" if asked_memory else f"kv_cache_fraction={config.kv_cache_fraction}"
         raise ValueError(
             f"the KV budget ({source}) leaves {max(budget, 0)} bytes for the full-attention layers, "
@@ -138,4 +152,5 @@ def build_kv_cache(config: EngineConfig, model: ModelKV) -> KVCacheManager:
         kv_group_size=config.kv_group_size,
         layer_windows=plan.layer_windows,
         window_pages=plan.window_pages,
+        state_shapes=model.state_shapes,
     )

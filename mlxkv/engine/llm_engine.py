@@ -23,6 +23,7 @@ from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..config import EngineConfig
 from ..deprecation import warn
 from ..errors import RequestTooLong, UnknownSequenceError
+from ..models.layers import layer_roles, state_shapes, text_model
 from ..models.loading import model_context
 from .inputs import encode_prompt, request_key
 from .kv_budget import ModelKV, build_kv_cache
@@ -77,11 +78,14 @@ class LLMEngine:
         the kernels running in the CPU simulator)."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
+        model = text_model(model)
         layers, kv_heads, head_dim, dtype = kv_shape(model)
         parameters = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
         weights = sum(array.nbytes for _, array in parameters)
         variants = layer_variants(model)
-        shape = ModelKV(layers, kv_heads, head_dim, dtype, model_context(model), weights, [v.window for v in variants])
+        states = state_shapes(model, layer_roles(model))
+        windows = [v.window for v in variants]
+        shape = ModelKV(layers, kv_heads, head_dim, dtype, model_context(model), weights, windows, states)
         self.cache = build_kv_cache(self.config, shape)
         spec = AttentionSpec(
             dtype,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -16,30 +15,13 @@ from ..attention.reference import reference_attention
 from ..attention.variant import Variant
 from ..cache.batch import KVBatch
 from ..cache.manager import KVCacheManager
+from ..cache.state_batch import state_batch
 from ..models.adapters import Adapter, adapter_for
+from ..models.layers import activation_dtype, layer_roles
 from ..models.rotary import Positions
+from .recurrent import RecurrentLayer
 from .scheduler import ScheduledBatch
-
-
-@dataclass(frozen=True)
-class StepContext:
-    """Handed to every layer as its `cache`: where this step's tokens go and sit, and how
-    many of each row's first tokens attend their own K/V as computed (`own_kv`).
-
-    `own_kv` is None when no row has such tokens, as in every step without quantized pages.
-    Model code that asks a cache for a mask gets None (the paged attention masks by
-    position itself), and one that reads `offset` gets 0 (adapters use each token's own
-    position instead)."""
-
-    cache: KVCacheManager
-    batch: KVBatch
-    positions: Positions
-    attention: AttentionFn
-    own_kv: np.ndarray | None
-    offset: int = 0
-
-    def make_mask(self, *args: object, **kwargs: object) -> None:
-        return None
+from .step_context import StepContext
 
 
 class PagedAttention(nn.Module):
@@ -53,7 +35,7 @@ class PagedAttention(nn.Module):
     def __init__(self, inner: nn.Module, layer: int, adapter: Adapter) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # nn.Module's __init__ has no annotations
         self.inner = inner
-        self.layer = layer
+        self.layer = layer  # its number among the model's attention layers, as the KV cache counts them
         self.adapter = adapter
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
@@ -61,7 +43,7 @@ class PagedAttention(nn.Module):
         if not isinstance(cache, StepContext):
             original: mx.array = self.inner(x, *args, **kwargs)
             return original
-        queries, keys, values = self.adapter(x, cache.positions)
+        queries, keys, values, gate = self.adapter(x, cache.positions)
         batch = cache.batch.for_window(self.adapter.variant.window)
         cache.cache.write(self.layer, batch, keys, values)
         out = first_chunk_attention(
@@ -75,25 +57,30 @@ class PagedAttention(nn.Module):
             self.adapter.scale,
             self.adapter.variant,
         )
-        projected: mx.array = self.inner.o_proj(out.reshape(1, x.shape[1], -1))
+        out = out.reshape(1, x.shape[1], -1)
+        projected: mx.array = self.adapter.out_proj(out if gate is None else out * mx.sigmoid(gate))
         return projected
 
 
+def _attention(layer: nn.Module) -> nn.Module:
+    """A decoder layer's attention module as mlx-lm made it."""
+    attn: nn.Module = getattr(layer.self_attn, "inner", layer.self_attn)
+    return attn
+
+
 def layer_variants(model: nn.Module) -> list[Variant]:
-    """How each layer attends (window, soft-cap, sinks), as its family's adapter reads it."""
-    return [
-        adapter_for(model, i, getattr(layer.self_attn, "inner", layer.self_attn)).variant
-        for i, layer in enumerate(model.model.layers)
-    ]
+    """How each attention layer attends (window, soft-cap, sinks), as its family's adapter reads it."""
+    layers = model.model.layers
+    return [adapter_for(model, i, _attention(layers[i])).variant for i in layer_roles(model).attention]
 
 
 def kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:
-    """(layers, KV heads, head dim, activation dtype) of a loaded mlx-lm model."""
-    args, attn = model.args, model.model.layers[0].self_attn
-    attn = getattr(attn, "inner", attn)
-    adapter = adapter_for(model, 0, attn)
+    """(attention layers, KV heads, head dim, activation dtype) of a loaded mlx-lm text model."""
+    attention = layer_roles(model).attention
+    args, attn = model.args, _attention(model.model.layers[attention[0]])
+    adapter = adapter_for(model, attention[0], attn)
     head_dim = getattr(attn, "head_dim", None) or getattr(args, "head_dim", None) or args.hidden_size // adapter.heads
-    return len(model.model.layers), adapter.kv_heads, head_dim, model.model.norm.weight.dtype
+    return len(attention), adapter.kv_heads, head_dim, activation_dtype(model)
 
 
 class ModelRunner:
@@ -103,9 +90,15 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.attention = attention
-        for index, layer in enumerate(model.model.layers):
-            if not isinstance(layer.self_attn, PagedAttention):
-                layer.self_attn = PagedAttention(layer.self_attn, index, adapter_for(model, index, layer.self_attn))
+        roles, layers = layer_roles(model), model.model.layers
+        for number, index in enumerate(roles.attention):
+            if not isinstance(layers[index].self_attn, PagedAttention):
+                attn = layers[index].self_attn
+                layers[index].self_attn = PagedAttention(attn, number, adapter_for(model, index, attn))
+        for number, index in enumerate(roles.recurrent):
+            name = roles.recurrent_module(layers[index])
+            if not isinstance(getattr(layers[index], name), RecurrentLayer):
+                setattr(layers[index], name, RecurrentLayer(getattr(layers[index], name), number))
 
     def forward(self, step: ScheduledBatch, token_ids: mx.array) -> mx.array | None:
         """Logits `[rows that sample, vocab]` for `step`, whose packed input tokens are
@@ -120,9 +113,10 @@ class ModelRunner:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
         the first `own_kv[b]` tokens of row b attending their own K/V as computed (lazy)."""
         spans = np.asarray(own_kv, np.int32) if any(own_kv) else None  # a scan, not an array, in the common case
-        context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, spans)
-        states: mx.array = self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))
-        return states[0]
+        states = state_batch(kv) if self.cache.states is not None else None
+        context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, spans, states)
+        hidden: mx.array = self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))
+        return hidden[0]
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits for final hidden states."""

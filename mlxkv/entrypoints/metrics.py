@@ -28,6 +28,9 @@ class EngineCollector(Collector):
             "kv_pages_used": ("KV pages held by requests", stats.kv.pages_used),
             "kv_pages_total": ("KV pages in the pool", stats.kv.pages_total),
             "kv_bytes_holding_tokens": ("KV bytes holding tokens", stats.kv.bytes_holding_tokens),
+            "states_used": ("Sequences holding a recurrent state (hybrid models)", stats.kv.states_used),
+            "states_total": ("Sequences the recurrent-state pool has room for (hybrid models)", stats.kv.states_total),
+            "state_bytes_used": ("Bytes of the recurrent states held (hybrid models)", stats.kv.state_bytes_used),
             "preemptions": ("Requests preempted so far", stats.preemptions),
             "prefix_cache_hit_rate": (
                 "Share of prompt tokens reused from the prefix cache",

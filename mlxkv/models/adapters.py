@@ -7,7 +7,7 @@ sliding window, soft-cap and sinks. The model's own code computes everything els
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +18,17 @@ from .rotary import Positions, Rotation
 
 def _first(module: object, *names: str) -> Any:
     return next(getattr(module, name) for name in names if hasattr(module, name))
+
+
+class Projection(NamedTuple):
+    """One layer's per-token queries `[tokens, heads, head_dim]`, keys and values `[tokens,
+    kv_heads, head_dim]`, and the gate its attention output is multiplied by the sigmoid of
+    before `o_proj` (`[1, tokens, heads * head_dim]`; None for ungated layers)."""
+
+    queries: mx.array
+    keys: mx.array
+    values: mx.array
+    gate: mx.array | None = None
 
 
 class Adapter:
@@ -34,17 +45,23 @@ class Adapter:
             window=window, softcap=getattr(attn, "attn_logit_softcapping", None), sinks=getattr(attn, "sinks", None)
         )
         self._rotations: dict[tuple, Rotation | None] = {}
-        self._norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
+        norms = [(q, k) for q, k in (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm")) if hasattr(attn, q)]
+        self._norms = (getattr(attn, norms[0][0]), getattr(attn, norms[0][1])) if norms else None
+        self.out_proj = _first(attn, "o_proj", "out_proj")  # LFM2's name
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         attn = self.attn
         return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
-    def __call__(self, x: mx.array, positions: Positions) -> tuple[mx.array, mx.array, mx.array]:
-        """Queries `[tokens, heads, head_dim]`, keys and values `[tokens, kv_heads, head_dim]` of
-        the packed tokens `x` (`[1, tokens, hidden]`), at `positions`."""
+    def gate(self, queries: mx.array) -> tuple[mx.array, mx.array | None]:
+        """The queries of `q_proj`'s output, and the output gate beside them (None: no gate)."""
+        return queries, None
+
+    def __call__(self, x: mx.array, positions: Positions) -> Projection:
+        """The projection of the packed tokens `x` (`[1, tokens, hidden]`) at `positions`."""
         tokens, norms = x.shape[1], self._norms
         queries, keys, values = self.project(x)
+        queries, gate = self.gate(queries)
         full_width = norms is not None and norms[0].weight.shape[0] == queries.shape[-1]
         if norms is not None and full_width:
             queries, keys = norms[0](queries), norms[1](keys)
@@ -53,7 +70,8 @@ class Adapter:
         if norms is not None and not full_width:
             queries, keys = norms[0](queries), norms[1](keys)
         on_cpu = mx.default_device() == mx.cpu
-        return self._rotated(queries, positions, on_cpu), self._rotated(keys, positions, on_cpu), values
+        queries, keys = self._rotated(queries, positions, on_cpu), self._rotated(keys, positions, on_cpu)
+        return Projection(queries, keys, values, gate)
 
     def _rotated(self, x: mx.array, positions: Positions, on_cpu: bool) -> mx.array:
         """`x` (`[tokens, heads, head_dim]`) through the layer's RoPE: by the step's shared tables
@@ -77,6 +95,15 @@ class FusedAdapter(Adapter):
         return queries, keys, values
 
 
+class GatedAdapter(Adapter):
+    """Qwen3-Next and Qwen3.5: `q_proj` gives each head its query and an output gate side by side."""
+
+    def gate(self, queries: mx.array) -> tuple[mx.array, mx.array | None]:
+        tokens = queries.shape[1]
+        queries, gate = mx.split(queries.reshape(1, tokens, self.heads, -1), 2, axis=-1)
+        return queries.reshape(1, tokens, -1), gate.reshape(1, tokens, -1)
+
+
 class Ministral3Adapter(Adapter):
     """Ministral 3: queries scaled by 1 + beta * log(1 + floor(position / original context)),
     computed here per token (the model computes it from one offset for the whole batch)."""
@@ -86,10 +113,10 @@ class Ministral3Adapter(Adapter):
         self.beta = rope["llama_4_scaling_beta"]
         self.original = rope["original_max_position_embeddings"]
 
-    def __call__(self, x: mx.array, positions: Positions) -> tuple[mx.array, mx.array, mx.array]:
-        queries, keys, values = super().__call__(x, positions)
+    def __call__(self, x: mx.array, positions: Positions) -> Projection:
+        projected = super().__call__(x, positions)
         factor = 1 + self.beta * mx.log(1 + mx.floor(positions.array / self.original))
-        return queries * factor[:, None, None].astype(queries.dtype), keys, values
+        return projected._replace(queries=projected.queries * factor[:, None, None].astype(projected.queries.dtype))
 
 
 def _window(model: nn.Module, attn: nn.Module, index: int) -> int | None:
@@ -122,7 +149,19 @@ FAMILIES = (
     "olmo2",
     "glm4",
     "gpt_oss",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "lfm2",
+    "lfm2_moe",
+    "granitemoehybrid",
 )
+
+
+def _gated(attn: nn.Module) -> bool:
+    """Whether `q_proj` gives twice the queries: each head's output gate beside its query."""
+    heads, head_dim = _first(attn, "n_heads", "num_heads", "num_attention_heads"), getattr(attn, "head_dim", None)
+    return head_dim is not None and hasattr(attn, "q_proj") and attn.q_proj.weight.shape[0] == 2 * heads * head_dim
 
 
 def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter:
@@ -132,4 +171,6 @@ def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter:
         return FusedAdapter(attn, window)
     if args.model_type == "ministral3":
         return Ministral3Adapter(attn, window, args.rope_parameters)
+    if _gated(attn):
+        return GatedAdapter(attn, window)
     return Adapter(attn, window)

@@ -16,16 +16,11 @@ from .adapters import FAMILIES
 
 SUPPORTED_MODEL_TYPES = FAMILIES
 # Families mlx-lm runs and mlxkv does not yet, by the layers that stop them.
-GATED_DELTANET, CONVOLUTION, MAMBA = (
-    "Gated DeltaNet (linear attention) layers",
-    "short-convolution layers",
-    "Mamba layers",
-)
+MAMBA = "Mamba layers"
 MLA = "multi-head latent attention"
 NOT_YET = {
-    **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"), GATED_DELTANET),
-    **dict.fromkeys(("lfm2", "lfm2_moe"), CONVOLUTION),
-    **dict.fromkeys(("granitemoehybrid", "nemotron_h", "falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
+    "olmo_hybrid": "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding",
+    **dict.fromkeys(("nemotron_h", "falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32"), MLA),
     "gemma4_text": "K/V shared across layers (num_kv_shared_layers)",
     "rwkv7": "RWKV-7 recurrent layers",
@@ -76,8 +71,7 @@ def check_config(path: Path) -> dict:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"unsupported model_type {model_type!r} in {str(config_file)!r}; mlxkv supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (hybrid linear-attention families such as qwen3_5 and "
-            "multi-head latent attention ones such as deepseek_v3 are later work)"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return config
 

@@ -193,15 +193,14 @@ def test_model_loading_errors_are_specific(tmp_path, checkpoint):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(
         ModelLoadError,
-        match=r"unsupported model_type 'gpt2'.*supports llama, mistral, ministral3, .*"
-        r", gpt_oss \(hybrid linear-attention families such as qwen3_5 and "
-        r"multi-head latent attention ones such as deepseek_v3 are later work\)",
+        match=r"unsupported model_type 'gpt2'.*supports llama, mistral, ministral3, .*, gpt_oss, qwen3_next, "
+        r"qwen3_5, qwen3_5_moe, lfm2, lfm2_moe, granitemoehybrid$",
     ):
         LLM(str(tmp_path))
     for model_type, layers in (
-        ("qwen3_5", "Gated DeltaNet (linear attention) layers"),
-        ("lfm2", "short-convolution layers"),
+        ("olmo_hybrid", "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding"),
         ("nemotron_h", "Mamba layers"),
+        ("deepseek_v3", "multi-head latent attention"),
         ("gemma4_text", "K/V shared across layers (num_kv_shared_layers)"),
     ):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))

@@ -23,6 +23,60 @@ BASE = dict(
     vocab_size=320,
 )
 WINDOW = 8
+GATED_DELTA = dict(
+    num_hidden_layers=4,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+)
+QWEN3_5_ROPE = {"type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+LFM2 = dict(num_hidden_layers=4, conv_bias=False, conv_L_cache=3, full_attn_idxs=[1, 3], norm_eps=1e-5)
+HYBRIDS = {  # attention layers beside recurrent ones: a recurrent state per sequence beside the pages
+    "qwen3_5": dict(GATED_DELTA, rope_parameters=QWEN3_5_ROPE),
+    "qwen3_5_moe": dict(GATED_DELTA, **MOE, shared_expert_intermediate_size=128, rope_parameters=QWEN3_5_ROPE),
+    "qwen3_next": dict(
+        GATED_DELTA,
+        **MOE,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=128,
+        mlp_only_layers=[],
+        rope_theta=1e6,
+        partial_rotary_factor=0.25,
+    ),
+    "lfm2": dict(
+        LFM2,
+        block_dim=128,
+        block_ff_dim=256,
+        block_multiple_of=32,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+    ),
+    "lfm2_moe": dict(LFM2, **MOE, norm_topk_prob=True, use_expert_bias=True, num_dense_layers=1),
+    "granitemoehybrid": dict(
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        attention_bias=False,
+        embedding_multiplier=12.0,
+        attention_multiplier=0.015625,
+        logits_scaling=4.0,
+        residual_multiplier=0.22,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=128,
+        mamba_n_heads=8,  # times mamba_d_head: twice the hidden size, as the config's check wants
+        mamba_d_head=32,
+        mamba_proj_bias=False,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_n_groups=1,
+        mamba_conv_bias=True,
+        tie_word_embeddings=False,
+    ),
+}
 FAMILIES = {
     "llama": {},
     "llama-windowed": dict(
@@ -98,6 +152,7 @@ FAMILIES = {
         sliding_window=WINDOW,
         rope_theta=150000,
     ),  # the model alternates sliding and full itself
+    **HYBRIDS,
 }
 PROMPTS = [[int(t) for t in np.random.default_rng(n).integers(1, 320, n)] for n in (3, 7, 8, 9, 17, 30)]
 
@@ -191,3 +246,23 @@ def test_local_layers_hold_only_their_window_over_1000_tokens(tmp_path, layout):
         assert engine.cache.windowed[32].layers == [0, 1, 2, 3, 4] and engine.cache.storage.num_layers == 1
     expected = [mlx_lm_greedy(path, p, max_tokens=300) for p in prompts]  # up to EOS, which mlxkv ignores here
     assert [r.output_ids[: len(e)] for r, e in zip(requests, expected)] == expected and min(map(len, expected)) > 90
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granitemoehybrid"])
+def test_hybrids_batched_8_at_a_time_through_preemption_free_every_page_and_state(family, name, layout):
+    """Eight prompts of different lengths at once, in a pool too small for all of them: requests
+    are preempted and recompute their state from the prompt, and every request's greedy tokens
+    still equal mlx-lm's; afterwards no page and no recurrent state is held."""
+    path = family(name)
+    prompts = [
+        [int(t) for t in np.random.default_rng(40 + n).integers(1, 320, n)] for n in (5, 33, 1, 12, 26, 2, 19, 40)
+    ]
+    expected = [mlx_lm_greedy(path, p, max_tokens=16) for p in prompts]
+    pages = dict(num_pages=24) if layout == "paged" else dict(max_model_len=64)
+    llm = LLM(str(path), kv_layout=layout, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, **pages)
+    done = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [c.token_ids[: len(e)] for c, e in zip(done, expected)] == expected
+    stats = llm.stats()
+    assert stats.preemptions > 0 or layout == "contiguous"  # a contiguous sequence holds its page from the start
+    assert stats.kv.pages_used == 0 and stats.kv.states_used == 0 and stats.kv.states_total == 8

@@ -1,0 +1,36 @@
+"""What every layer of a step is handed as its `cache`: where the step's tokens go and sit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..attention.backend import AttentionFn
+from ..cache.batch import KVBatch
+from ..cache.manager import KVCacheManager
+from ..cache.state_batch import StateBatch
+from ..models.rotary import Positions
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Handed to every layer as its `cache`: where this step's tokens go and sit, how many of
+    each row's first tokens attend their own K/V as computed (`own_kv`), and, for a hybrid
+    model's recurrent layers, the step's rows grouped with their state indices (`states`).
+
+    `own_kv` is None when no row has such tokens, as in every step without quantized pages.
+    Model code that asks a cache for a mask gets None (the paged attention masks by
+    position itself, a recurrent layer by its row group), and one that reads `offset` gets 0
+    (adapters use each token's own position instead)."""
+
+    cache: KVCacheManager
+    batch: KVBatch
+    positions: Positions
+    attention: AttentionFn
+    own_kv: np.ndarray | None
+    states: StateBatch | None = None
+    offset: int = 0
+
+    def make_mask(self, *args: object, **kwargs: object) -> None:
+        return None
