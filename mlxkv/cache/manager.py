@@ -17,6 +17,7 @@ from .layout import KVLayout, resolve_layout
 from .page_table import PageTable
 from .pool import PagePool
 from .state_pool import StatePool, StateShape
+from .state_snapshots import State, StateSnapshots
 from .storage import KVStorage, Pages, check_quantization
 from .usage import KVUsage
 
@@ -38,6 +39,14 @@ def window_pool_pages(window: int, page_size: int, max_num_seqs: int, step_token
     """Pages a window group needs so that it never runs out: each sequence's window plus a page
     on either side, and the new tokens of one step of at most `step_tokens`."""
     return max_num_seqs * (-(-window // page_size) + 2) + -(-step_tokens // page_size)
+
+
+def prefix_cached(layout: KVLayout, prefix_caching: bool, windowed: bool, hybrid: bool, kv_bits: int | None) -> bool:
+    """Whether a cache shares prefixes: asked for, paged (a contiguous page is one sequence's), no
+    sliding-window layers (they no longer hold a prefix's early tokens), and for a hybrid model
+    float pages (its snapshot point would cut the first chunk that quantized pages need whole,
+    see `Scheduler.own_kv_span`). A hybrid that shares prefixes also keeps state snapshots."""
+    return prefix_caching and layout is KVLayout.PAGED and not windowed and not (hybrid and kv_bits)
 
 
 def _counts(num_new_tokens: Sequence[int]) -> list[int]:
@@ -81,8 +90,12 @@ class KVCacheManager:
 
     `state_shapes` gives each recurrent layer of a hybrid model the arrays it keeps per sequence
     (`StatePool`; the layers numbered apart from the attention layers): a sequence's state index
-    is its row, taken by `claim` and given back by `release`. Prefix caching is then off, since cached
-    pages alone do not give a recurrent layer its state at the prefix's end.
+    is its row, taken by `claim` and given back by `release`. Cached pages alone do not give a
+    recurrent layer its state at a prefix's end, so a hybrid's state is kept (`StateSnapshots`,
+    up to `max_num_seqs` of them) where its prompt's last full page before the last token ends,
+    its `snapshot_point`: `capture` takes it after the step that reaches it and `publish` files it
+    under that page's key. `reuse_prefix` then reuses pages only as far as a kept state reaches,
+    and starts the sequence from that state.
 
     Thread safety: one re-entrant lock serialises every public method, so `claim`, `append`,
     `fetch` and `release` may be called from any thread. The tensors are different: MLX
@@ -128,8 +141,11 @@ class KVCacheManager:
         if len(windows) != num_layers:
             raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
         grouped = self.layout is KVLayout.PAGED and any(windows)
-        self.prefix_caching = prefix_caching and self.layout is KVLayout.PAGED and not grouped and not state_shapes
-        self.states = StatePool(max_num_seqs, state_shapes) if state_shapes else None
+        hybrid = bool(state_shapes)
+        self.prefix_caching = prefix_cached(self.layout, prefix_caching, grouped, hybrid, kv_bits)
+        self.states = StatePool(max_num_seqs, state_shapes) if hybrid else None
+        self.snapshots = StateSnapshots(max_num_seqs) if hybrid and self.prefix_caching else None
+        self._captured: dict[int, tuple[int, State]] = {}  # seq_id: (tokens, state) until published
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         if self.layout is KVLayout.PAGED:
@@ -217,7 +233,36 @@ class KVCacheManager:
         caching off). Sequences share pages only when their `salt`s are equal."""
         with self._lock:
             table = self._table(seq_id)
-            return table.reuse_prefix(tokens, salt) if self.prefix_caching else 0
+            reused = table.reuse_prefix(tokens, salt) if self.prefix_caching else 0
+            return reused if self.snapshots is None else self._reuse_state(seq_id, table, reused)
+
+    def _reuse_state(self, seq_id: int, table: PageTable, reused: int) -> int:
+        """Cut a hybrid's reused pages back to the deepest one whose state is kept, and start the
+        sequence's state from it; returns the tokens now in place."""
+        assert self.snapshots is not None and self.states is not None
+        full = min(reused // self.page_size, len(table.keys))
+        pages = next((k for k in range(full, 0, -1) if table.keys[k - 1] in self.snapshots), 0)
+        table.truncate(pages)
+        if pages:
+            index = mx.array([self._row_of[seq_id]])
+            for layer, arrays in enumerate(self.snapshots.get(table.keys[pages - 1])):
+                self.states.write(layer, index, [array[None] for array in arrays])
+        return pages * self.page_size
+
+    def snapshot_point(self, prompt_tokens: int) -> int:
+        """Where a prompt of `prompt_tokens` tokens has its recurrent state kept: the end of its last
+        full page before its last token (0: nowhere, as without kept states)."""
+        return (prompt_tokens - 1) // self.page_size * self.page_size if self.snapshots is not None else 0
+
+    def capture(self, seq_ids: Sequence[int]) -> None:
+        """Take the recurrent state of sequences whose step just reached their snapshot point, as
+        this step leaves it (evaluated with the step; filed by `publish`)."""
+        assert self.states is not None
+        with self._lock:
+            for seq_id in seq_ids:
+                row = self._row_of[seq_id]
+                state = [[array[row] for array in layer] for layer in self.states.arrays]
+                self._captured[seq_id] = (self._table(seq_id).num_tokens, state)
 
     def publish(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], num_computed: Sequence[int]) -> None:
         """Cache the pages filled by the first `num_computed[i]` of each sequence's `tokens[i]`,
@@ -227,6 +272,11 @@ class KVCacheManager:
             if self.prefix_caching:
                 for table, ids, count in zip(tables, tokens, num_computed):
                     table.publish(ids, count)
+            for seq_id, table in zip(seq_ids, tables):
+                captured = self._captured.get(seq_id)
+                if captured is not None and self.snapshots is not None and table.num_computed >= captured[0]:
+                    self.snapshots.put(table.keys[captured[0] // self.page_size - 1], captured[1])
+                    del self._captured[seq_id]
 
     def append(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""
@@ -280,6 +330,7 @@ class KVCacheManager:
         with self._lock:
             table = self._table(seq_id)
             del self._tables[seq_id]
+            self._captured.pop(seq_id, None)
             self._free_rows.append(self._row_of.pop(seq_id))
             for group in self.windowed.values():
                 group.tables.pop(seq_id).release()
@@ -294,6 +345,8 @@ class KVCacheManager:
                 storage.reset()
             if self.states is not None:
                 self.states.reset()
+            if self.snapshots is not None:
+                self.snapshots.clear()
             self.pool.forget_cached()
 
     def kv(self, layer: int) -> tuple[Pages, Pages]:
@@ -305,6 +358,7 @@ class KVCacheManager:
     def tensors(self) -> list[mx.array]:
         """Every array of every layer's K and V pages and recurrent state, to evaluate at the end of a step."""
         states = self.states.tensors if self.states is not None else []
+        states += [array for _, state in self._captured.values() for layer in state for array in layer]
         return self.storage.tensors + [t for group in self.windowed.values() for t in group.storage.tensors] + states
 
     @property
@@ -371,6 +425,7 @@ class KVCacheManager:
                 len(self._tables) if self.states is not None else 0,
                 self.states.size if self.states is not None else 0,
                 self.states.bytes_per_sequence if self.states is not None else 0,
+                len(self.snapshots) if self.snapshots is not None else 0,
             )
 
     @property

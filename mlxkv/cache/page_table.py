@@ -186,6 +186,17 @@ class PageTable:
             self.pool.publish(int(self.row[index]), self.keys[-1])
         self.num_computed, self.tokens = num_computed, tokens
 
+    def truncate(self, num_pages: int) -> None:
+        """Keep only the first `num_pages` full pages of a table `reuse_prefix` just started, giving
+        the rest back: a hybrid model reuses a prefix only as far as it has the recurrent state."""
+        if not 0 <= num_pages <= len(self.keys) or self.num_computed != self.num_tokens:
+            raise ValueError(f"cannot keep {num_pages} of sequence {self.owner}'s reused pages")
+        self.pool.release_pages(self.owner, self.row[num_pages : self.num_pages].tolist())
+        self.row[num_pages : self.num_pages] = 0
+        del self.keys[num_pages:]
+        self.num_pages = num_pages
+        self.num_tokens = self.num_computed = num_pages * self.page_size
+
     @property
     def _parent(self) -> bytes:
         """The key the next page's key chains from."""

@@ -25,6 +25,7 @@ class KVUsage:
     states_used: int = 0  # sequences holding a hybrid model's recurrent state (see StatePool)
     states_total: int = 0  # sequences the state pool has room for
     state_bytes: int = 0  # bytes of one sequence's state
+    states_kept: int = 0  # states kept for the prefix cache (see StateSnapshots)
 
     block_size = RenamedAttribute("page_size")
 
@@ -56,8 +57,10 @@ class KVUsage:
         cached = f", {self.pages_cached} more cached" if self.pages_cached else ""
         bits = f", {self.kv_bits}-bit" if self.kv_bits else ""
         windows = "".join(f", window-{w} layers {u.pages_used}/{u.pages_total}" for w, u in self.windowed)
+        kept = f", {self.states_kept} kept for prefix hits" if self.states_kept else ""
         states = (
-            f", recurrent state {self.states_used}/{self.states_total} sequences of {self.state_bytes / 2**20:.2f} MiB"
+            f", recurrent state {self.states_used}/{self.states_total} sequences of "
+            f"{self.state_bytes / 2**20:.2f} MiB{kept}"
             if self.states_total
             else ""
         )

@@ -49,8 +49,30 @@ def test_a_sequence_takes_its_row_as_its_state_index_and_gives_it_back(layout):
     assert cache.usage().states_used == 2
 
 
-def test_prefix_caching_is_off_with_recurrent_state():
-    assert not manager().prefix_caching  # a cached page does not give a recurrent layer its state
+def test_a_hybrid_shares_prefixes_with_float_pages_only():
+    assert manager().prefix_caching and manager().snapshot_point(9) == 8 and manager().snapshot_point(8) == 4
+    quantized = KVCacheManager(
+        2, 2, 32, max_num_seqs=3, max_model_len=32, page_size=4, kv_bits=8, kv_group_size=32, state_shapes=[[CONV]]
+    )
+    assert not quantized.prefix_caching and quantized.snapshot_point(9) == 0  # its first chunk must stay whole
+
+
+def test_a_kept_state_lets_a_later_sequence_start_where_it_was_taken():
+    cache, tokens = manager(), list(range(10, 21))  # 11 tokens: kept after 8, the last full page before the last
+    (first,) = cache.claim(1)
+    cache.append([first], [8])
+    cache.states.write(0, mx.array([0]), [mx.full((1, 3, 8), 2.0), mx.full((1, 2, 4, 4), 3.0)])
+    cache.capture([first])
+    cache.states.write(0, mx.array([0]), [mx.zeros((1, 3, 8)), mx.zeros((1, 2, 4, 4))])  # the next step moves on
+    cache.publish([first], [tokens], [8])
+    cache.release(first)
+    second, third = cache.claim(2)
+    assert cache.reuse_prefix(second, tokens + [7, 7]) == 8  # its pages reach 12 tokens, its kept state 8
+    conv, state = cache.states.read(0, mx.array(cache.fetch([second]).state_indices), None)
+    assert conv.sum().item() == 2 * 24 and state.sum().item() == 3 * 32  # the state as captured
+    assert cache.reuse_prefix(third, [10, 11, 12, 13, 99, 98]) == 0  # its one shared page has no kept state
+    assert cache.num_tokens(third) == 0 and cache.pages_in_use == 2
+    assert "recurrent state 2/3 sequences of 0.00 MiB, 1 kept for prefix hits" in str(cache.usage())
 
 
 def test_state_is_evaluated_and_reset_with_the_pages():
