@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import ArraysCache
 from tqdm import tqdm
 
 from mlxkv import SamplingParams
@@ -23,6 +24,7 @@ from mlxkv.cache.storage import check_quantization, kv_bytes_per_token
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
 from mlxkv.engine.model_runner import kv_shape
+from mlxkv.models.layers import text_model
 from mlxkv.models.random_model import LLAMA_100M, make_checkpoint
 
 DEFAULT_MODEL = Path.home() / ".cache" / "mlxkv" / "bench-llama-100m"
@@ -41,14 +43,23 @@ def blas_in_use() -> str:
 
 
 def load_bench_model(path: Path | None):
-    """(model, tokenizer) of `path`, or of the random ~100M-parameter float32 Llama the
-    benchmarks share (built once in `DEFAULT_MODEL`); prints what runs it."""
+    """(text model, tokenizer) of `path`, or of the random ~100M-parameter float32 Llama the
+    benchmarks share (built once in `DEFAULT_MODEL`); prints what runs it. Both engines get the
+    text model: a multimodal checkpoint's (Qwen3.5's) only hands its tokens to it."""
     if path is None:
         path = DEFAULT_MODEL
         if not (path / "config.json").exists():
             make_checkpoint(path, "llama", "float32", shape=LLAMA_100M, max_position_embeddings=32768)
     print(f"model: {path}\nBLAS: {blas_in_use()}\nMLX {mx.__version__}, device {mx.default_device()}")
-    return mlx_lm_load(str(path))
+    model, tokenizer = mlx_lm_load(str(path))
+    return text_model(model), tokenizer
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of one layer's mlx-lm cache: its K/V, or a recurrent layer's state arrays."""
+    if isinstance(cache, ArraysCache):  # it has no nbytes of its own
+        return sum(array.nbytes for array in cache.cache if array is not None)
+    return cache.nbytes
 
 
 def model_kv_bytes_per_token(model) -> int:
@@ -177,8 +188,9 @@ def _mlx_lm_sample(gen: BatchGenerator, live: dict[int, int], workload: Workload
     """Bytes from the caches themselves; held tokens from each row's offset. The independent
     count: a row of the generation batch holds its prompt plus the tokens it has emitted."""
     batches = [b for b in (gen._prompt_batch, gen._generation_batch) if b.prompt_cache]
-    allocated = sum(c.nbytes for b in batches for c in b.prompt_cache)
-    held = sum(int(np.maximum(np.array(b.prompt_cache[0].offset), 0).sum()) for b in batches)
+    allocated = sum(_cache_bytes(c) for b in batches for c in b.prompt_cache)
+    first_kv = [next(c for c in b.prompt_cache if not isinstance(c, ArraysCache)) for b in batches]
+    held = sum(int(np.maximum(np.array(c.offset), 0).sum()) for c in first_kv)
     requests = [live[uid] for uid in gen._generation_batch.uids if uid in live]
     lengths = [len(workload.prompts[i]) + len(run.token_times.get(i, ())) for i in requests]
     return Sample(

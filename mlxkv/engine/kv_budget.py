@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..cache.layout import KVLayout
-from ..cache.manager import KVCacheManager, window_pool_pages
+from ..cache.manager import KVCacheManager, prefix_cached, window_pool_pages
 from ..cache.state_pool import StateShape
 from ..cache.storage import check_quantization, kv_bytes_per_token
 from ..config import EngineConfig
@@ -77,7 +77,8 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     pool (`window_pages` per window) taken from the budget first; the rest buys pages for the
     full-attention layers, whose bytes per token count only those layers. In the contiguous
     layout the budget buys whole `max_model_len` pages, at most `max_num_seqs`. A hybrid model's
-    recurrent state, a slot for each of `max_num_seqs` sequences, is taken from the budget first too."""
+    recurrent state, one for each of `max_num_seqs` sequences and as many kept for the prefix cache
+    when it shares prefixes, is taken from the budget first too."""
     check_quantization(config.kv_bits, config.kv_group_size, model.head_dim)  # before sizing by its groups
     max_len = context_length(config.max_model_len, model.context)
     contiguous = config.kv_layout is KVLayout.CONTIGUOUS
@@ -90,7 +91,10 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     bytes_per_token = per_layer * sum(w is None for w in windows)
     grouped = {w: window_pages(config, w) for w in set(windows) if w is not None}
     window_bytes = sum(pages * config.page_size * per_layer * windows.count(w) for w, pages in grouped.items())
-    state_bytes = config.max_num_seqs * model.state_bytes_per_sequence
+    hybrid = bool(model.state_shapes)
+    layout = KVLayout.CONTIGUOUS if contiguous else KVLayout.PAGED
+    kept = prefix_cached(layout, config.prefix_caching, bool(grouped), hybrid, config.kv_bits)
+    state_bytes = config.max_num_seqs * model.state_bytes_per_sequence * (2 if kept else 1)
     fixed_bytes = window_bytes + state_bytes  # taken before the full-attention layers' pages
     memory = device_memory()
     available = max(0, memory - model.weights_bytes - fixed_bytes)

@@ -230,6 +230,8 @@ class LLMEngine:
         indices = [len(r.output_ids) for r in sampling]  # the output number each row samples
         try:
             logits = self.runner.forward(batch, self._token_ids(batch, previous))  # None when no row samples
+            if batch.snapshots:
+                self.cache.capture(batch.snapshots)
             tokens = (
                 sample(logits, [r.sampler for r in sampling], indices)
                 if logits is not None

@@ -17,7 +17,7 @@ from ..cache.batch import KVBatch
 from ..cache.manager import KVCacheManager
 from ..cache.state_batch import state_batch
 from ..models.adapters import Adapter, adapter_for
-from ..models.layers import activation_dtype, layer_roles
+from ..models.layers import activation_dtype, layer_roles, text_model
 from ..models.rotary import Positions
 from .recurrent import RecurrentLayer
 from .scheduler import ScheduledBatch
@@ -70,12 +70,14 @@ def _attention(layer: nn.Module) -> nn.Module:
 
 def layer_variants(model: nn.Module) -> list[Variant]:
     """How each attention layer attends (window, soft-cap, sinks), as its family's adapter reads it."""
+    model = text_model(model)
     layers = model.model.layers
     return [adapter_for(model, i, _attention(layers[i])).variant for i in layer_roles(model).attention]
 
 
 def kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:
-    """(attention layers, KV heads, head dim, activation dtype) of a loaded mlx-lm text model."""
+    """(attention layers, KV heads, head dim, activation dtype) of a loaded mlx-lm model."""
+    model = text_model(model)
     attention = layer_roles(model).attention
     args, attn = model.args, _attention(model.model.layers[attention[0]])
     adapter = adapter_for(model, attention[0], attn)

@@ -19,13 +19,15 @@ class ScheduledBatch:
     """One engine step: `counts[i]` tokens of `requests[i]`, K/V slots already reserved.
     `samples[i]`: row i reaches the end of its tokens this step and so needs a next token.
     `own_kv[i]`: how many of row i's first tokens attend their own K/V unquantized (see
-    `Scheduler.own_kv_span`)."""
+    `Scheduler.own_kv_span`). `snapshots`: the sequences of a hybrid model whose row ends at their
+    snapshot point, whose recurrent state the step keeps for the prefix cache."""
 
     requests: list[Request]
     counts: list[int]
     kv: KVBatch
     samples: list[bool]
     own_kv: list[int]
+    snapshots: list[int]
 
 
 @dataclass
@@ -64,7 +66,9 @@ class Scheduler:
     of the waiting queue with its generated tokens kept.
 
     With quantized pages a request's first chunk holds at least its `own_kv_span`, so that
-    span is computed in one step whatever else runs.
+    span is computed in one step whatever else runs. A hybrid model's prefill chunk stops at its
+    prompt's snapshot point (`KVCacheManager.snapshot_point`), where the step keeps its recurrent
+    state for later requests that share the prompt.
     """
 
     def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -111,13 +115,18 @@ class Scheduler:
             return None
         requests, counts = list(plan.counts), list(plan.counts.values())
         samples = [n == r.num_remaining for r, n in zip(requests, counts)]
+        snapshots = [r.seq_id for r, n in zip(requests, counts) if 0 < self._snapshot_point(r) == r.num_computed + n]
         return ScheduledBatch(
             requests,
             counts,
             self.cache.append([r.seq_id for r in requests], counts),
             samples,
             self._own_kv_spans(requests),
+            snapshots,
         )
+
+    def _snapshot_point(self, request: Request) -> int:
+        return self.cache.snapshot_point(len(request.prompt_ids))
 
     def own_kv_span(self, request: Request) -> int:
         """How many of `request`'s first tokens its next chunk computes from their own unquantized
@@ -181,6 +190,9 @@ class Scheduler:
         picked, counts, left = [], [], plan.budget
         for request in requests:
             count = min(request.num_remaining, left)
+            stop = self._snapshot_point(request)
+            if request.num_computed < stop:
+                count = min(count, stop - request.num_computed)
             if count:
                 picked.append(request)
                 counts.append(count)

@@ -266,3 +266,23 @@ def test_hybrids_batched_8_at_a_time_through_preemption_free_every_page_and_stat
     stats = llm.stats()
     assert stats.preemptions > 0 or layout == "contiguous"  # a contiguous sequence holds its page from the start
     assert stats.kv.pages_used == 0 and stats.kv.states_used == 0 and stats.kv.states_total == 8
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "granitemoehybrid"])
+def test_a_hybrid_chat_turn_resumes_from_the_previous_turns_kept_state(family, name):
+    """The second turn's prompt starts with the first turn's prompt and reply: it reuses the pages
+    up to the first prompt's snapshot point, starts its recurrent state from the state kept
+    there, and gives the tokens of a cold run and of mlx-lm."""
+    path = family(name)
+    config = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    first = PROMPTS[5]  # 30 tokens: its state is kept after 28
+    llm = LLM(str(path), **config)
+    reply = llm.generate(first, SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    second = first + list(reply.token_ids) + [5, 6, 7]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    warm = llm.generate(second, params)[0]
+    cold = LLM(str(path), **config).generate(second, params)[0]
+    assert warm.num_cached_tokens == 28 and cold.num_cached_tokens == 0
+    assert warm.token_ids == cold.token_ids
+    expected = mlx_lm_greedy(path, second, max_tokens=8)
+    assert list(warm.token_ids[: len(expected)]) == expected
