@@ -9,7 +9,7 @@ from .attention.backend import BACKENDS
 from .cache.layout import KVLayout, resolve_layout
 from .cache.storage import BITS, KV_BITS, KV_GROUP_SIZES
 from .deprecation import RenamedAttribute, renamed_keywords
-from .settings import BOOLEAN, POSITIVE, number, one_of, optional, setting, validate
+from .settings import BOOLEAN, POSITIVE, integer, number, one_of, optional, setting, validate
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -67,6 +67,12 @@ class EngineConfig:
     )
     prefix_caching: bool = setting(
         True, "Reuse the KV pages of a prompt prefix computed before (paged layout).", BOOLEAN
+    )
+    prefix_states: int | None = setting(
+        None,
+        "Recurrent states a hybrid model keeps for prefix-cache hits, each as large as a running "
+        "sequence's; 0 keeps none and reuses no prefix [default: --max-num-seqs].",
+        optional(integer(0)),
     )
     kv_bits: int | None = setting(
         None,

@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=max(1, int(args.kv_fraction * reference.peak_allocated)),
         max_model_len=args.prompt_len[1] + args.output_len[1],
+        prefix_states=0,  # the prompts share nothing, and mlx-lm keeps no state for later prompts
     )
     equal = replace(small, kv_cache_memory=reference.peak_allocated, max_num_seqs=args.num_requests)
     plans = [(f"mlxkv {args.kv_fraction:g}x KV, cap {args.max_num_seqs}", small)]

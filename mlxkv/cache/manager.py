@@ -41,12 +41,15 @@ def window_pool_pages(window: int, page_size: int, max_num_seqs: int, step_token
     return max_num_seqs * (-(-window // page_size) + 2) + -(-step_tokens // page_size)
 
 
-def prefix_cached(layout: KVLayout, prefix_caching: bool, windowed: bool, hybrid: bool, kv_bits: int | None) -> bool:
+def prefix_cached(
+    layout: KVLayout, prefix_caching: bool, windowed: bool, hybrid: bool, kv_bits: int | None, prefix_states: int
+) -> bool:
     """Whether a cache shares prefixes: asked for, paged (a contiguous page is one sequence's), no
     sliding-window layers (they no longer hold a prefix's early tokens), and for a hybrid model
-    float pages (its snapshot point would cut the first chunk that quantized pages need whole,
-    see `Scheduler.own_kv_span`). A hybrid that shares prefixes also keeps state snapshots."""
-    return prefix_caching and layout is KVLayout.PAGED and not windowed and not (hybrid and kv_bits)
+    states kept for it (`prefix_states`) and float pages (its snapshot point would cut the first
+    chunk that quantized pages need whole, see `Scheduler.own_kv_span`)."""
+    shares = prefix_caching and layout is KVLayout.PAGED and not windowed
+    return shares and not (hybrid and (kv_bits or not prefix_states))
 
 
 def _counts(num_new_tokens: Sequence[int]) -> list[int]:
@@ -91,10 +94,10 @@ class KVCacheManager:
     `state_shapes` gives each recurrent layer of a hybrid model the arrays it keeps per sequence
     (`StatePool`; the layers numbered apart from the attention layers): a sequence's state index
     is its row, taken by `claim` and given back by `release`. Cached pages alone do not give a
-    recurrent layer its state at a prefix's end, so a hybrid's state is kept (`StateSnapshots`,
-    up to `max_num_seqs` of them) where its prompt's last full page before the last token ends,
-    its `snapshot_point`: `capture` takes it after the step that reaches it and `publish` files it
-    under that page's key. `reuse_prefix` then reuses pages only as far as a kept state reaches,
+    recurrent layer its state at a prefix's end, so a hybrid's state is kept (`StateSnapshots`, up
+    to `prefix_states` of them, by default `max_num_seqs`) where its prompt's last full page before
+    its last token ends, its `snapshot_point`: `capture` takes it after the step that reaches it
+    and `publish` files it under that page's key. `reuse_prefix` then reuses pages only as far as a kept state reaches,
     and starts the sequence from that state.
 
     Thread safety: one re-entrant lock serialises every public method, so `claim`, `append`,
@@ -123,6 +126,7 @@ class KVCacheManager:
         layer_windows: Sequence[int | None] | None = None,
         window_pages: dict[int, int] | None = None,
         state_shapes: Sequence[Sequence[StateShape]] = (),
+        prefix_states: int | None = None,
     ) -> None:
         sizes = dict(
             num_layers=num_layers,
@@ -142,9 +146,10 @@ class KVCacheManager:
             raise ValueError(f"layer_windows has {len(windows)} entries for {num_layers} layers")
         grouped = self.layout is KVLayout.PAGED and any(windows)
         hybrid = bool(state_shapes)
-        self.prefix_caching = prefix_cached(self.layout, prefix_caching, grouped, hybrid, kv_bits)
+        kept = max_num_seqs if prefix_states is None else prefix_states
+        self.prefix_caching = prefix_cached(self.layout, prefix_caching, grouped, hybrid, kv_bits, kept)
         self.states = StatePool(max_num_seqs, state_shapes) if hybrid else None
-        self.snapshots = StateSnapshots(max_num_seqs) if hybrid and self.prefix_caching else None
+        self.snapshots = StateSnapshots(kept) if hybrid and self.prefix_caching else None
         self._captured: dict[int, tuple[int, State]] = {}  # seq_id: (tokens, state) until published
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len

@@ -77,8 +77,8 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     pool (`window_pages` per window) taken from the budget first; the rest buys pages for the
     full-attention layers, whose bytes per token count only those layers. In the contiguous
     layout the budget buys whole `max_model_len` pages, at most `max_num_seqs`. A hybrid model's
-    recurrent state, one for each of `max_num_seqs` sequences and as many kept for the prefix cache
-    when it shares prefixes, is taken from the budget first too."""
+    recurrent state, one for each of `max_num_seqs` sequences and `prefix_states` more kept for the
+    prefix cache when it shares prefixes, is taken from the budget first too."""
     check_quantization(config.kv_bits, config.kv_group_size, model.head_dim)  # before sizing by its groups
     max_len = context_length(config.max_model_len, model.context)
     contiguous = config.kv_layout is KVLayout.CONTIGUOUS
@@ -93,8 +93,9 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     window_bytes = sum(pages * config.page_size * per_layer * windows.count(w) for w, pages in grouped.items())
     hybrid = bool(model.state_shapes)
     layout = KVLayout.CONTIGUOUS if contiguous else KVLayout.PAGED
-    kept = prefix_cached(layout, config.prefix_caching, bool(grouped), hybrid, config.kv_bits)
-    state_bytes = config.max_num_seqs * model.state_bytes_per_sequence * (2 if kept else 1)
+    kept = config.max_num_seqs if config.prefix_states is None else config.prefix_states
+    shares = prefix_cached(layout, config.prefix_caching, bool(grouped), hybrid, config.kv_bits, kept)
+    state_bytes = (config.max_num_seqs + (kept if shares else 0)) * model.state_bytes_per_sequence
     fixed_bytes = window_bytes + state_bytes  # taken before the full-attention layers' pages
     memory = device_memory()
     available = max(0, memory - model.weights_bytes - fixed_bytes)
@@ -152,6 +153,7 @@ def build_kv_cache(config: EngineConfig, model: ModelKV) -> KVCacheManager:
         num_pages=plan.num_pages,
         dtype=model.dtype,
         prefix_caching=config.prefix_caching,
+        prefix_states=config.prefix_states,
         kv_bits=config.kv_bits,
         kv_group_size=config.kv_group_size,
         layer_windows=plan.layer_windows,

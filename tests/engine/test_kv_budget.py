@@ -69,3 +69,22 @@ def test_the_default_budget_is_a_fraction_of_the_memory_left_and_no_more_than_th
         EngineConfig(kv_cache_fraction=0.1), ModelKV(28, 8, 128, mx.bfloat16, 40960, weights_bytes=0)
     )
     assert frugal.num_pages == int(0.1 * 16 * 10**9) // (16 * per_token)
+
+
+@pytest.mark.parametrize(("prefix_states", "kept"), [(None, 4), (1, 1), (0, 0)])
+def test_a_hybrids_running_and_kept_states_come_out_of_the_budget_before_the_pages(prefix_states, kept):
+    """A state of 64 KiB per sequence; pages of 16 tokens at 4 KiB a token (2 layers, 2 heads of 64
+    dims, float16). Running states for `max_num_seqs`, kept ones for `prefix_states` (default: as
+    many), and the rest buys pages; keeping none turns the prefix cache off."""
+    from mlxkv.cache.state_pool import StateShape
+
+    shape = ModelKV(2, 2, 64, mx.float16, 512, state_shapes=[[StateShape((16, 16, 64), mx.float32)]])
+    config = EngineConfig(kv_cache_memory="2MiB", max_num_seqs=4, prefix_states=prefix_states)
+    cache = build_kv_cache(config, shape)
+    assert cache.pool.capacity == (2**21 - (4 + kept) * 2**16) // (16 * 1024)
+    assert cache.prefix_caching == bool(kept) and (cache.snapshots.capacity if kept else 0) == kept
+
+
+def test_prefix_states_must_be_a_non_negative_integer():
+    with pytest.raises(ValueError, match=r"prefix_states must be an integer >= 0 or None, got -1"):
+        EngineConfig(prefix_states=-1)
