@@ -24,8 +24,8 @@ from mlxkv.cache.storage import check_quantization, kv_bytes_per_token
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
 from mlxkv.engine.model_runner import kv_shape
-from mlxkv.models.layers import text_model
 from mlxkv.models.random_model import LLAMA_100M, make_checkpoint
+from mlxkv.models.structure import text_model
 
 DEFAULT_MODEL = Path.home() / ".cache" / "mlxkv" / "bench-llama-100m"
 MODEL_HELP = f"mlx-lm checkpoint directory [default: a random ~100M Llama built in {DEFAULT_MODEL}]"

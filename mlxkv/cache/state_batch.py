@@ -5,7 +5,8 @@ Attention reads a packed step (every row's new tokens one after the other); a re
 row. A step's single-token rows (decodes) make one batch of length 1, and its longer rows
 (prefill chunks) another, right-padded to the longest with a mask and per-row lengths, which
 mlx-lm's layers honour: padded places leave the state as it was. Two batches, not one, so that
-a 512-token chunk beside 63 decodes computes 575 places, not 64 x 512.
+a 512-token chunk beside 63 decodes computes 575 places, not 64 x 512. A model whose layers do
+not leave a padded row's state exact (Nemotron-H's Mamba mixer) runs each chunk on its own.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class StateBatch:
     order: mx.array | None
 
 
-def state_batch(batch: KVBatch) -> StateBatch:
-    """`batch`'s rows grouped for recurrent layers (its `state_indices` must be set)."""
+def state_batch(batch: KVBatch, padded: bool = True) -> StateBatch:
+    """`batch`'s rows grouped for recurrent layers (its `state_indices` must be set); the prefill
+    chunks in one padded batch, or with `padded` False one batch each."""
     assert batch.state_indices is not None, "a batch of a cache without recurrent state"
     counts, starts = batch.query_lens, batch.query_starts
     single, longer = np.flatnonzero(counts == 1), np.flatnonzero(counts > 1)
@@ -56,9 +58,10 @@ def state_batch(batch: KVBatch) -> StateBatch:
         gather = None if everything else mx.array(starts[single].astype(np.int32))
         groups.append(RowGroup(*_indices(batch, single), rows=int(single.size), length=1, gather=gather))
         sources.append(starts[single])
-    if longer.size:
-        groups.append(_padded(batch, longer, alone=not single.size))
-        sources.append(np.concatenate([np.arange(starts[r], starts[r] + counts[r]) for r in longer]))
+    chunks = [longer] if padded or longer.size < 2 else np.split(longer, longer.size)
+    for rows in chunks if longer.size else ():
+        groups.append(_padded(batch, rows, alone=not single.size and len(chunks) == 1))
+        sources.append(np.concatenate([np.arange(starts[r], starts[r] + counts[r]) for r in rows]))
     source = np.concatenate(sources) if sources else np.zeros(0, np.int64)
     in_order = bool(np.all(source[1:] > source[:-1]))
     return StateBatch(tuple(groups), None if in_order else mx.array(np.argsort(source).astype(np.int32)))

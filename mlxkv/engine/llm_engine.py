@@ -23,8 +23,8 @@ from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..config import EngineConfig
 from ..deprecation import warn
 from ..errors import RequestTooLong, UnknownSequenceError
-from ..models.layers import layer_roles, state_shapes, text_model
 from ..models.loading import model_context
+from ..models.structure import layer_roles, state_shapes, text_model
 from .inputs import encode_prompt, request_key
 from .kv_budget import ModelKV, build_kv_cache
 from .model_runner import ModelRunner, kv_shape, layer_variants

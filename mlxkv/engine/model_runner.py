@@ -17,8 +17,8 @@ from ..cache.batch import KVBatch
 from ..cache.manager import KVCacheManager
 from ..cache.state_batch import state_batch
 from ..models.adapters import Adapter, adapter_for
-from ..models.layers import activation_dtype, layer_roles, text_model
 from ..models.rotary import Positions
+from ..models.structure import LayerRoles, activation_dtype, decoder, embeddings, layer_roles, pads_exactly, text_model
 from .recurrent import RecurrentLayer
 from .scheduler import ScheduledBatch
 from .step_context import StepContext
@@ -64,14 +64,15 @@ class PagedAttention(nn.Module):
 
 def _attention(layer: nn.Module) -> nn.Module:
     """A decoder layer's attention module as mlx-lm made it."""
-    attn: nn.Module = getattr(layer.self_attn, "inner", layer.self_attn)
-    return attn
+    attn = getattr(layer, LayerRoles.attention_module(layer))
+    inner: nn.Module = getattr(attn, "inner", attn)
+    return inner
 
 
 def layer_variants(model: nn.Module) -> list[Variant]:
     """How each attention layer attends (window, soft-cap, sinks), as its family's adapter reads it."""
     model = text_model(model)
-    layers = model.model.layers
+    layers = decoder(model).layers
     return [adapter_for(model, i, _attention(layers[i])).variant for i in layer_roles(model).attention]
 
 
@@ -79,7 +80,7 @@ def kv_shape(model: nn.Module) -> tuple[int, int, int, mx.Dtype]:
     """(attention layers, KV heads, head dim, activation dtype) of a loaded mlx-lm model."""
     model = text_model(model)
     attention = layer_roles(model).attention
-    args, attn = model.args, _attention(model.model.layers[attention[0]])
+    args, attn = model.args, _attention(decoder(model).layers[attention[0]])
     adapter = adapter_for(model, attention[0], attn)
     head_dim = getattr(attn, "head_dim", None) or getattr(args, "head_dim", None) or args.hidden_size // adapter.heads
     return len(attention), adapter.kv_heads, head_dim, activation_dtype(model)
@@ -92,11 +93,13 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.attention = attention
-        roles, layers = layer_roles(model), model.model.layers
+        roles, layers = layer_roles(model), decoder(model).layers
+        self.pads = pads_exactly(model, roles)  # else a step's prefill chunks run one by one
         for number, index in enumerate(roles.attention):
-            if not isinstance(layers[index].self_attn, PagedAttention):
-                attn = layers[index].self_attn
-                layers[index].self_attn = PagedAttention(attn, number, adapter_for(model, index, attn))
+            name = roles.attention_module(layers[index])
+            if not isinstance(getattr(layers[index], name), PagedAttention):
+                attn = getattr(layers[index], name)
+                setattr(layers[index], name, PagedAttention(attn, number, adapter_for(model, index, attn)))
         for number, index in enumerate(roles.recurrent):
             name = roles.recurrent_module(layers[index])
             if not isinstance(getattr(layers[index], name), RecurrentLayer):
@@ -115,13 +118,14 @@ class ModelRunner:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
         the first `own_kv[b]` tokens of row b attending their own K/V as computed (lazy)."""
         spans = np.asarray(own_kv, np.int32) if any(own_kv) else None  # a scan, not an array, in the common case
-        states = state_batch(kv) if self.cache.states is not None else None
+        states = state_batch(kv, self.pads) if self.cache.states is not None else None
         context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, spans, states)
-        hidden: mx.array = self.model.model(mx.array(token_ids)[None], cache=[context] * len(self.model.model.layers))
+        inner = decoder(self.model)
+        hidden: mx.array = inner(mx.array(token_ids)[None], cache=[context] * len(inner.layers))
         return hidden[0]
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits for final hidden states."""
         lm_head = getattr(self.model, "lm_head", None)  # None: tied to the embeddings
-        logits: mx.array = (self.model.model.embed_tokens.as_linear if lm_head is None else lm_head)(hidden)
+        logits: mx.array = (embeddings(self.model).as_linear if lm_head is None else lm_head)(hidden)
         return logits

@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from ..attention.variant import Variant
 from .rotary import Positions, Rotation
+from .structure import decoder
 
 
 def _first(module: object, *names: str) -> Any:
@@ -48,6 +49,7 @@ class Adapter:
         norms = [(q, k) for q, k in (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm")) if hasattr(attn, q)]
         self._norms = (getattr(attn, norms[0][0]), getattr(attn, norms[0][1])) if norms else None
         self.out_proj = _first(attn, "o_proj", "out_proj")  # LFM2's name
+        self.rope = getattr(attn, "rope", None)  # None: a layer without RoPE (Nemotron-H's)
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         attn = self.attn
@@ -78,10 +80,10 @@ class Adapter:
         where they equal it (see `rotary`), else by the module with one offset per token."""
         key = (x.dtype, x.shape[-1], on_cpu)
         if key not in self._rotations:
-            self._rotations[key] = Rotation.of(self.attn.rope, x.shape[-1], x.dtype)
+            self._rotations[key] = Rotation.of(self.rope, x.shape[-1], x.dtype) if self.rope is not None else None
         rotation = self._rotations[key]
         if rotation is None:
-            return self.attn.rope(x[:, :, None], offset=positions.array).squeeze(2)
+            return x if self.rope is None else self.rope(x[:, :, None], offset=positions.array).squeeze(2)
         return positions.rotate(rotation, x)
 
 
@@ -124,7 +126,7 @@ def _window(model: nn.Module, attn: nn.Module, index: int) -> int | None:
     GPT-OSS, whose model fills in its default alternation) or Gemma 3's pattern; mlx-lm
     ignores other window fields, and so does mlxkv."""
     args = model.args
-    layer_types = getattr(model.model, "layer_types", None) or getattr(args, "layer_types", None)
+    layer_types = getattr(decoder(model), "layer_types", None) or getattr(args, "layer_types", None)
     if layer_types:
         return args.sliding_window if layer_types[index] == "sliding_attention" else None
     if getattr(attn, "is_sliding", False):
@@ -155,6 +157,7 @@ FAMILIES = (
     "lfm2",
     "lfm2_moe",
     "granitemoehybrid",
+    "nemotron_h",
 )
 
 

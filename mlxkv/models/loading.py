@@ -20,7 +20,7 @@ MAMBA = "Mamba layers"
 MLA = "multi-head latent attention"
 NOT_YET = {
     "olmo_hybrid": "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding",
-    **dict.fromkeys(("nemotron_h", "falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
+    **dict.fromkeys(("falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32"), MLA),
     "gemma4_text": "K/V shared across layers (num_kv_shared_layers)",
     "rwkv7": "RWKV-7 recurrent layers",

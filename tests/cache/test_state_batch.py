@@ -17,10 +17,10 @@ def step(counts, computed=None):
     return cache.append(ids, counts)
 
 
-def run_groups(batch, packed):
+def run_groups(batch, packed, padded=True):
     """What a recurrent layer hands back for `packed` (one value per token) when it returns
     each place's input: the groups' outputs, reordered as `RecurrentLayer` does."""
-    states = state_batch(batch)
+    states = state_batch(batch, padded)
     outputs = []
     for group in states.groups:
         places = packed if group.gather is None else packed[group.gather]
@@ -56,3 +56,16 @@ def test_one_prefill_chunk_alone_is_its_packed_tokens():
     (group,) = states.groups
     assert (group.rows, group.length, group.gather, group.mask, group.lengths) == (1, 9, None, None, None)
     assert group.fresh.tolist() == [True] and out == list(range(9))
+
+
+def test_chunks_run_one_by_one_where_padding_would_not_be_exact():
+    batch = step([1, 4, 1, 2, 3], computed=[6, 0, 3, 0, 5])
+    out, states = run_groups(batch, mx.arange(11), padded=False)
+    single, *chunks = states.groups
+    assert single.rows == 2 and out == list(range(11))
+    assert [(g.rows, g.length, g.mask, g.lengths) for g in chunks] == [
+        (1, 4, None, None),
+        (1, 2, None, None),
+        (1, 3, None, None),
+    ]
+    assert [g.indices.tolist() for g in chunks] == [[1], [3], [4]]

@@ -194,12 +194,12 @@ def test_model_loading_errors_are_specific(tmp_path, checkpoint):
     with pytest.raises(
         ModelLoadError,
         match=r"unsupported model_type 'gpt2'.*supports llama, mistral, ministral3, .*, gpt_oss, qwen3_next, "
-        r"qwen3_5, qwen3_5_moe, lfm2, lfm2_moe, granitemoehybrid$",
+        r"qwen3_5, qwen3_5_moe, lfm2, lfm2_moe, granitemoehybrid, nemotron_h$",
     ):
         LLM(str(tmp_path))
     for model_type, layers in (
         ("olmo_hybrid", "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding"),
-        ("nemotron_h", "Mamba layers"),
+        ("falcon_h1", "Mamba layers"),
         ("deepseek_v3", "multi-head latent attention"),
         ("gemma4_text", "K/V shared across layers (num_kv_shared_layers)"),
     ):

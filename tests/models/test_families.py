@@ -76,6 +76,21 @@ HYBRIDS = {  # attention layers beside recurrent ones: a recurrent state per seq
         mamba_conv_bias=True,
         tie_word_embeddings=False,
     ),
+    "nemotron_h": dict(  # Mamba, attention and MLP blocks, its mixer handling padding through its mask
+        num_hidden_layers=6,
+        hybrid_override_pattern=["M", "*", "-", "M", "*", "-"],
+        attention_bias=False,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        mamba_proj_bias=False,
+        ssm_state_size=16,
+        conv_kernel=4,
+        n_groups=1,
+        mlp_bias=False,
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
+    ),
 }
 FAMILIES = {
     "llama": {},
@@ -249,7 +264,7 @@ def test_local_layers_hold_only_their_window_over_1000_tokens(tmp_path, layout):
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
-@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granitemoehybrid", "nemotron_h"])
 def test_hybrids_batched_8_at_a_time_through_preemption_free_every_page_and_state(family, name, layout):
     """Eight prompts of different lengths at once, in a pool too small for all of them: requests
     are preempted and recompute their state from the prompt, and every request's greedy tokens

@@ -1,0 +1,128 @@
+"""How an mlx-lm model is put together, as mlxkv runs it: its text model, decoder and embeddings,
+and which decoder layers attend through the K/V pages and which keep a recurrent state.
+
+A hybrid family (Qwen3.5, Qwen3-Next, LFM2, Granite 4, Nemotron-H) interleaves attention layers with layers
+that keep a per-sequence state instead of K/V: a gated delta rule's state, a Mamba state, a
+short convolution's last inputs. mlx-lm's own `make_cache` says which is which (an
+`ArraysCache` for a recurrent layer), and each family names its recurrent module in one of a
+few ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+
+from ..cache.state_pool import StateShape
+
+RECURRENT_MODULES = ("linear_attn", "conv", "mamba", "mixer")  # Qwen3.5, Qwen3-Next; LFM2; Granite 4; Nemotron-H
+ATTENTION_MODULES = ("self_attn", "mixer")  # Nemotron-H calls every block's module its mixer
+BLOCK_ROLES = {"*": "attention", "M": "recurrent"}  # Nemotron-H's block types; MLP blocks have neither
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The model that maps token ids to logits: a multimodal checkpoint's `language_model`
+    (Qwen3.5's), else `model` itself."""
+    return model.language_model if hasattr(model, "language_model") else model
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The module of a text model holding its embeddings, decoder layers and final norm:
+    `model.model`, or Nemotron-H's `backbone`."""
+    return model.model if hasattr(model, "model") else model.backbone
+
+
+def embeddings(model: nn.Module) -> nn.Module:
+    """A text model's token embeddings (Nemotron-H's are `embeddings`)."""
+    inner = decoder(model)
+    return inner.embed_tokens if hasattr(inner, "embed_tokens") else inner.embeddings
+
+
+def activation_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype of `model`'s activations (a text model): its final norm's, never quantized (LFM2
+    calls that norm `embedding_norm`, Nemotron-H `norm_f`)."""
+    inner = decoder(model)
+    norm = next(getattr(inner, name) for name in ("norm", "embedding_norm", "norm_f") if hasattr(inner, name))
+    dtype: mx.Dtype = norm.weight.dtype
+    return dtype
+
+
+@dataclass(frozen=True)
+class LayerRoles:
+    """The decoder layers, by index, that attend through the K/V pages and that keep a recurrent
+    state; the K/V cache numbers the first from 0 and the state pool the second."""
+
+    attention: tuple[int, ...]
+    recurrent: tuple[int, ...]
+
+    @staticmethod
+    def recurrent_module(layer: nn.Module) -> str:
+        """The attribute of a recurrent decoder layer that holds its recurrent module."""
+        return next(name for name in RECURRENT_MODULES if hasattr(layer, name))
+
+    @staticmethod
+    def attention_module(layer: nn.Module) -> str:
+        """The attribute of an attention decoder layer that holds its attention module."""
+        return next(name for name in ATTENTION_MODULES if hasattr(layer, name))
+
+
+def layer_roles(model: nn.Module) -> LayerRoles:
+    """Each decoder layer's role in `model` (a text model): by its block type where it has one
+    (Nemotron-H, whose MLP blocks neither attend nor keep a state), else from the caches mlx-lm
+    makes for it."""
+    layers = decoder(model).layers
+    if hasattr(layers[0], "block_type"):
+        roles = [BLOCK_ROLES.get(layer.block_type) for layer in layers]
+    else:
+        caches = model.make_cache() if hasattr(model, "make_cache") else [None] * len(layers)
+        roles = ["recurrent" if isinstance(cache, ArraysCache) else "attention" for cache in caches]
+    return LayerRoles(
+        tuple(i for i, role in enumerate(roles) if role == "attention"),
+        tuple(i for i, role in enumerate(roles) if role == "recurrent"),
+    )
+
+
+def state_shapes(model: nn.Module, roles: LayerRoles) -> list[list[StateShape]]:
+    """What each recurrent layer of `model` keeps per sequence, as its module leaves it after one
+    token: the shapes without the sequence axis, and the dtypes (mlx-lm keeps a gated delta rule's
+    state in float32 whatever the weights are)."""
+    if not roles.recurrent:
+        return []
+    layers = decoder(model).layers
+    caches = dict(zip(roles.recurrent, [c for c in model.make_cache() if isinstance(c, ArraysCache)]))
+    dtype = activation_dtype(model)
+    shapes = []
+    for index in roles.recurrent:
+        module = getattr(layers[index], roles.recurrent_module(layers[index]))
+        cache: Any = caches[index]  # mlx-lm's class, not annotated
+        getattr(module, "inner", module)(mx.zeros((1, 1, model.args.hidden_size), dtype), mask=None, cache=cache)
+        shapes.append([StateShape(tuple(array.shape[1:]), array.dtype) for array in cache.cache])
+    return shapes
+
+
+def pads_exactly(model: nn.Module, roles: LayerRoles) -> bool:
+    """Whether `model`'s recurrent layers leave a right-padded row's state as that row alone would:
+    mlx-lm's layers do where they hand the rows' lengths on, Nemotron-H's Mamba mixer does not.
+    Checked once, on random input, a 7-token row padded beside an 8-token one."""
+    if not roles.recurrent:
+        return True
+    layer = decoder(model).layers[roles.recurrent[0]]
+    module = getattr(layer, roles.recurrent_module(layer))
+    module = getattr(module, "inner", module)
+    size = len(next(c for c in model.make_cache() if isinstance(c, ArraysCache)).cache)
+    rows = mx.random.normal((2, 8, model.args.hidden_size), key=mx.random.key(0))
+    short, longer = rows.astype(activation_dtype(model))
+    alone: Any = ArraysCache(size)
+    module(short[None, :7], mask=None, cache=alone)
+    padded: Any = ArraysCache(size)
+    padded.lengths = mx.array([7, 8])
+    module(mx.stack([short, longer]), mask=mx.arange(8)[None] < padded.lengths[:, None], cache=padded)
+    # Equal on the CPU; a GPU kernel's masked and unmasked forms may round apart, never by this much.
+    return all(
+        bool((mx.abs(a[0] - b[0]).max() <= 1e-4 * (1 + mx.abs(a).max())).item())
+        for a, b in zip(alone.cache, padded.cache)
+    )

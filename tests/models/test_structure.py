@@ -1,0 +1,37 @@
+import mlx.core as mx
+import pytest
+from test_families import BASE, HYBRIDS
+
+from mlxkv.models import load
+from mlxkv.models.random_model import make_checkpoint
+from mlxkv.models.structure import LayerRoles, layer_roles, pads_exactly, state_shapes, text_model
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    def get(name):
+        model, _ = load(str(make_checkpoint(tmp_path_factory.mktemp(name), name, shape={**BASE, **HYBRIDS[name]})))
+        return text_model(model)
+
+    return get
+
+
+def test_roles_come_from_mlx_lms_caches_or_nemotrons_block_types(hybrid):
+    assert layer_roles(hybrid("qwen3_5")) == LayerRoles((1, 3), (0, 2))  # every second layer attends
+    assert layer_roles(hybrid("lfm2")) == LayerRoles((1, 3), (0, 2))  # full_attn_idxs
+    assert layer_roles(hybrid("nemotron_h")) == LayerRoles((1, 4), (0, 3))  # M * - M * -: MLP blocks have neither
+
+
+def test_a_qwen3_5_layer_keeps_a_convolution_tail_and_a_float32_delta_state(hybrid):
+    model = hybrid("qwen3_5")
+    conv, delta = state_shapes(model, layer_roles(model))[0]
+    assert conv.shape == (3, 2 * 2 * 32 + 4 * 32) and conv.dtype == mx.float32  # the weights' dtype
+    assert delta.shape == (4, 32, 32) and delta.dtype == mx.float32  # value heads, value dim, key dim
+
+
+@pytest.mark.parametrize(
+    ("name", "exact"), [("qwen3_5", True), ("lfm2", True), ("granitemoehybrid", True), ("nemotron_h", False)]
+)
+def test_padding_is_exact_except_for_nemotron_hs_mamba_state(hybrid, name, exact):
+    model = hybrid(name)
+    assert pads_exactly(model, layer_roles(model)) is exact
