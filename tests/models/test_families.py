@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import mlx_lm_greedy
+from helpers import BASE, HYBRIDS, mlx_lm_greedy
 
 from mlxkv import LLM, LLMEngine, SamplingParams
 from mlxkv.attention.kernels import PagedAttentionKernels
@@ -13,85 +13,7 @@ from mlxkv.engine.request import NO_SEQUENCE
 from mlxkv.models.loading import SUPPORTED_MODEL_TYPES, load
 from mlxkv.models.random_model import make_checkpoint
 
-BASE = dict(
-    hidden_size=128,
-    num_hidden_layers=2,
-    intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=320,
-)
 WINDOW = 8
-GATED_DELTA = dict(
-    num_hidden_layers=4,
-    linear_num_value_heads=4,
-    linear_num_key_heads=2,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
-    linear_conv_kernel_dim=4,
-    full_attention_interval=2,
-)
-QWEN3_5_ROPE = {"type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
-LFM2 = dict(num_hidden_layers=4, conv_bias=False, conv_L_cache=3, full_attn_idxs=[1, 3], norm_eps=1e-5)
-HYBRIDS = {  # attention layers beside recurrent ones: a recurrent state per sequence beside the pages
-    "qwen3_5": dict(GATED_DELTA, rope_parameters=QWEN3_5_ROPE),
-    "qwen3_5_moe": dict(GATED_DELTA, **MOE, shared_expert_intermediate_size=128, rope_parameters=QWEN3_5_ROPE),
-    "qwen3_next": dict(
-        GATED_DELTA,
-        **MOE,
-        decoder_sparse_step=1,
-        shared_expert_intermediate_size=128,
-        mlp_only_layers=[],
-        rope_theta=1e6,
-        partial_rotary_factor=0.25,
-    ),
-    "lfm2": dict(
-        LFM2,
-        block_dim=128,
-        block_ff_dim=256,
-        block_multiple_of=32,
-        block_ffn_dim_multiplier=1.0,
-        block_auto_adjust_ff_dim=False,
-    ),
-    "lfm2_moe": dict(LFM2, **MOE, norm_topk_prob=True, use_expert_bias=True, num_dense_layers=1),
-    "granitemoehybrid": dict(
-        num_hidden_layers=4,
-        layer_types=["mamba", "attention", "mamba", "attention"],
-        attention_bias=False,
-        embedding_multiplier=12.0,
-        attention_multiplier=0.015625,
-        logits_scaling=4.0,
-        residual_multiplier=0.22,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        shared_intermediate_size=128,
-        mamba_n_heads=8,  # times mamba_d_head: twice the hidden size, as the config's check wants
-        mamba_d_head=32,
-        mamba_proj_bias=False,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_n_groups=1,
-        mamba_conv_bias=True,
-        tie_word_embeddings=False,
-    ),
-    "nemotron_h": dict(  # Mamba, attention and MLP blocks, its mixer handling padding through its mask
-        num_hidden_layers=6,
-        hybrid_override_pattern=["M", "*", "-", "M", "*", "-"],
-        attention_bias=False,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        mamba_proj_bias=False,
-        ssm_state_size=16,
-        conv_kernel=4,
-        n_groups=1,
-        mlp_bias=False,
-        layer_norm_epsilon=1e-5,
-        use_bias=False,
-        use_conv_bias=True,
-    ),
-}
 FAMILIES = {
     "llama": {},
     "llama-windowed": dict(

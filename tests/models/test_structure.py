@@ -1,6 +1,6 @@
 import mlx.core as mx
 import pytest
-from test_families import BASE, HYBRIDS
+from helpers import BASE, HYBRIDS
 
 from mlxkv.models import load
 from mlxkv.models.random_model import make_checkpoint
