@@ -5,13 +5,14 @@ import subprocess
 import sys
 
 import pytest
-from helpers import mlx_lm_greedy, mlx_lm_quantized_greedy, mlx_lm_text
+from helpers import BASE, HYBRIDS, mlx_lm_greedy, mlx_lm_quantized_greedy, mlx_lm_text
 from mlx_lm import load as mlx_lm_load
 from typer.testing import CliRunner
 
 from mlxkv import LLM, SamplingParams
 from mlxkv.entrypoints import cli
 from mlxkv.entrypoints.cli import app
+from mlxkv.models.random_model import make_checkpoint
 
 runner = CliRunner()
 PROMPT = "The quick brown fox jumps"
@@ -336,3 +337,22 @@ def test_a_prefill_longer_than_half_a_second_shows_a_bar_on_a_terminal(checkpoin
     drawn = terminal.getvalue().split("\r")
     assert re.match(r"prefill: +0%\|.*\| 0/40 \[00:00<\?, \?tok/s\]", drawn[1])
     assert drawn[-2].strip() == drawn[-1] == ""  # cleared, so the reply's text starts on a clean line
+
+
+def test_a_hybrid_generates_mlx_lms_text_and_its_chat_turns_reuse_the_one_before(tmp_path):
+    path = make_checkpoint(tmp_path / "qwen3_5", "qwen3_5", shape={**BASE, **HYBRIDS["qwen3_5"]})
+    _, tokenizer = mlx_lm_load(str(path))
+    expected = mlx_lm_text(tokenizer, mlx_lm_greedy(path, tokenizer.encode(PROMPT), max_tokens=12))
+    result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "-m", "12", "--page-size", "4"])
+    assert result.exit_code == 0, result.output
+    assert generated_text(result.stdout) == expected
+    kv_line = result.stdout.strip().splitlines()[-1]
+    assert re.search(r", recurrent state 1/1 sequences of 0\.04 MiB, 1 kept for prefix hits \(pool", kv_line), kv_line
+    chat = runner.invoke(
+        app,
+        ["chat", "--model", str(path), "-m", "6", "--page-size", "4"],
+        input=f"{PROMPT} over the lazy dog\nbrown fox\n",
+    )
+    assert chat.exit_code == 0, chat.output
+    reused = [int(n) for n in re.findall(r"prefix cache: (\d+) of \d+ prompt tokens reused", chat.stdout)]
+    assert len(reused) == 2 and reused[0] == 0 and reused[1] > 0, chat.stdout
