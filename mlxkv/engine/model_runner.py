@@ -18,7 +18,15 @@ from ..cache.manager import KVCacheManager
 from ..cache.state_batch import state_batch
 from ..models.adapters import Adapter, adapter_for
 from ..models.rotary import Positions
-from ..models.structure import LayerRoles, activation_dtype, decoder, embeddings, layer_roles, pads_exactly, text_model
+from ..models.structure import (
+    LayerRoles,
+    activation_dtype,
+    decoder,
+    layer_roles,
+    logits,
+    pads_exactly,
+    text_model,
+)
 from .recurrent import RecurrentLayer
 from .scheduler import ScheduledBatch
 from .step_context import StepContext
@@ -126,6 +134,4 @@ class ModelRunner:
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits for final hidden states."""
-        lm_head = getattr(self.model, "lm_head", None)  # None: tied to the embeddings
-        logits: mx.array = (embeddings(self.model).as_linear if lm_head is None else lm_head)(hidden)
-        return logits
+        return logits(self.model, hidden)

@@ -42,6 +42,18 @@ def embeddings(model: nn.Module) -> nn.Module:
     return inner.embed_tokens if hasattr(inner, "embed_tokens") else inner.embeddings
 
 
+def logits(model: nn.Module, hidden: mx.array) -> mx.array:
+    """`model`'s logits for final hidden states, as its own forward pass makes them: its head (or
+    the tied embeddings), then Granite's `logits_scaling` and Gemma 2's final soft-cap. Neither
+    moves the argmax, but both change what a temperature samples and the log-probabilities."""
+    head = getattr(model, "lm_head", None)
+    out: mx.array = (embeddings(model).as_linear if head is None else head)(hidden)
+    if getattr(model, "logits_scaling", None):
+        out = out / model.logits_scaling
+    cap = getattr(model, "final_logit_softcapping", None)
+    return mx.tanh(out / cap) * cap if cap else out
+
+
 def activation_dtype(model: nn.Module) -> mx.Dtype:
     """The dtype of `model`'s activations (a text model): its final norm's, never quantized (LFM2
     calls that norm `embedding_norm`, Nemotron-H `norm_f`)."""

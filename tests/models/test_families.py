@@ -223,3 +223,24 @@ def test_a_hybrid_chat_turn_resumes_from_the_previous_turns_kept_state(family, n
     assert warm.token_ids == cold.token_ids
     expected = mlx_lm_greedy(path, second, max_tokens=8)
     assert list(warm.token_ids[: len(expected)]) == expected
+
+
+@pytest.mark.parametrize("name", ["gemma2", "granite", "granitemoehybrid"])
+def test_log_probabilities_are_the_models_after_its_final_soft_cap_or_scaling(family, name):
+    """Gemma 2 soft-caps its final logits and Granite divides them by `logits_scaling`: greedy
+    tokens are the same either way, but the log-probabilities (and what a temperature samples)
+    are mlx-lm's only with them applied."""
+    from mlx_lm import load as mlx_lm_load
+
+    path = family(name)
+    prompt = PROMPTS[3]
+    engine = LLMEngine(*load(str(path)))
+    engine.add_request(prompt, SamplingParams(max_tokens=1, logprobs=4))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    reference, _ = mlx_lm_load(str(path))
+    out = reference(mx.array(prompt)[None])[0, -1]
+    expected = (out - mx.logsumexp(out)).tolist()
+    (first,) = [lp for o in outputs for lp in o.logprobs]
+    assert [round(lp, 4) for _, lp in first.top] == [round(expected[t], 4) for t, _ in first.top]
