@@ -261,11 +261,14 @@ class KVCacheManager:
 
     def capture(self, seq_ids: Sequence[int]) -> None:
         """Take the recurrent state of sequences whose step just reached their snapshot point, as
-        this step leaves it (evaluated with the step; filed by `publish`)."""
+        this step leaves it (evaluated with the step; filed by `publish`). A sequence released
+        since the step was scheduled (its request aborted meanwhile) is skipped."""
         assert self.states is not None
         with self._lock:
             for seq_id in seq_ids:
-                row = self._row_of[seq_id]
+                row = self._row_of.get(seq_id)
+                if row is None:
+                    continue
                 state = [[array[row] for array in layer] for layer in self.states.arrays]
                 self._captured[seq_id] = (self._table(seq_id).num_tokens, state)
 

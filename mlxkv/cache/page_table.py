@@ -191,7 +191,8 @@ class PageTable:
         the rest back: a hybrid model reuses a prefix only as far as it has the recurrent state."""
         if not 0 <= num_pages <= len(self.keys) or self.num_computed != self.num_tokens:
             raise ValueError(f"cannot keep {num_pages} of sequence {self.owner}'s reused pages")
-        self.pool.release_pages(self.owner, self.row[num_pages : self.num_pages].tolist())
+        # deepest first, as `release` gives pages back, so that a prefix's end is evicted before its start
+        self.pool.release_pages(self.owner, self.row[num_pages : self.num_pages].tolist()[::-1])
         self.row[num_pages : self.num_pages] = 0
         del self.keys[num_pages:]
         self.num_pages = num_pages

@@ -92,3 +92,21 @@ def test_slide_gives_back_the_pages_before_a_token_and_keeps_the_indices():
     assert pool.free_count == 6 and pool.pages("s") == live
     assert table.slots(12, 14).tolist() == [live[1] * 4, live[1] * 4 + 1]
     assert table.release() == 2 and pool.free_count == 8
+
+
+def test_truncated_pages_go_back_deepest_first_so_a_prefix_keeps_its_start_longest():
+    """A hybrid keeps reused pages only as far as a kept recurrent state reaches: the pages it
+    gives back leave the cache deepest first, as a released sequence's do."""
+    pool = PagePool(4, 4)
+    tokens = list(range(100, 116))  # four full pages
+    first = PageTable(pool, "first", max_tokens=32)
+    first.append(16)
+    first.publish(tokens, 16)
+    first.release()
+    second = PageTable(pool, "second", max_tokens=32)
+    assert second.reuse_prefix(tokens + [7]) == 16
+    second.truncate(1)
+    assert second.num_tokens == second.num_computed == 4 and second.pages == [0]
+    PageTable(pool, "third", max_tokens=32).append(4)  # takes one page: the cache must give one up
+    third = PageTable(pool, "fourth", max_tokens=32)
+    assert third.reuse_prefix(tokens + [7]) == 12  # pages 0-2 still found; page 3, the deepest, went first

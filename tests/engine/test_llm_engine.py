@@ -423,3 +423,33 @@ def test_pipelined_steps_give_exactly_the_unpipelined_outputs(model):
     assert reasons[:4] == ["stop", "stop", "length", "abort"] and reasons[5] == "length"
     assert stop not in expected[1][2] and plain[1][2].startswith(expected[1][2])
     assert run_mixed(model, True, eos, stop, abort_after=4)[0] == expected
+
+
+def test_an_abort_while_a_hybrids_step_is_built_drops_that_request_alone(tmp_path):
+    """`step` builds the forward pass without the lock, so a request may be aborted after it was
+    scheduled. A hybrid's step then still keeps the recurrent state of the rows that reached
+    their snapshot point, skipping the aborted one; the other request finishes as it would alone."""
+    from helpers import BASE, HYBRIDS
+
+    from mlxkv.models.random_model import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "qwen3_5", "qwen3_5", shape={**BASE, **HYBRIDS["qwen3_5"]})
+    engine = LLMEngine(*load(str(path)), EngineConfig(page_size=16, max_num_seqs=4))
+    prompts = {name: [(7 * i + n) % 300 + 1 for i in range(40)] for n, name in enumerate("AB")}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for name, prompt in prompts.items():
+        engine.add_request(prompt, params, request_id=name)
+    build = engine.runner.forward
+
+    def aborting_forward(batch, token_ids):
+        if batch.snapshots and "A" in engine.requests:  # both rows reach their snapshot point
+            engine.abort("A")
+        return build(batch, token_ids)
+
+    engine.runner.forward = aborting_forward
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert {o.request_id for o in outputs} == {"B"} and all(o.error is None for o in outputs)
+    assert [t for o in outputs for t in o.token_ids] == mlx_lm_greedy(path, prompts["B"], max_tokens=4)
+    assert outputs[-1].finish_reason == "length" and len(engine.cache.snapshots) == 1  # B's state, not A's
