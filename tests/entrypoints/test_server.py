@@ -431,3 +431,27 @@ def test_serve_on_a_port_in_use_says_so_in_one_line_before_loading_anything():
         )
     assert done.returncode == 1
     assert done.stderr == f"error: port {port} on 127.0.0.1 is in use (another server?); choose another with --port\n"
+
+
+def test_a_hybrid_model_serves_its_text_reuses_a_prefix_and_reports_its_states(tmp_path):
+    """Qwen3.5 (Gated DeltaNet beside attention) over HTTP: the text `LLM` gives, a second prompt
+    that extends the first reuses it (`cached_tokens`), and /metrics counts the recurrent states."""
+    from helpers import BASE, HYBRIDS
+
+    from mlxkv.models.random_model import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "qwen3_5", "qwen3_5", shape={**BASE, **HYBRIDS["qwen3_5"]})
+    proc, url = start_server("--model", str(path), "--max-num-seqs", "4", "--page-size", "4")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        [model] = client.models.list().data
+        first = [(5 * i) % 300 + 1 for i in range(30)]
+        second = first + [7, 8, 9]
+        llm = LLM(str(path), page_size=4, max_num_seqs=1)
+        for prompt, cached in ((first, 0), (second, 28)):  # 28: the first prompt's last full page before its end
+            done = client.completions.create(model=model.id, prompt=prompt, max_tokens=6, temperature=0)
+            assert done.choices[0].text == llm.generate(prompt, SamplingParams(max_tokens=6))[0].text
+            assert done.usage.prompt_tokens_details.cached_tokens == cached
+        assert metric(url, "mlxkv_states_total") == 4 and metric(url, "mlxkv_states_used") == 0
+    finally:
+        stop_server(proc)
