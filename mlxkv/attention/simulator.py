@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from .kernels import METAL_DIR
 
 RUNTIME = METAL_DIR / "sim" / "runtime.h"
 CACHE = Path(os.environ.get("MLXKV_SIM_CACHE", Path.home() / ".cache" / "mlxkv" / "sim"))
+CACHE_LIMIT = 6 * 2**30  # bytes of built kernels kept: each checkout path and kernel change adds ~2 GB
+UNUSED_FOR = 3600  # seconds a built kernel must have gone unused before it may be removed
 
 MLX_TYPES = {
     mx.float32: "float",
@@ -580,8 +583,12 @@ def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], cou
     build_flags = BUILD_FLAGS + COUNT_FLAGS if counting else BUILD_FLAGS
     key = hashlib.sha256("\n".join([unit, cxx.name, *CHECK_FLAGS, *build_flags]).encode())  # the unit names the runtime
     binary = CACHE / key.hexdigest()[:24]
-    if binary.exists():
+    _trim_cache()
+    try:
+        os.utime(binary)  # used now: the trim keeps it
         return binary
+    except FileNotFoundError:
+        pass
     CACHE.mkdir(parents=True, exist_ok=True)
     source = binary.with_suffix(f".{os.getpid()}.cpp")  # its own copy: processes may build one unit at once
     source.write_text(unit)
@@ -590,6 +597,31 @@ def _compile(unit: str, sources: dict[str, str], constant_inputs: list[str], cou
     finally:
         source.unlink()
     return binary
+
+
+@lru_cache(maxsize=1)
+def _trim_cache() -> None:
+    """Keep the built kernels under `CACHE_LIMIT` bytes, once a process: those unused for an hour go,
+    least recently used first, until three quarters of the limit is left (every use touches a
+    kernel, so one another process runs now is never removed). The precompiled runtimes and the
+    small files stay."""
+    kernels = list(_built_kernels())
+    total, now = sum(found.st_size for _, found in kernels), time.time()
+    for path, found in sorted(kernels, key=lambda kernel: kernel[1].st_mtime):
+        if total <= CACHE_LIMIT * 3 // 4 or now - found.st_mtime < UNUSED_FOR:
+            break
+        path.unlink(missing_ok=True)
+        total -= found.st_size
+
+
+def _built_kernels() -> Iterator[tuple[Path, os.stat_result]]:
+    """Each built kernel in the cache (a file without a suffix) and its status; one another process
+    removes meanwhile is left out."""
+    if CACHE.is_dir():
+        for path in CACHE.iterdir():
+            if not path.suffix:
+                with contextlib.suppress(FileNotFoundError):
+                    yield path, path.stat()
 
 
 # What a GPU compiler does to a kernel before it allocates registers: everything inlined (Metal

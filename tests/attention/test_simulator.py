@@ -1,5 +1,6 @@
 import math
 import os
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -366,3 +367,18 @@ def test_metal_vectors_convert_and_index_as_metal_does():
         threads=8,
     )
     assert out.tolist() == [2.5, 3.0, -2.0, 5.0] * 2
+
+
+def test_the_cache_drops_the_kernels_unused_longest_once_it_outgrows_its_limit(tmp_path, monkeypatch):
+    """Four built kernels of 1 MB against a limit of 2.5 MB: those unused for over an hour go, oldest
+    first, until three quarters of the limit is left; the one used just now and other files stay."""
+    from mlxkv.attention import simulator
+
+    monkeypatch.setattr(simulator, "CACHE", tmp_path)
+    monkeypatch.setattr(simulator, "CACHE_LIMIT", 2_500_000)
+    now = time.time()
+    for name, hours in (("a", 3), ("b", 2), ("c", 1.5), ("d", 0), ("runtime.pch", 5)):
+        (tmp_path / name).write_bytes(bytes(1_000_000))
+        os.utime(tmp_path / name, (now - 3600 * hours, now - 3600 * hours))
+    simulator._trim_cache.__wrapped__()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "runtime.pch"]
