@@ -22,6 +22,11 @@ class StateShape:
         return math.prod(self.shape) * self.dtype.size
 
 
+def state_bytes(layers: Sequence[Sequence[StateShape]]) -> int:
+    """Bytes one sequence's state takes across every recurrent layer."""
+    return sum(s.nbytes for layer in layers for s in layer)
+
+
 class StatePool:
     """Every recurrent layer's arrays, `[size, *shape]` each: entry r holds the state of the
     sequence whose state index is r, its row in the KV cache manager.
@@ -36,17 +41,13 @@ class StatePool:
         self.shapes = [tuple(layer) for layer in layers]
         self.arrays = self._zeros()
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.shapes)
-
     def num_arrays(self, layer: int) -> int:
         return len(self.shapes[layer])
 
     @property
     def bytes_per_sequence(self) -> int:
         """Bytes one sequence's state takes across every recurrent layer."""
-        return sum(s.nbytes for layer in self.shapes for s in layer)
+        return state_bytes(self.shapes)
 
     @property
     def nbytes(self) -> int:

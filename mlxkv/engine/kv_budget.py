@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..cache.layout import KVLayout
 from ..cache.manager import KVCacheManager, prefix_cached, window_pool_pages
-from ..cache.state_pool import StateShape
+from ..cache.state_pool import StateShape, state_bytes
 from ..cache.storage import check_quantization, kv_bytes_per_token
 from ..config import EngineConfig
 
@@ -55,7 +55,7 @@ class ModelKV:
 
     @property
     def state_bytes_per_sequence(self) -> int:
-        return sum(s.nbytes for layer in self.state_shapes for s in layer)
+        return state_bytes(self.state_shapes)
 
 
 @dataclass(frozen=True)

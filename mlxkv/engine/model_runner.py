@@ -24,6 +24,7 @@ from ..models.structure import (
     decoder,
     layer_roles,
     logits,
+    mlx_lm_module,
     pads_exactly,
     text_model,
 )
@@ -47,8 +48,8 @@ class PagedAttention(nn.Module):
         self.adapter = adapter
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        cache = kwargs.get("cache", args[-1] if args else None)
-        if not isinstance(cache, StepContext):
+        cache = StepContext.of(args, kwargs)
+        if cache is None:
             original: mx.array = self.inner(x, *args, **kwargs)
             return original
         queries, keys, values, gate = self.adapter(x, cache.positions)
@@ -72,9 +73,7 @@ class PagedAttention(nn.Module):
 
 def _attention(layer: nn.Module) -> nn.Module:
     """A decoder layer's attention module as mlx-lm made it."""
-    attn = getattr(layer, LayerRoles.attention_module(layer))
-    inner: nn.Module = getattr(attn, "inner", attn)
-    return inner
+    return mlx_lm_module(layer, LayerRoles.attention_module(layer))
 
 
 def layer_variants(model: nn.Module) -> list[Variant]:
@@ -103,15 +102,14 @@ class ModelRunner:
         self.attention = attention
         roles, layers = layer_roles(model), decoder(model).layers
         self.pads = pads_exactly(model, roles)  # else a step's prefill chunks run one by one
+        # Always around mlx-lm's own module: a model handed to a second engine is wrapped afresh, alike.
         for number, index in enumerate(roles.attention):
             name = roles.attention_module(layers[index])
-            if not isinstance(getattr(layers[index], name), PagedAttention):
-                attn = getattr(layers[index], name)
-                setattr(layers[index], name, PagedAttention(attn, number, adapter_for(model, index, attn)))
+            attn = mlx_lm_module(layers[index], name)
+            setattr(layers[index], name, PagedAttention(attn, number, adapter_for(model, index, attn)))
         for number, index in enumerate(roles.recurrent):
             name = roles.recurrent_module(layers[index])
-            if not isinstance(getattr(layers[index], name), RecurrentLayer):
-                setattr(layers[index], name, RecurrentLayer(getattr(layers[index], name), number))
+            setattr(layers[index], name, RecurrentLayer(mlx_lm_module(layers[index], name), number))
 
     def forward(self, step: ScheduledBatch, token_ids: mx.array) -> mx.array | None:
         """Logits `[rows that sample, vocab]` for `step`, whose packed input tokens are

@@ -26,8 +26,8 @@ class RecurrentLayer(nn.Module):
         self.index = index  # its number among the model's recurrent layers, as the state pool counts them
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
-        context = kwargs.get("cache", args[-1] if args else None)
-        if not isinstance(context, StepContext):
+        context = StepContext.of(args, kwargs)
+        if context is None:
             original: mx.array = self.inner(x, *args, **kwargs)
             return original
         assert context.states is not None and context.cache.states is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -34,3 +35,10 @@ class StepContext:
 
     def make_mask(self, *args: object, **kwargs: object) -> None:
         return None
+
+    @staticmethod
+    def of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepContext | None:
+        """The step a wrapped layer was called in: its `cache` (a keyword, else the last positional
+        argument) when that is a `StepContext`; None when mlx-lm's own cache came instead."""
+        cache = kwargs.get("cache", args[-1] if args else None)
+        return cache if isinstance(cache, StepContext) else None

@@ -82,6 +82,13 @@ class LayerRoles:
         return next(name for name in ATTENTION_MODULES if hasattr(layer, name))
 
 
+def mlx_lm_module(layer: nn.Module, name: str) -> nn.Module:
+    """A decoder layer's module `name` as mlx-lm made it (mlxkv's layer wrappers keep it as `inner`)."""
+    module = getattr(layer, name)
+    inner: nn.Module = getattr(module, "inner", module)
+    return inner
+
+
 def layer_roles(model: nn.Module) -> LayerRoles:
     """Each decoder layer's role in `model` (a text model): by its block type where it has one
     (Nemotron-H, whose MLP blocks neither attend nor keep a state), else from the caches mlx-lm
@@ -109,9 +116,9 @@ def state_shapes(model: nn.Module, roles: LayerRoles) -> list[list[StateShape]]:
     dtype = activation_dtype(model)
     shapes = []
     for index in roles.recurrent:
-        module = getattr(layers[index], roles.recurrent_module(layers[index]))
+        module = mlx_lm_module(layers[index], roles.recurrent_module(layers[index]))
         cache: Any = caches[index]  # mlx-lm's class, not annotated
-        getattr(module, "inner", module)(mx.zeros((1, 1, model.args.hidden_size), dtype), mask=None, cache=cache)
+        module(mx.zeros((1, 1, model.args.hidden_size), dtype), mask=None, cache=cache)
         shapes.append([StateShape(tuple(array.shape[1:]), array.dtype) for array in cache.cache])
     return shapes
 
@@ -123,8 +130,7 @@ def pads_exactly(model: nn.Module, roles: LayerRoles) -> bool:
     if not roles.recurrent:
         return True
     layer = decoder(model).layers[roles.recurrent[0]]
-    module = getattr(layer, roles.recurrent_module(layer))
-    module = getattr(module, "inner", module)
+    module = mlx_lm_module(layer, roles.recurrent_module(layer))
     size = len(next(c for c in model.make_cache() if isinstance(c, ArraysCache)).cache)
     rows = mx.random.normal((2, 8, model.args.hidden_size), key=mx.random.key(0))
     short, longer = rows.astype(activation_dtype(model))
