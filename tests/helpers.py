@@ -237,7 +237,7 @@ HYBRIDS = {  # attention layers beside recurrent ones: a recurrent state per seq
         mamba_conv_bias=True,
         tie_word_embeddings=False,
     ),
-    "nemotron_h": dict(  # Mamba, attention and MLP blocks, its mixer handling padding through its mask
+    "nemotron_h": dict(  # Mamba, attention and MLP blocks; its Mamba state is not exact under padding
         num_hidden_layers=6,
         hybrid_override_pattern=["M", "*", "-", "M", "*", "-"],
         attention_bias=False,

@@ -58,8 +58,8 @@ def state_batch(batch: KVBatch, padded: bool = True) -> StateBatch:
         gather = None if everything else mx.array(starts[single].astype(np.int32))
         groups.append(RowGroup(*_indices(batch, single), rows=int(single.size), length=1, gather=gather))
         sources.append(starts[single])
-    chunks = [longer] if padded or longer.size < 2 else np.split(longer, longer.size)
-    for rows in chunks if longer.size else ():
+    chunks = [] if not longer.size else [longer] if padded else np.split(longer, longer.size)
+    for rows in chunks:
         groups.append(_padded(batch, rows, alone=not single.size and len(chunks) == 1))
         sources.append(np.concatenate([np.arange(starts[r], starts[r] + counts[r]) for r in rows]))
     source = np.concatenate(sources) if sources else np.zeros(0, np.int64)
