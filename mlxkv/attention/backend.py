@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache.storage import dtype_name
+from ..cache.storage import PerLayer, dtype_name, per_layer
 from .kernels import PagedAttentionKernels
 from .reference import reference_attention
 from .variant import Variant
@@ -23,16 +23,26 @@ AttentionFn = Callable[..., mx.array]
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What one model's attention reads: its heads and dtype, the cache's pages, its layers' variants."""
+    """What one model's attention reads: its heads and dtype, the cache's pages, its layers' variants
+    (one per layer), and their KV heads and head dims (one for all layers, or each layer's)."""
 
     dtype: mx.Dtype
     q_heads: int
-    kv_heads: int
-    head_dim: int
+    kv_heads: PerLayer
+    head_dim: PerLayer
     page_size: int
     kv_bits: int | None
     kv_group_size: int
     variants: Sequence[Variant]
+
+    def geometries(self) -> dict[tuple[int, int], list[Variant]]:
+        """The variants of the layers of each (KV heads, head dim) the model has."""
+        layers = len(self.variants)
+        found: dict[tuple[int, int], list[Variant]] = {}
+        heads, dims = per_layer("kv_heads", self.kv_heads, layers), per_layer("head_dim", self.head_dim, layers)
+        for geometry, variant in zip(zip(heads, dims), self.variants):
+            found.setdefault(geometry, []).append(variant)
+        return found
 
 
 def choose_attention(
@@ -40,34 +50,29 @@ def choose_attention(
 ) -> AttentionFn:
     """The attention for `spec`: `choice` ('metal' or 'reference'), else `MLXKV_ATTENTION`, else
     Metal where available. Kernels (`kernels`, else MLX's) are first checked against the reference
-    path; if they fail, the reference path runs and one warning says which kernel failed and why,
-    so a kernel problem costs speed, never a crash or wrong text."""
+    path at each head shape the model's layers have; if they fail, the reference path runs and one
+    warning says which kernel failed and why, so a kernel problem costs speed, never a crash or
+    wrong text."""
     if kernels is None:
         if _backend(choice) == "reference":
             return reference_attention
         kernels = PagedAttentionKernels()
-    problem = kernels.warm(
-        spec.dtype,
-        spec.head_dim,
-        spec.page_size,
-        spec.q_heads,
-        spec.kv_heads,
-        spec.kv_bits,
-        spec.kv_group_size,
-        spec.variants,
-    )
-    if problem is None:
-        return kernels
-    logger.warning(
-        "mlxkv's Metal kernels fail their start-up check for this model (%s, head_dim %d, pages of %d, "
-        "GQA %d): %s; attention runs on the reference path instead",
-        dtype_name(spec.dtype),
-        spec.head_dim,
-        spec.page_size,
-        spec.q_heads // spec.kv_heads,
-        problem,
-    )
-    return reference_attention
+    for (kv_heads, head_dim), variants in spec.geometries().items():
+        problem = kernels.warm(
+            spec.dtype, head_dim, spec.page_size, spec.q_heads, kv_heads, spec.kv_bits, spec.kv_group_size, variants
+        )
+        if problem is not None:
+            logger.warning(
+                "mlxkv's Metal kernels fail their start-up check for this model (%s, head_dim %d, pages of %d, "
+                "GQA %d): %s; attention runs on the reference path instead",
+                dtype_name(spec.dtype),
+                head_dim,
+                spec.page_size,
+                spec.q_heads // kv_heads,
+                problem,
+            )
+            return reference_attention
+    return kernels
 
 
 def _backend(choice: str | None) -> str:

@@ -18,7 +18,7 @@ from .page_table import PageTable
 from .pool import PagePool
 from .state_pool import StatePool, StateShape
 from .state_snapshots import State, StateSnapshots
-from .storage import KVStorage, Pages, check_quantization
+from .storage import KVStorage, Pages, PerLayer, check_quantization, per_layer
 from .usage import KVUsage
 
 
@@ -84,6 +84,9 @@ class KVCacheManager:
     Prefix caching (on by default) applies to the paged layout only: a contiguous page
     belongs to one sequence, so there is nothing to share and `prefix_caching` is False.
 
+    `num_kv_heads` and `head_dim` are one int for every layer, or one per layer where a model's
+    layers differ (Gemma 4's global layers have wider heads than its sliding ones).
+
     `layer_windows` gives each layer's sliding window (None: it sees every earlier token).
     In the paged layout the layers of each window get pages of their own (a `WindowGroup`
     of `window_pages[window]` pages, by default enough that they never run out): a sequence holds
@@ -111,8 +114,8 @@ class KVCacheManager:
     def __init__(
         self,
         num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        num_kv_heads: PerLayer,
+        head_dim: PerLayer,
         *,
         max_num_seqs: int,
         max_model_len: int,
@@ -128,18 +131,12 @@ class KVCacheManager:
         state_shapes: Sequence[Sequence[StateShape]] = (),
         prefix_states: int | None = None,
     ) -> None:
-        sizes = dict(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            page_size=page_size,
-        )
+        sizes = dict(num_layers=num_layers, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size)
         for name, value in sizes.items():
             require(name, value, POSITIVE)
+        heads, dims = per_layer("num_kv_heads", num_kv_heads, num_layers), per_layer("head_dim", head_dim, num_layers)
         require("prefix_caching", prefix_caching, BOOLEAN)
-        check_quantization(kv_bits, kv_group_size, head_dim)
+        check_quantization(kv_bits, kv_group_size, dims)
         self.layout = resolve_layout(layout)
         windows = list(layer_windows) if layer_windows is not None else [None] * num_layers
         if len(windows) != num_layers:
@@ -166,7 +163,14 @@ class KVCacheManager:
         shared = [i for i, w in enumerate(windows) if not (grouped and w)]
         self._where: dict[int, tuple[int | None, int]] = {layer: (None, index) for index, layer in enumerate(shared)}
         self.storage = KVStorage(
-            len(shared), self.pool.capacity, num_kv_heads, self.pool.page_size, head_dim, dtype, kv_bits, kv_group_size
+            len(shared),
+            self.pool.capacity,
+            [heads[i] for i in shared],
+            self.pool.page_size,
+            [dims[i] for i in shared],
+            dtype,
+            kv_bits,
+            kv_group_size,
         )
         self.windowed: dict[int, WindowGroup] = {}
         for window in sorted({w for w in windows if w}) if grouped else ():
@@ -178,7 +182,16 @@ class KVCacheManager:
                 window,
                 layers,
                 PagePool(pages, page_size),
-                KVStorage(len(layers), pages, num_kv_heads, page_size, head_dim, dtype, kv_bits, kv_group_size),
+                KVStorage(
+                    len(layers),
+                    pages,
+                    [heads[i] for i in layers],
+                    page_size,
+                    [dims[i] for i in layers],
+                    dtype,
+                    kv_bits,
+                    kv_group_size,
+                ),
                 {},
                 np.zeros_like(self._rows),
             )
@@ -323,7 +336,7 @@ class KVCacheManager:
                 )
             window, index = self._layer(layer)
             storage = self._storage(window)
-            storage.write(index, batch.for_window(window).write_rows(storage.num_kv_heads), keys, values)
+            storage.write(index, batch.for_window(window).write_rows(storage.kv_heads[index]), keys, values)
             self._tensor_thread = thread
 
     def fetch(self, seq_ids: Sequence[int]) -> KVBatch:

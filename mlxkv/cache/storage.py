@@ -3,12 +3,13 @@ floats or quantized along `head_dim` in `mx.quantize`'s format."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..deprecation import module_getattr
-from ..settings import one_of, optional, require
+from ..settings import POSITIVE, one_of, optional, require
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 BITS = (8, 4)
@@ -72,12 +73,31 @@ class QuantizedPages:
 
 
 Pages = mx.array | QuantizedPages
+PerLayer = int | Sequence[int]  # one value for every layer, or each layer's own (Gemma 4's differ)
 
 
-def check_quantization(bits: int | None, group_size: int, head_dim: int) -> None:
-    """Refuse a `kv_bits` / `kv_group_size` pair the quantized pages do not support for `head_dim`."""
+def per_layer(name: str, value: PerLayer, num_layers: int) -> tuple[int, ...]:
+    """`value` (`num_kv_heads` or `head_dim`) for each of `num_layers` layers, checked positive."""
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        return (require(name, value, POSITIVE),) * num_layers
+    values = list(value)
+    if len(values) != num_layers:
+        raise ValueError(f"{name} has {len(values)} entries for {num_layers} layers")
+    for item in values:
+        require(name, item, POSITIVE)
+    return tuple(values)
+
+
+def check_quantization(bits: int | None, group_size: int, head_dim: PerLayer) -> None:
+    """Refuse a `kv_bits` / `kv_group_size` pair the quantized pages do not support for `head_dim`
+    (every layer's, where they differ)."""
     require("kv_bits", bits, KV_BITS)
     require("kv_group_size", group_size, KV_GROUP_SIZES)
+    for dim in sorted({head_dim} if isinstance(head_dim, int) else set(head_dim)):
+        _check_groups(bits, group_size, dim)
+
+
+def _check_groups(bits: int | None, group_size: int, head_dim: int) -> None:
     if bits is not None and head_dim % group_size:
         fits = [str(g) for g in GROUP_SIZES if head_dim % g == 0]
         if not fits:
@@ -100,12 +120,21 @@ def resolve_dtype(dtype: mx.Dtype | str) -> mx.Dtype:
 
 
 def kv_bytes_per_token(
-    num_layers: int, num_kv_heads: int, head_dim: int, dtype: mx.Dtype, bits: int | None = None, group_size: int = 64
+    num_layers: int,
+    num_kv_heads: PerLayer,
+    head_dim: PerLayer,
+    dtype: mx.Dtype,
+    bits: int | None = None,
+    group_size: int = 64,
 ) -> int:
     """K and V bytes one token takes across all layers (with `bits`: packed values plus the
     scale and bias of each group, in `dtype`)."""
-    row = head_dim * dtype.size if bits is None else head_dim * bits // 8 + 2 * (head_dim // group_size) * dtype.size
-    return 2 * num_layers * num_kv_heads * row
+    heads, dims = per_layer("num_kv_heads", num_kv_heads, num_layers), per_layer("head_dim", head_dim, num_layers)
+    return sum(2 * h * _row_bytes(d, dtype, bits, group_size) for h, d in zip(heads, dims))
+
+
+def _row_bytes(head_dim: int, dtype: mx.Dtype, bits: int | None, group_size: int) -> int:
+    return head_dim * dtype.size if bits is None else head_dim * bits // 8 + 2 * (head_dim // group_size) * dtype.size
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -133,7 +162,9 @@ class KVStorage:
     alive, so a write, which replaces the array by its scattered successor, donates the old
     buffer and writes in place instead of copying it. Pages are head-major, so a kernel reads
     one KV head's tokens of a page as one contiguous run. The contiguous layout is the same
-    storage with one page of `max_model_len` tokens per sequence.
+    storage with one page of `max_model_len` tokens per sequence. Layers share the page numbers
+    but each has its own KV heads and head dim where the model's differ (`num_kv_heads`,
+    `head_dim`: one int for all, or one per layer).
 
     With `bits` (8 or 4) a token's K and V rows are quantized once, when written, in groups of
     `group_size` along `head_dim`; attention reads the packed pages. The arguments are trusted
@@ -144,9 +175,9 @@ class KVStorage:
         self,
         num_layers: int,
         num_pages: int,
-        num_kv_heads: int,
+        num_kv_heads: PerLayer,
         page_size: int,
-        head_dim: int,
+        head_dim: PerLayer,
         dtype: mx.Dtype | str,
         bits: int | None = None,
         group_size: int = 64,
@@ -154,25 +185,25 @@ class KVStorage:
         self.dtype = resolve_dtype(dtype)
         self.bits = bits
         self.group_size = group_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.kv_heads = per_layer("num_kv_heads", num_kv_heads, num_layers)
+        self.head_dims = per_layer("head_dim", head_dim, num_layers)
         self.page_size = page_size
-        self.shape = (num_pages, num_kv_heads, page_size, head_dim)
-        self.keys, self.values = self._zeroed(num_layers)
+        self.num_pages = num_pages
+        self.keys, self.values = self._zeroed()
 
     def reset(self) -> None:
         """Fresh zeroed pages, for when a failed step left the old ones unusable."""
-        self.keys, self.values = self._zeroed(self.num_layers)
+        self.keys, self.values = self._zeroed()
 
-    def _zeroed(self, num_layers: int) -> tuple[list[Pages], list[Pages]]:
-        keys, values = ([self._zeroed_pages() for _ in range(num_layers)] for _ in range(2))
+    def _zeroed(self) -> tuple[list[Pages], list[Pages]]:
+        keys, values = ([self._zeroed_pages(layer) for layer in range(len(self.kv_heads))] for _ in range(2))
         mx.eval([arrays_of(pages) for pages in keys + values])
         return keys, values
 
-    def _zeroed_pages(self) -> Pages:
+    def _zeroed_pages(self, layer: int) -> Pages:
+        rows, head_dim = (self.num_pages, self.kv_heads[layer], self.page_size), self.head_dims[layer]
         if self.bits is None:
-            return mx.zeros(self.shape, self.dtype)
-        *rows, head_dim = self.shape
+            return mx.zeros((*rows, head_dim), self.dtype)
         words = mx.zeros((*rows, head_dim * self.bits // 32), mx.uint32)
         scales, biases = (mx.zeros((*rows, head_dim // self.group_size), self.dtype) for _ in range(2))
         return QuantizedPages(words, scales, biases, self.bits, self.group_size)
@@ -189,7 +220,7 @@ class KVStorage:
     @property
     def bytes_per_token(self) -> int:
         return kv_bytes_per_token(
-            self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.bits, self.group_size
+            self.num_layers, self.kv_heads, self.head_dims, self.dtype, self.bits, self.group_size
         )
 
     @property
@@ -207,8 +238,9 @@ class KVStorage:
         K and V arrays (lazy copies: later writes do not change them; quantized pages are
         dequantized)."""
         k_pages, v_pages = self.layer(layer)
+        heads, head_dim = self.kv_heads[layer], self.head_dims[layer]
         if count == 0:
-            empty = mx.zeros((0, self.num_kv_heads, self.head_dim), self.dtype)
+            empty = mx.zeros((0, heads, head_dim), self.dtype)
             return empty, empty
         index, width = mx.array(pages, mx.int32), min(count, self.page_size)
 
@@ -217,7 +249,7 @@ class KVStorage:
                 rows = stored.dequantize(tuple(part[index, :, :width] for part in stored.parts))
             else:
                 rows = stored[index, :, :width]
-            return rows.swapaxes(1, 2).reshape(-1, self.num_kv_heads, self.head_dim)[:count]
+            return rows.swapaxes(1, 2).reshape(-1, heads, head_dim)[:count]
 
         return tokens(k_pages), tokens(v_pages)
 
@@ -226,7 +258,7 @@ class KVStorage:
         as `[pages * kv_heads * page_size, row]` (`KVBatch.write_rows`), quantized once here when
         the pages are."""
         for name, array in (("keys", keys), ("values", values)):
-            self._check(name, array, rows.size // self.num_kv_heads)
+            self._check(layer, name, array, rows.size // self.kv_heads[layer])
         self.keys[layer] = self._scattered(self.keys[layer], rows, keys)
         self.values[layer] = self._scattered(self.values[layer], rows, values)
 
@@ -237,14 +269,14 @@ class KVStorage:
             return QuantizedPages(words, scales, biases, pages.bits, pages.group_size)
         return _scatter_rows(pages, rows, new)
 
-    def _check(self, name: str, array: mx.array, tokens: int) -> None:
-        expected = (tokens, self.num_kv_heads, self.head_dim)
+    def _check(self, layer: int, name: str, array: mx.array, tokens: int) -> None:
+        heads, head_dim = self.kv_heads[layer], self.head_dims[layer]
         if not isinstance(array, mx.array):
             raise TypeError(f"{name} must be an mlx array, got {type(array).__name__}")
-        if tuple(array.shape) != expected:
+        if tuple(array.shape) != (tokens, heads, head_dim):
             raise ValueError(
-                f"{name} must have shape (tokens={tokens}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}), got {tuple(array.shape)}"
+                f"{name} must have shape (tokens={tokens}, num_kv_heads={heads}, "
+                f"head_dim={head_dim}), got {tuple(array.shape)}"
             )
         if array.dtype != self.dtype:
             raise ValueError(f"{name} must have the cache dtype {dtype_name(self.dtype)}, got {array.dtype}")

@@ -11,7 +11,7 @@ import mlx.core as mx
 from ..cache.layout import KVLayout
 from ..cache.manager import KVCacheManager, prefix_cached, window_pool_pages
 from ..cache.state_pool import StateShape, state_bytes
-from ..cache.storage import check_quantization, kv_bytes_per_token
+from ..cache.storage import PerLayer, check_quantization, kv_bytes_per_token, per_layer
 from ..config import EngineConfig
 
 
@@ -40,13 +40,14 @@ def _gb(size: int) -> str:
 
 @dataclass(frozen=True)
 class ModelKV:
-    """What sizing a KV cache needs to know of a model: its attention layers' K/V shape and dtype, its
-    own context (None if its config gives none), its weights' bytes, each attention layer's sliding
-    window (None: full) and what each recurrent layer of a hybrid keeps per sequence."""
+    """What sizing a KV cache needs to know of a model: its attention layers' K/V shape (KV heads and
+    head dim: one for all layers, or each layer's) and dtype, its own context (None if its config
+    gives none), its weights' bytes, each attention layer's sliding window (None: full) and what
+    each recurrent layer of a hybrid keeps per sequence."""
 
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: PerLayer
+    head_dim: PerLayer
     dtype: mx.Dtype
     context: int | None = None
     weights_bytes: int = 0
@@ -85,12 +86,14 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     windows: list[int | None] = [None] * model.num_layers
     if not contiguous and model.layer_windows is not None:
         windows = list(model.layer_windows)
-    per_layer = kv_bytes_per_token(
-        1, model.num_kv_heads, model.head_dim, model.dtype, config.kv_bits, config.kv_group_size
-    )
-    bytes_per_token = per_layer * sum(w is None for w in windows)
+    heads = per_layer("num_kv_heads", model.num_kv_heads, model.num_layers)
+    dims = per_layer("head_dim", model.head_dim, model.num_layers)
+    layer_bytes = [
+        kv_bytes_per_token(1, h, d, model.dtype, config.kv_bits, config.kv_group_size) for h, d in zip(heads, dims)
+    ]
+    bytes_per_token = sum(size for size, w in zip(layer_bytes, windows) if w is None)
     grouped = {w: window_pages(config, w) for w in set(windows) if w is not None}
-    window_bytes = sum(pages * config.page_size * per_layer * windows.count(w) for w, pages in grouped.items())
+    window_bytes = sum(grouped[w] * config.page_size * size for size, w in zip(layer_bytes, windows) if w is not None)
     hybrid = bool(model.state_shapes)
     layout = KVLayout.CONTIGUOUS if contiguous else KVLayout.PAGED
     kept = config.max_num_seqs if config.prefix_states is None else config.prefix_states

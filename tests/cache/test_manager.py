@@ -1,3 +1,4 @@
+import re
 import threading
 
 import mlx.core as mx
@@ -501,3 +502,43 @@ def test_a_step_that_one_window_group_cannot_hold_changes_no_group():
     tables = [cache.windowed[4].tables[a], cache.windowed[8].tables[a], cache._table(a)]
     assert [t.num_tokens for t in tables] == [8, 8, 8]
     assert cache.append([a], [1]).for_window(8).context_lens.tolist() == [9]
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_each_layer_may_have_its_own_kv_heads_and_head_dim(layout):
+    """Gemma 4's global layers have wider heads, and may have fewer KV heads, than its sliding
+    ones: each layer's pages take its own shape, in the window group's pages or the shared ones,
+    and give back what was written."""
+    cache = make(
+        layout,
+        num_layers=3,
+        num_kv_heads=[2, 1, 2],
+        head_dim=[4, 8, 4],
+        layer_windows=[6, None, 6],
+        window_pages={6: 8},
+    )
+    (a,) = cache.claim(1)
+    batch = cache.append([a], [5])
+    shapes = {0: (2, 4), 1: (1, 8), 2: (2, 4)}
+    for layer, (heads, dim) in shapes.items():
+        cache.write(layer, batch, kv(5, heads, dim, start=layer), kv(5, heads, dim))
+        assert cache.kv(layer)[0].shape[1:] == (heads, cache.page_size, dim)
+    assert mx.array_equal(cache.as_tensor(a, 1)[0], kv(5, 1, 8, start=1)).item()
+    per_token = 2 * 4 * (1 * 8 + (2 * 4 + 2 * 4) * (layout == "contiguous"))
+    assert cache.storage.bytes_per_token == per_token
+    with pytest.raises(ValueError, match=r"keys must have shape \(tokens=5, num_kv_heads=1, head_dim=8\)"):
+        cache.write(1, batch, kv(5), kv(5))
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(num_kv_heads=[2, 2, 2]), "num_kv_heads has 3 entries for 2 layers"),
+        (dict(head_dim=[4, 0]), "head_dim must be a positive integer, got 0"),
+        (dict(head_dim=4.0), "head_dim must be a positive integer, got 4.0"),
+        (dict(head_dim=[64, 96], kv_bits=8), "kv_group_size=64 must divide the model's head_dim=96; use 32"),
+    ],
+)
+def test_per_layer_shapes_are_checked(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make(**kw)

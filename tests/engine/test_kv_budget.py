@@ -88,3 +88,14 @@ def test_a_hybrids_running_and_kept_states_come_out_of_the_budget_before_the_pag
 def test_prefix_states_must_be_a_non_negative_integer():
     with pytest.raises(ValueError, match=r"prefix_states must be an integer >= 0 or None, got -1"):
         EngineConfig(prefix_states=-1)
+
+
+def test_layers_of_different_head_shapes_are_sized_each_by_its_own():
+    """Gemma-4-like: two window-8 layers of 2 x 64 beside one full layer of 1 x 128 (float16);
+    the window layers' pool is taken first, the full layer's bytes per token buy the pages."""
+    shape = ModelKV(3, [2, 2, 1], [64, 64, 128], mx.float16, 512, layer_windows=[8, 8, None])
+    config = EngineConfig(kv_cache_memory="1MiB", page_size=16, max_num_seqs=2, max_num_batched_tokens=32)
+    cache = build_kv_cache(config, shape)
+    window_bytes = cache.windowed[8].pool.capacity * 16 * 2 * (2 * 2 * 64 * 2)
+    assert cache.storage.bytes_per_token == 2 * 128 * 2
+    assert cache.pool.capacity == (2**20 - window_bytes) // (16 * 2 * 128 * 2)
