@@ -253,3 +253,29 @@ HYBRIDS = {  # attention layers beside recurrent ones: a recurrent state per seq
         use_conv_bias=True,
     ),
 }
+# Gemma 4, tiny: E2B's arrangement (sliding and global layers of different head dims, per-layer
+# inputs, the last two layers reading the K/V of the last sliding and global layers before them)
+# and the 26B's (a global layer's keys double as its values, one KV head, experts beside the MLP).
+GEMMA4 = dict(
+    num_hidden_layers=6,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    sliding_window=8,
+    global_head_dim=128,
+    num_kv_shared_layers=2,
+    hidden_size_per_layer_input=16,
+    vocab_size_per_layer_input=320,
+)
+GEMMA4_K_EQ_V = dict(
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    sliding_window=8,
+    global_head_dim=128,
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    attention_k_eq_v=True,
+    num_global_key_value_heads=1,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=64,
+)

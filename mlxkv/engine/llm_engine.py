@@ -13,7 +13,6 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..attention.backend import AttentionSpec, choose_attention
@@ -23,11 +22,10 @@ from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..config import EngineConfig
 from ..deprecation import warn
 from ..errors import RequestTooLong, UnknownSequenceError
-from ..models.loading import model_context
-from ..models.structure import layer_roles, state_shapes, text_model
+from ..models.structure import text_model
 from .inputs import encode_prompt, request_key
-from .kv_budget import ModelKV, build_kv_cache
-from .model_runner import ModelRunner, kv_shape, layer_variants
+from .kv_budget import build_kv_cache
+from .model_runner import ModelRunner, layer_variants, model_kv
 from .outputs import RequestOutput, Usage
 from .request import PENDING, Request, Status
 from .sampling import SamplingFailed, TokenLogprob, logprobs, sample
@@ -79,23 +77,17 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         model = text_model(model)
-        layers, kv_heads, head_dim, dtype = kv_shape(model)
-        parameters = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
-        weights = sum(array.nbytes for _, array in parameters)
-        variants = layer_variants(model)
-        states = state_shapes(model, layer_roles(model))
-        windows = [v.window for v in variants]
-        shape = ModelKV(layers, kv_heads, head_dim, dtype, model_context(model), weights, windows, states)
+        shape = model_kv(model)
         self.cache = build_kv_cache(self.config, shape)
         spec = AttentionSpec(
-            dtype,
+            shape.dtype,
             model.args.num_attention_heads,
-            kv_heads,
-            head_dim,
+            shape.num_kv_heads,
+            shape.head_dim,
             self.cache.page_size,
             self.cache.kv_bits,
             self.cache.kv_group_size,
-            variants,
+            layer_variants(model),
         )
         attention = choose_attention(self.config.attention, spec, kernels)
         logger.info(

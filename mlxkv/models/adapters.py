@@ -46,7 +46,7 @@ class Adapter:
             window=window, softcap=getattr(attn, "attn_logit_softcapping", None), sinks=getattr(attn, "sinks", None)
         )
         self._rotations: dict[tuple, Rotation | None] = {}
-        norms = [(q, k) for q, k in (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm")) if hasattr(attn, q)]
+        norms = [(q, k) for q, k in (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm")) if hasattr(attn, k)]
         self._norms = (getattr(attn, norms[0][0]), getattr(attn, norms[0][1])) if norms else None
         self.out_proj = _first(attn, "o_proj", "out_proj")  # LFM2's name
         self.rope = getattr(attn, "rope", None)  # None: a layer without RoPE (Nemotron-H's)
@@ -106,6 +106,26 @@ class GatedAdapter(Adapter):
         return queries.reshape(1, tokens, -1), gate.reshape(1, tokens, -1)
 
 
+class Gemma4Adapter(Adapter):
+    """Gemma 4: values through a norm without a scale (`v_norm`), and a global layer without
+    `v_proj` (`attention_k_eq_v`) takes its values from the keys' projection before the norms. A
+    KV-shared layer has no K/V projections at all: it projects its `queries` alone."""
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        attn = self.attn
+        keys = attn.k_proj(x)
+        return attn.q_proj(x), keys, attn.v_proj(x) if hasattr(attn, "v_proj") else keys
+
+    def __call__(self, x: mx.array, positions: Positions) -> Projection:
+        projected = super().__call__(x, positions)
+        return projected._replace(values=self.attn.v_norm(projected.values))
+
+    def queries(self, x: mx.array, positions: Positions) -> mx.array:
+        """The queries alone, `[tokens, heads, head_dim]`, normed and rotated as `__call__`'s."""
+        queries = self.attn.q_norm(self.attn.q_proj(x).reshape(x.shape[1], self.heads, -1))
+        return self._rotated(queries, positions, mx.default_device() == mx.cpu)
+
+
 class Ministral3Adapter(Adapter):
     """Ministral 3: queries scaled by 1 + beta * log(1 + floor(position / original context)),
     computed here per token (the model computes it from one offset for the whole batch)."""
@@ -151,6 +171,8 @@ FAMILIES = (
     "olmo2",
     "glm4",
     "gpt_oss",
+    "gemma4",
+    "gemma4_text",
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_moe",
@@ -174,6 +196,8 @@ def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter:
         return FusedAdapter(attn, window)
     if args.model_type == "ministral3":
         return Ministral3Adapter(attn, window, args.rope_parameters)
+    if args.model_type == "gemma4_text":
+        return Gemma4Adapter(attn, window)
     if _gated(attn):
         return GatedAdapter(attn, window)
     return Adapter(attn, window)

@@ -22,7 +22,6 @@ NOT_YET = {
     "olmo_hybrid": "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding",
     **dict.fromkeys(("falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32"), MLA),
-    "gemma4_text": "K/V shared across layers (num_kv_shared_layers)",
     "rwkv7": "RWKV-7 recurrent layers",
     "recurrent_gemma": "RG-LRU recurrent layers",
 }

@@ -65,11 +65,14 @@ def activation_dtype(model: nn.Module) -> mx.Dtype:
 
 @dataclass(frozen=True)
 class LayerRoles:
-    """The decoder layers, by index, that attend through the K/V pages and that keep a recurrent
-    state; the K/V cache numbers the first from 0 and the state pool the second."""
+    """The decoder layers, by index, that attend through K/V pages of their own and that keep a
+    recurrent state; the K/V cache numbers the first from 0 and the state pool the second.
+    `shares` pairs each KV-shared layer (Gemma 4's last `num_kv_shared_layers`), which attends
+    the pages of an earlier layer and keeps none, with that layer's index."""
 
     attention: tuple[int, ...]
     recurrent: tuple[int, ...]
+    shares: tuple[tuple[int, int], ...] = ()
 
     @staticmethod
     def recurrent_module(layer: nn.Module) -> str:
@@ -92,16 +95,20 @@ def mlx_lm_module(layer: nn.Module, name: str) -> nn.Module:
 def layer_roles(model: nn.Module) -> LayerRoles:
     """Each decoder layer's role in `model` (a text model): by its block type where it has one
     (Nemotron-H, whose MLP blocks neither attend nor keep a state), else from the caches mlx-lm
-    makes for it."""
-    layers = decoder(model).layers
+    makes for it; the layers past those caches read the K/V of the layer mlx-lm's `previous_kvs`
+    names (Gemma 4's KV-shared layers)."""
+    inner = decoder(model)
+    layers = inner.layers
     if hasattr(layers[0], "block_type"):
         roles = [BLOCK_ROLES.get(layer.block_type) for layer in layers]
     else:
         caches = model.make_cache() if hasattr(model, "make_cache") else [None] * len(layers)
         roles = ["recurrent" if isinstance(cache, ArraysCache) else "attention" for cache in caches]
+    sources = getattr(inner, "previous_kvs", ())
     return LayerRoles(
         tuple(i for i, role in enumerate(roles) if role == "attention"),
         tuple(i for i, role in enumerate(roles) if role == "recurrent"),
+        tuple((i, sources[i]) for i in range(len(roles), len(layers))),
     )
 
 

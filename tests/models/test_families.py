@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import BASE, HYBRIDS, mlx_lm_greedy
+from helpers import BASE, GEMMA4, GEMMA4_K_EQ_V, HYBRIDS, mlx_lm_greedy
 
 from mlxkv import LLM, LLMEngine, SamplingParams
 from mlxkv.attention.kernels import PagedAttentionKernels
@@ -89,6 +89,13 @@ FAMILIES = {
         sliding_window=WINDOW,
         rope_theta=150000,
     ),  # the model alternates sliding and full itself
+    "gemma4_text": GEMMA4,
+    "gemma4_text-k-eq-v": dict(GEMMA4_K_EQ_V, model_type="gemma4_text"),
+    "gemma4": dict(  # the multimodal checkpoint: its text model inside
+        text_config=dict(
+            BASE, **GEMMA4, model_type="gemma4_text", tie_word_embeddings=False, max_position_embeddings=1024
+        )
+    ),
     **HYBRIDS,
 }
 PROMPTS = [[int(t) for t in np.random.default_rng(n).integers(1, 320, n)] for n in (3, 7, 8, 9, 17, 30)]
@@ -127,9 +134,10 @@ def test_greedy_tokens_equal_mlx_lm_in_both_layouts_alone_and_batched(family, na
             assert [c.token_ids[: len(e)] for c, e in zip(completions, expected)] == expected, layout
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3_text", "gpt_oss", "gemma4_text"])
 def test_attention_variants_through_the_simulated_kernels(family, name):
-    """Plain, soft-capped (Gemma 2), windowed (Gemma 3) and windowed with sinks (GPT-OSS)."""
+    """Plain, soft-capped (Gemma 2), windowed (Gemma 3), windowed with sinks (GPT-OSS), and
+    layers of two head dims, some reading another layer's pages (Gemma 4)."""
     path = family(name)
     model, tokenizer = load(str(path))
     engine = LLMEngine(
@@ -186,11 +194,11 @@ def test_local_layers_hold_only_their_window_over_1000_tokens(tmp_path, layout):
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
-@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granitemoehybrid", "nemotron_h"])
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2", "granitemoehybrid", "nemotron_h", "gemma4_text"])
 def test_hybrids_batched_8_at_a_time_through_preemption_free_every_page_and_state(family, name, layout):
     """Eight prompts of different lengths at once, in a pool too small for all of them: requests
-    are preempted and recompute their state from the prompt, and every request's greedy tokens
-    still equal mlx-lm's; afterwards no page and no recurrent state is held."""
+    are preempted and recompute their state (Gemma 4: its pages) from the prompt, and every
+    request's greedy tokens still equal mlx-lm's; afterwards no page and no recurrent state is held."""
     path = family(name)
     prompts = [
         [int(t) for t in np.random.default_rng(40 + n).integers(1, 320, n)] for n in (5, 33, 1, 12, 26, 2, 19, 40)
@@ -202,7 +210,28 @@ def test_hybrids_batched_8_at_a_time_through_preemption_free_every_page_and_stat
     assert [c.token_ids[: len(e)] for c, e in zip(done, expected)] == expected
     stats = llm.stats()
     assert stats.preemptions > 0 or layout == "contiguous"  # a contiguous sequence holds its page from the start
-    assert stats.kv.pages_used == 0 and stats.kv.states_used == 0 and stats.kv.states_total == 8
+    assert stats.kv.pages_used == 0 and stats.kv.states_used == 0
+    assert stats.kv.states_total == (0 if name == "gemma4_text" else 8)
+    assert all(usage.pages_used == 0 for _, usage in stats.kv.windowed)
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_gemma4s_kv_shared_layers_hold_no_pages(family, layout):
+    """Of the tiny Gemma 4's six layers, the last two read the pages of layers 3 (sliding) and 2
+    (global): the cache holds pages for four layers, the global one's 128 wide where the sliding
+    ones' are 64, and in the paged layout the three sliding layers hold only their window's."""
+    llm = LLM(str(family("gemma4_text")), kv_layout=layout, page_size=4, max_num_seqs=2, max_model_len=64)
+    cache = llm.engine.cache
+    sliding, full = 2 * 2 * 64 * 4, 2 * 2 * 128 * 4  # K and V, 2 KV heads, float32
+    if layout == "paged":
+        group = cache.windowed[WINDOW]
+        assert (group.layers, group.storage.head_dims, cache.storage.head_dims) == ([0, 1, 3], (64,) * 3, (128,))
+        assert cache.storage.bytes_per_token == full and group.storage.bytes_per_token == 3 * sliding
+    else:
+        assert cache.storage.head_dims == (64, 64, 128, 64) and cache.storage.bytes_per_token == 3 * sliding + full
+    assert cache.nbytes == cache.pool.capacity * cache.page_size * cache.storage.bytes_per_token + sum(
+        g.pool.capacity * cache.page_size * g.storage.bytes_per_token for g in cache.windowed.values()
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "granitemoehybrid"])

@@ -1,6 +1,6 @@
 import mlx.core as mx
 import pytest
-from helpers import BASE, HYBRIDS
+from helpers import BASE, GEMMA4, HYBRIDS
 
 from mlxkv.models import load
 from mlxkv.models.random_model import make_checkpoint
@@ -10,7 +10,8 @@ from mlxkv.models.structure import LayerRoles, layer_roles, pads_exactly, state_
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     def get(name):
-        model, _ = load(str(make_checkpoint(tmp_path_factory.mktemp(name), name, shape={**BASE, **HYBRIDS[name]})))
+        shape = {**BASE, **(GEMMA4 if name == "gemma4_text" else HYBRIDS[name])}
+        model, _ = load(str(make_checkpoint(tmp_path_factory.mktemp(name), name, shape=shape)))
         return text_model(model)
 
     return get
@@ -20,6 +21,11 @@ def test_roles_come_from_mlx_lms_caches_or_nemotrons_block_types(hybrid):
     assert layer_roles(hybrid("qwen3_5")) == LayerRoles((1, 3), (0, 2))  # every second layer attends
     assert layer_roles(hybrid("lfm2")) == LayerRoles((1, 3), (0, 2))  # full_attn_idxs
     assert layer_roles(hybrid("nemotron_h")) == LayerRoles((1, 4), (0, 3))  # M * - M * -: MLP blocks have neither
+
+
+def test_gemma4s_last_layers_share_the_kv_of_the_last_earlier_layer_of_their_type(hybrid):
+    # sliding, sliding, global, sliding | sliding, global: layer 4 reads layer 3's pages, layer 5 layer 2's
+    assert layer_roles(hybrid("gemma4_text")) == LayerRoles((0, 1, 2, 3), (), ((4, 3), (5, 2)))
 
 
 def test_a_qwen3_5_layer_keeps_a_convolution_tail_and_a_float32_delta_state(hybrid):
