@@ -21,7 +21,7 @@ from ..attention.reference import reference_attention
 from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..config import EngineConfig
 from ..deprecation import warn
-from ..errors import RequestTooLong, UnknownSequenceError
+from ..errors import MlxkvError, RequestTooLong, UnknownSequenceError
 from ..models.structure import text_model
 from .inputs import encode_prompt, request_key
 from .kv_budget import build_kv_cache
@@ -32,6 +32,7 @@ from .sampling import SamplingFailed, TokenLogprob, logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .stats import EngineStats
+from .structured_output import StructuredOutput
 from .text import TextStream
 
 logger = logging.getLogger("mlxkv")
@@ -96,6 +97,7 @@ class LLMEngine:
             "reference" if attention is reference_attention else "Metal kernels",
         )
         self.runner = ModelRunner(model, self.cache, attention)
+        self.structured = StructuredOutput(tokenizer, model.args.vocab_size)
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.vocab_size = model.args.vocab_size
@@ -151,8 +153,9 @@ class LLMEngine:
         request_id: str | int | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Queue a prompt; raises `RequestTooLong` if it could never fit the KV cache.
-        Requests reuse each other's cached prefix pages only when their `cache_salt`s are equal."""
+        """Queue a prompt; raises `RequestTooLong` if it could never fit the KV cache, and ValueError
+        if its constraint (`params.json_schema`, ...) cannot be compiled. Requests reuse each
+        other's cached prefix pages only when their `cache_salt`s are equal."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -168,6 +171,7 @@ class LLMEngine:
                 f"{request.max_length} tokens; one request can have at most {self.max_request_tokens}"
             )
         request.stream = TextStream(self.tokenizer.detokenizer, params.stop)
+        request.matcher = self.structured.matcher(params)
         with self._lock:
             if request.request_id in self.requests:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -203,8 +207,9 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch is not None:
                 self._track_usage()
-        failed = self._launch(batch, previous) if batch is not None else []
-        outputs = self._resolve(previous) if previous is not None else []
+        failed, outputs = self._launch(batch, previous) if batch is not None else ([], None)
+        if outputs is None:
+            outputs = self._resolve(previous)[0] if previous is not None else []
         with self._lock:
             current = self._inflight
             if current is not None:  # its K/V are queued, and its input tokens now all known
@@ -212,18 +217,35 @@ class LLMEngine:
             if not self.config.pipeline:
                 self._inflight = None
         if current is not None and not self.config.pipeline:
-            outputs += self._resolve(current)
+            outputs += self._resolve(current)[0]
         return outputs + failed
 
-    def _launch(self, batch: ScheduledBatch, previous: InFlight | None) -> list[RequestOutput]:
+    def _launch(
+        self, batch: ScheduledBatch, previous: InFlight | None
+    ) -> tuple[list[RequestOutput], list[RequestOutput] | None]:
         """Build `batch`'s forward pass and sampling and start evaluating them; returns the
-        outputs of the requests that failed to (none when it started)."""
+        outputs of the requests that failed to (none when it started), and `previous`' outputs
+        when it had to be read first (else None).
+
+        A constrained row's mask needs every earlier token of its request, so when one's last
+        token comes from `previous`, the forward pass is started, `previous` read while it runs
+        (its tokens accepted, the matchers advanced), and only then the sampling built."""
         sampling = [r for r, s in zip(batch.requests, batch.samples) if s]
         indices = [len(r.output_ids) for r in sampling]  # the output number each row samples
+        read: list[RequestOutput] | None = None
         try:
             logits = self.runner.forward(batch, self._token_ids(batch, previous))  # None when no row samples
             if batch.snapshots:
                 self.cache.capture(batch.snapshots)
+            constrained = [row for row, request in enumerate(sampling) if request.matcher is not None]
+            if constrained and logits is not None:
+                if previous is not None and any(sampling[row].num_pending for row in constrained):
+                    mx.async_eval(logits, self.cache.tensors)
+                    read, ok = self._resolve(previous, batch.requests)
+                    if not ok:  # `previous` failed, and this batch, which read its tokens, is undone
+                        return [], read
+                matchers = [sampling[row].matcher for row in constrained]
+                logits = self.structured.masked(logits, constrained, matchers)
             tokens = (
                 sample(logits, [r.sampler for r in sampling], indices)
                 if logits is not None
@@ -235,9 +257,9 @@ class LLMEngine:
             mx.async_eval(tokens, *scored, self.cache.tensors)  # on a CPU build this runs most of the graph
             self.last_step_wait += time.perf_counter() - started
         except SamplingFailed as exc:
-            return self._recover(batch.requests, [sampling[exc.row]], exc.cause)
+            return self._recover(batch.requests, [sampling[exc.row]], exc.cause), read
         except Exception as exc:
-            return self._recover(batch.requests, None, exc)
+            return self._recover(batch.requests, None, exc), read
         except BaseException:  # e.g. Ctrl-C: undo the step, fail no request, let it through
             self._recover(batch.requests, [], None)
             raise
@@ -246,7 +268,7 @@ class LLMEngine:
                 if request.status is not Status.FINISHED:  # not aborted since it was scheduled
                     request.append_output(PENDING)
             self._inflight = InFlight(batch, sampling, indices, tokens, scored)
-        return []
+        return [], read
 
     @staticmethod
     def _token_ids(batch: ScheduledBatch, previous: InFlight | None) -> mx.array:
@@ -267,8 +289,10 @@ class LLMEngine:
         ids[mx.array(waiting.astype(np.int32))] = previous.tokens[source].astype(mx.int32)
         return ids
 
-    def _resolve(self, step: InFlight) -> list[RequestOutput]:
-        """Read `step`'s tokens (waiting for the device) and accept them."""
+    def _resolve(self, step: InFlight, later: list[Request] | None = None) -> tuple[list[RequestOutput], bool]:
+        """Read `step`'s tokens (waiting for the device) and accept them; False if they could not
+        be read, in which case the requests of the step after it (in flight, or `later`, being
+        launched), which read them, are undone too."""
         try:
             started = time.perf_counter()
             mx.eval(step.tokens, *step.scored)
@@ -276,9 +300,9 @@ class LLMEngine:
             sampled = cast("list[int]", step.tokens.tolist())
             scored = [cast("list[list[Any]]", a.tolist()) for a in step.scored]
         except Exception as exc:
-            return self._recover_pipeline(step, exc)
+            return self._recover_pipeline(step, exc, later or []), False
         except BaseException:
-            self._recover_pipeline(step, None)
+            self._recover_pipeline(step, None, later or [])
             raise
         now = time.perf_counter()
         with self._lock:
@@ -287,19 +311,20 @@ class LLMEngine:
                 self._accept(request, index, token, score, now)
                 for request, index, token, score in zip(step.sampling, step.indices, sampled, scores)
                 if request.status is not Status.FINISHED
-            ]
+            ], True
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every unfinished request with `error` (for a failure no request can be blamed for)."""
         with self._lock:
             return [self._fail(request, error) for request in list(self.requests.values())]
 
-    def _recover_pipeline(self, step: InFlight, error: Exception | None) -> list[RequestOutput]:
-        """`step` failed to evaluate, and so did the step started after it, which read its
-        tokens: both are undone (their placeholders dropped) and `step`'s requests fail."""
+    def _recover_pipeline(self, step: InFlight, error: Exception | None, later: list[Request]) -> list[RequestOutput]:
+        """`step` failed to evaluate, and so did the step started after it (in flight, or being
+        launched for `later`), which read its tokens: both are undone (their placeholders
+        dropped) and `step`'s requests fail."""
         with self._lock:
-            later, self._inflight = self._inflight, None
-            undone = step.batch.requests + (later.batch.requests if later else [])
+            inflight, self._inflight = self._inflight, None
+            undone = step.batch.requests + (inflight.batch.requests if inflight else later)
             for request in undone:
                 request.drop_pending()
             return self._recover(list(dict.fromkeys(undone)), step.batch.requests if error else [], error)
@@ -346,9 +371,14 @@ class LLMEngine:
             return self._finish(request, "stop")
         request.set_output(index, token)
         new = ((token,), (score,) if score else ())
+        matcher = request.matcher
+        if matcher is not None and not matcher.consume_token(token):  # the mask allowed it: a bug
+            return self._fail(request, MlxkvError(f"structured output failed: {matcher.get_error()}"))
         assert request.stream is not None  # every request the engine admits has its stream
         if request.stream.add(token):
             request.truncate_outputs(index + 1)
+            return self._finish(request, "stop", *new)
+        if matcher is not None and matcher.is_stopped():  # its constraint allows nothing more
             return self._finish(request, "stop", *new)
         if index + 1 >= request.params.max_tokens:
             return self._finish(request, "length", *new)

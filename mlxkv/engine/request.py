@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .sampling import TokenSampler
 from .sampling_params import SamplingParams
@@ -49,6 +50,7 @@ class Request:
     finish_time: float | None = None
     num_pending: int = field(default=0, init=False)  # outputs still `PENDING` (always the last ones)
     sampler: TokenSampler = field(init=False)
+    matcher: Any = field(default=None, init=False)  # llguidance's, following a constrained output
 
     def __post_init__(self) -> None:
         self.sampler = TokenSampler(self.params)

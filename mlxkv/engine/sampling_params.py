@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,37 @@ def _stop_strings(stop: Any) -> Any:
 
 STOP = Check(
     lambda v: isinstance(v, tuple) and all(isinstance(s, str) and s for s in v), "a non-empty string or a list of them"
+)
+TEXT = Check(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
+CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # the ways to constrain an output, at most one a request
+
+
+def _schema_text(schema: Any) -> Any:
+    """A JSON schema (a dict, or JSON text of one) as JSON text, its keys in their order (which
+    orders the output's properties). Anything else is left for the check to refuse."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            return schema
+    return json.dumps(schema, ensure_ascii=False) if isinstance(schema, dict) else schema
+
+
+def _is_schema_text(value: Any) -> bool:
+    try:
+        return isinstance(value, str) and isinstance(json.loads(value), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _choices(choice: Any) -> Any:
+    return tuple(choice) if isinstance(choice, list) else choice
+
+
+SCHEMA = Check(_is_schema_text, "a JSON schema, as a dict or JSON text")
+CHOICES = Check(
+    lambda v: isinstance(v, tuple) and bool(v) and all(isinstance(s, str) and s for s in v),
+    "a list of non-empty strings",
 )
 
 
@@ -55,8 +87,30 @@ class SamplingParams:
         optional(integer(0, MAX_LOGPROBS)),
     )
 
+    json_schema: str | None = setting(
+        None,
+        'A JSON schema the output must satisfy (a dict, or its JSON text); {"type": "object"} for any JSON object.',
+        optional(SCHEMA),
+        convert=_schema_text,
+    )
+    regex: str | None = setting(None, "A regular expression the whole output must match.", optional(TEXT))
+    choice: tuple[str, ...] | None = setting(
+        None, "Strings the output must be one of (repeatable).", optional(CHOICES), convert=_choices, cli_type=list[str]
+    )
+    grammar: str | None = setting(
+        None, "A Lark grammar the output must follow (llguidance's dialect, rule `start`).", optional(TEXT)
+    )
+
     def __post_init__(self) -> None:
         validate(self)
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of {', '.join(CONSTRAINTS)}; got {' and '.join(given)}")
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the output must follow a schema, regex, choice or grammar."""
+        return any(getattr(self, name) is not None for name in CONSTRAINTS)
 
     @property
     def greedy(self) -> bool:

@@ -96,7 +96,7 @@ def in_flags(message: str) -> str:
     name (`seed`) is replaced only where it is the subject or an assignment, so that a word of
     English is not taken for it."""
     for item in (item for record in SETTINGS.values() for item in fields(record)):
-        pattern = rf"\b{item.name}\b" if "_" in item.name else rf"\b{item.name}\b(?= must|=)"
+        pattern = rf"\b{item.name}\b" if "_" in item.name else rf"\b{item.name}\b(?= must| cannot|=)"
         message = re.sub(pattern, _long_flags(item), message)
     message = re.sub(r", ([^,\s()\[\]]+) or None\b", r" or \1 or None", message)
     return re.sub(r" or None\b", " (or left out)", message)

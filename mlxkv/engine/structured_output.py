@@ -1,0 +1,103 @@
+"""Structured output: the token masks that hold a request's output to a JSON schema, a regex, a
+choice of strings or a grammar, made by llguidance.
+
+Each constrained request has a matcher that follows its output token by token. Before a step
+samples, every constrained row's mask of allowed tokens is filled on the host (llguidance's
+threads, one bit per token) and all of them are applied to the step's logits in one operation;
+a step without constrained rows does nothing here. A matcher must have seen every earlier token
+of its request before its next mask is made, so the engine reads a step holding constrained
+rows before it schedules the next (`LLMEngine.step`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import mlx.core as mx
+import numpy as np
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .sampling_params import SamplingParams
+
+CACHE_SIZE = 64  # distinct constraints kept compiled
+JSON_OPTIONS: Any = {"whitespace_flexible": False}  # compact JSON: "," and ":" with no spaces, as a model reads best
+
+
+def grammar_of(params: SamplingParams) -> tuple[str, str] | None:
+    """(the field that constrains `params`, llguidance's grammar for it), or None if none does."""
+    if params.json_schema is not None:
+        return "json_schema", llguidance.LLMatcher.grammar_from_json_schema(params.json_schema, defaults=JSON_OPTIONS)
+    if params.regex is not None:
+        return "regex", llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if params.choice is not None:
+        options = " | ".join(json.dumps(option, ensure_ascii=False) for option in params.choice)
+        return "choice", llguidance.LLMatcher.grammar_from_lark(f"start: {options}")
+    if params.grammar is not None:
+        return "grammar", llguidance.LLMatcher.grammar_from_lark(params.grammar)
+    return None
+
+
+class StructuredOutput:
+    """The engine's llguidance: its view of the tokenizer (made on first use: about a second for a
+    large vocabulary), a matcher compiled once per distinct constraint (the `CACHE_SIZE` most
+    recent kept; each request gets a copy), and the masks a step applies."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._lltokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self._executor: llguidance.LLExecutor | None = None
+
+    def matcher(self, params: SamplingParams) -> llguidance.LLMatcher | None:
+        """A fresh matcher for `params`' constraint (None if it has none); a constraint llguidance
+        cannot compile raises ValueError naming the field and llguidance's reason."""
+        found = grammar_of(params)
+        if found is None:
+            return None
+        name, grammar = found
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is None:
+                compiled = self._compile(name, grammar)
+            self._compiled[grammar] = compiled
+            self._compiled.move_to_end(grammar)
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return compiled.deep_copy()
+
+    def _compile(self, name: str, grammar: str) -> llguidance.LLMatcher:
+        if self._lltokenizer is None:
+            eos = sorted(self._tokenizer.eos_token_ids)
+            hf: Any = self._tokenizer._tokenizer  # mlx-lm's wrapper keeps the Hugging Face tokenizer here
+            self._lltokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
+        problem = llguidance.LLMatcher.validate_grammar(grammar, self._lltokenizer)
+        if problem:
+            raise ValueError(f"{name} cannot be used: {problem.strip()}")
+        return llguidance.LLMatcher(self._lltokenizer, grammar, log_level=0)
+
+    def masked(self, logits: mx.array, rows: Sequence[int], matchers: Sequence[llguidance.LLMatcher]) -> mx.array:
+        """`logits` (`[rows, vocab]`) with every token that `matchers[i]` does not allow next in row
+        `rows[i]` set to -inf; one fill of all the masks (in parallel) and one `where` (lazy)."""
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self._executor, [(matcher, i) for i, matcher in enumerate(matchers)], bitmask
+        )
+        # why: unpacked on the host, as gathering each token's word is slow in MLX on a CPU (docs/benchmarks.md)
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
+        index = mx.array(np.asarray(rows, np.int32))
+        masked = mx.where(mx.array(allowed.view(np.bool_)), logits[index], -mx.inf)
+        if len(rows) == logits.shape[0]:
+            return masked
+        logits[index] = masked
+        return logits
