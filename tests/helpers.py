@@ -142,8 +142,9 @@ class ExplodingSampler(TokenSampler):
         raise RuntimeError("sampler exploded")
 
 
-def start_server(*flags: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """`mlxkv serve` with the demo model on 127.0.0.1 (a free port unless `port`), once /health answers."""
+def start_server(*flags: str, port: int | None = None, cwd=None) -> tuple[subprocess.Popen, str]:
+    """`mlxkv serve` with the demo model on 127.0.0.1 (a free port unless `port`), once /health
+    answers; run in `cwd` if given."""
     import httpx
 
     if port is None:
@@ -155,6 +156,7 @@ def start_server(*flags: str, port: int | None = None) -> tuple[subprocess.Popen
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        cwd=cwd,
     )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):

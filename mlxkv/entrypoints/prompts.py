@@ -7,10 +7,13 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..engine.inputs import encode_text
 
 
-def prompt_ids(tokenizer: TokenizerWrapper, messages: list[dict], ignore_template: bool = False) -> list[int]:
-    """The prompt for `messages` (`role`/`content` dicts), ending where the assistant's reply begins."""
+def prompt_ids(
+    tokenizer: TokenizerWrapper, messages: list[dict], ignore_template: bool = False, tools: list[dict] | None = None
+) -> list[int]:
+    """The prompt for `messages` (`role`/`content` dicts), ending where the assistant's reply
+    begins; the template shows the model `tools` (OpenAI's function entries) where given."""
     if tokenizer.has_chat_template and not ignore_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True)
     return encode_text(tokenizer, plain_text(messages))
 
 

@@ -18,8 +18,41 @@ TEXT = (
 ) * 20
 
 
-def write_tokenizer(path: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer (EOS `<eos>`, no chat template) with at most `vocab_size` tokens."""
+# A ChatML template that shows the model its tools and writes calls as JSON between <tool_call>
+# markers, the format mlx-lm's json_tools parser reads (Qwen 2.5's and Hermes' convention).
+TOOLS_CHAT_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}Functions you may call, one JSON signature a line:
+{% for tool in tools %}{{ tool.function | tojson }}
+{% endfor %}Call one as <tool_call>
+{"name": <name>, "arguments": <arguments>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages if message.role != 'system' %}
+{%- if message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}
+{%- for tool_call in message.tool_calls or [] %}
+{%- set tool_call = tool_call.function %}<tool_call>
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def write_tokenizer(path: Path, vocab_size: int, chat_template: str | None = None) -> None:
+    """A byte-level BPE tokenizer (EOS `<eos>`) with at most `vocab_size` tokens, and `chat_template`
+    if given."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -31,9 +64,10 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     )
     tokenizer.train_from_iterator([TEXT], trainer)
     tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": None})
-    )
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": None}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 TINY = dict(
@@ -62,9 +96,11 @@ def make_checkpoint(
     seed: int = 0,
     max_position_embeddings: int = 512,
     tied: bool = False,
-    shape: dict[str, int] | None = None,
+    shape: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
-    """Write a random `model_type` model (default: `TINY`, GQA 4:2) with peaky logits to `path`."""
+    """Write a random `model_type` model (default: `TINY`, GQA 4:2) with peaky logits to `path`,
+    its tokenizer with `chat_template` if given."""
     config: dict[str, Any] = dict(
         model_type=model_type,
         rms_norm_eps=1e-5,
@@ -91,5 +127,5 @@ def make_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")
-    write_tokenizer(path, min(config["vocab_size"], 1000))
+    write_tokenizer(path, min(config["vocab_size"], 1000), chat_template)
     return path

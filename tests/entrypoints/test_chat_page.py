@@ -1,5 +1,6 @@
 """The chat page at `/` in a real headless Chromium, against the real server."""
 
+import json
 import re
 import shutil
 import time
@@ -8,9 +9,11 @@ import httpx
 import pytest
 from helpers import start_server, stop_server
 
+from mlxkv.models.random_model import TOOLS_CHAT_TEMPLATE, make_checkpoint
+
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     shutil.which("chromedriver") is None,
@@ -162,6 +165,61 @@ def test_with_an_api_key_the_page_loads_asks_for_the_key_and_chats():
         send(browser, "The import statement")
         WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "figures").text.startswith("6 tokens,"))
         assert "pages in use" in browser.find_element(By.ID, "figures").text  # /metrics, with the key
+    finally:
+        browser.quit()
+        stop_server(proc)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_tool_calls_show_as_calls_and_the_next_message_answers_them(tmp_path):
+    """With a tool offered and a call required, the reply shows as the call it is (never the
+    model's markup), and the next message goes back as the tool's answer to that call."""
+    make_checkpoint(tmp_path / "tiny-tools", chat_template=TOOLS_CHAT_TEMPLATE, max_position_embeddings=4096)
+    proc, url = start_server("--model", "tiny-tools", cwd=tmp_path)
+    browser = chromium()
+    try:
+        browser.get(url + "/")
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "tiny-tools")
+        browser.execute_script("""
+            window.sent = [];
+            const realFetch = window.fetch;
+            window.fetch = (url, options) => {
+              if (String(url).endsWith("/v1/chat/completions")) window.sent.push(JSON.parse(options.body));
+              return realFetch(url, options);
+            };""")
+        browser.find_element(By.CSS_SELECTOR, "#tools-panel summary").click()
+        set_field(browser, "tools", json.dumps([WEATHER]))
+        Select(browser.find_element(By.ID, "tool-choice")).select_by_visible_text("required")
+        browser.find_element(By.ID, "parallel").click()
+        set_field(browser, "max-tokens", "200")
+        send(browser, "Weather in Paris?")
+        WebDriverWait(browser, 60).until(lambda b: "tokens/s" in b.find_element(By.ID, "figures").text)
+        shown = turns(browser)
+        assert [role for role, _ in shown] == ["turn user", "turn tool-call"]
+        arguments = re.fullmatch(r"tool call: get_weather\((\{.*\})\)", shown[1][1]).group(1)
+        assert set(json.loads(arguments)) == {"city"}
+        send(browser, "sunny")
+        WebDriverWait(browser, 60).until(lambda b: len(b.execute_script("return window.sent")) == 2)
+        asked = browser.execute_script("return window.sent")
+        assistant, answer = asked[1]["messages"][-2:]
+        (made,) = assistant["tool_calls"]
+        assert made["function"] == {"name": "get_weather", "arguments": arguments}
+        assert answer == {"role": "tool", "tool_call_id": made["id"], "content": "sunny"}
+        assert asked[0]["tool_choice"] == "required" and asked[0]["parallel_tool_calls"] is False
+        assert turns(browser)[2] == ("turn tool-result", "tool answer: sunny")
     finally:
         browser.quit()
         stop_server(proc)

@@ -1,9 +1,10 @@
 """OpenAI's request bodies and error shape, as mlxkv reads them.
 
-Sampling fields (`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `ignore_eos`) are
-`SamplingParams`' own: a body keeps them as given and `sampling` hands them to `SamplingParams`,
-which checks them once and names a bad one. Unknown fields are ignored, as OpenAI's clients send
-some of their own.
+Sampling fields (`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `ignore_eos`, and the
+constraints `json_schema`, `regex`, `choice`, `grammar`) are `SamplingParams`' own: a body keeps
+them as given and `sampling` hands them to `SamplingParams`, which checks them once and names a
+bad one. A constraint may also come as OpenAI's `response_format` or vLLM's `structured_outputs`.
+Unknown fields are ignored, as OpenAI's clients send some of their own.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.outputs import Usage
-from ...engine.sampling_params import SamplingParams
+from ...engine.sampling_params import CONSTRAINTS, SamplingParams
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "logprobs"}
@@ -25,6 +26,43 @@ OPENAI_DEFAULTS = {"temperature": 1.0}  # OpenAI's documented default; SamplingP
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> dict[str, Any]:
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("response_format of type json_schema needs a json_schema object")
+            return {"json_schema": self.json_schema.schema_ or {"type": "object"}}
+        return {"json_schema": {"type": "object"}} if self.type == "json_object" else {}
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a regex, a choice or a grammar."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def constraint(self) -> dict[str, Any]:
+        given = {"json_schema": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        if self.json_object:
+            given["json_schema"] = given["json_schema"] or {"type": "object"}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 class Body(BaseModel):
@@ -38,11 +76,30 @@ class Body(BaseModel):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
-    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int, logprobs: int | None, constraint: dict[str, Any] | None = None
+    ) -> SamplingParams:
         """The request's `SamplingParams`: the sampling fields it gave (null is unset), else OpenAI's
-        defaults, else mlxkv's; a bad value raises ValueError naming the field."""
+        defaults, else mlxkv's, with the constraint of `response_format`, `structured_outputs` or
+        `constraint` (the server's own, for tool calls); a bad value raises ValueError naming the field."""
         given = {k: v for k, v in (self.model_extra or {}).items() if k in SAMPLING_FIELDS and v is not None}
+        sources = [
+            (name, part)
+            for name, part in (
+                ("response_format", self.response_format.constraint() if self.response_format else {}),
+                ("structured_outputs", self.structured_outputs.constraint() if self.structured_outputs else {}),
+                ("tool_choice", constraint or {}),
+                ("the body", {k: v for k, v in given.items() if k in CONSTRAINTS}),
+            )
+            if part
+        ]
+        if len(sources) > 1 or sum(len(part) for _, part in sources) > 1:
+            named = ", ".join(f"{k} ({name})" for name, part in sources for k in part)
+            raise ValueError(f"constraints: give at most one; got {named}")
+        given.update(sources[0][1] if sources else {})
         return SamplingParams(**{**OPENAI_DEFAULTS, **given, "max_tokens": max_tokens, "logprobs": logprobs})
 
 
@@ -51,13 +108,65 @@ class TextPart(BaseModel):
     text: str
 
 
-class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    def as_template_input(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+class MessageToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it (mlx-lm's way): an assistant's calls with their
+        arguments as objects, a tool's answer with the id of its call."""
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _object(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _object(call: MessageToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        raise ValueError(f"the arguments of tool call {call.id!r} are not JSON: {call.function.arguments!r}") from None
+
+
+class Function(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(Body):
@@ -65,6 +174,32 @@ class ChatBody(Body):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the chat template shows the model, as OpenAI's entries (which templates and
+        mlx-lm's tool parsers read): every one, or none with `tool_choice` 'none'."""
+        if self.tool_choice == "none":
+            return []
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def forced_tools(self) -> list[dict[str, Any]]:
+        """The tools the reply must call one of: all with `tool_choice` 'required', the named one
+        with a named choice, none otherwise (the model decides, and its calls are parsed)."""
+        offered = self.offered_tools()
+        if self.tool_choice == "required":
+            if not offered:
+                raise ValueError("tool_choice 'required' needs tools")
+            return offered
+        if isinstance(self.tool_choice, NamedToolChoice):
+            wanted = self.tool_choice.function.name
+            named = [t for t in offered if t["function"]["name"] == wanted]
+            if not named:
+                raise ValueError(f"tool_choice names {wanted!r}, which is not among the tools")
+            return named
+        return []
 
 
 class CompletionBody(Body):

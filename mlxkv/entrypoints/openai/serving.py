@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -28,6 +28,7 @@ from ...errors import RequestFailed
 from ..metrics import Metrics
 from ..prompts import prompt_ids
 from .protocol import APIError, Body, ChatBody, CompletionBody, sse, usage_json
+from .tool_calls import Piece, ToolCall, ToolCallStream, tool_grammar
 
 Event = tuple[int, RequestOutput] | None  # (choice index, output), or None for a keepalive
 Choice = tuple[list[int], SamplingParams]  # one choice's prompt and sampling
@@ -54,15 +55,45 @@ class OpenAIServing:
 
     async def chat(self, body: ChatBody, request: HTTPRequest) -> Any:
         self._check_model(body)
+        tools, constraint = self._tools(body)
         try:
-            prompt = prompt_ids(self.tokenizer, [m.as_template_input() for m in body.messages])
+            messages = [m.as_template_input() for m in body.messages]
+            prompt = prompt_ids(self.tokenizer, messages, tools=tools)
         except Exception as exc:
             raise APIError(400, f"the messages do not fit the model's chat template: {exc}", "messages") from None
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = self._params(body, prompt, limit, (body.top_logprobs or 0) if body.logprobs else None)
-        return await self._respond(body, _choices([(prompt, params)], body.n), request, "chat.completion")
+        params = self._params(body, prompt, limit, (body.top_logprobs or 0) if body.logprobs else None, constraint)
+        await self._compile(params, body, constraint is not None)
+        return await self._respond(body, _choices([(prompt, params)], body.n), request, "chat.completion", tools)
+
+    def _tools(self, body: ChatBody) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """The functions the template shows, and the constraint that holds the reply to calls
+        when `tool_choice` is 'required' or names one."""
+        try:
+            tools, forced = body.offered_tools(), body.forced_tools()
+            if tools and not self.tokenizer.has_tool_calling:
+                raise ValueError("this model's chat template has no tool calls (mlx-lm finds no tool-call format)")
+            grammar = tool_grammar(self.tokenizer, forced, body.parallel_tool_calls) if forced else None
+        except ValueError as exc:
+            raise APIError(400, str(exc), "tool_choice" if body.tool_choice else "tools") from None
+        return tools, {"grammar": grammar} if grammar else None
+
+    async def _compile(self, params: SamplingParams, body: Body, tools_forced: bool = False) -> None:
+        """Compile the request's constraint before any reply starts (on a worker thread: a large
+        schema takes a while), so that one llguidance refuses is a 400 naming where it came from."""
+        try:
+            await asyncio.to_thread(self.llm.engine.structured.matcher, params)
+        except ValueError as exc:
+            sources = (
+                ("response_format", body.response_format is not None and body.response_format.constraint()),
+                ("structured_outputs", body.structured_outputs is not None),
+                ("tool_choice", tools_forced),
+            )
+            field = str(exc).split()[0]  # the SamplingParams field named at the start of the message
+            source = next((name for name, given in sources if given), field)
+            raise APIError(400, str(exc) if source == field else f"{source}: {exc}", source) from None
 
     async def completions(self, body: CompletionBody, request: HTTPRequest) -> Any:
         """One prompt, or a batch of them (OpenAI's list of strings or of token-id lists): choices
@@ -79,6 +110,7 @@ class OpenAIServing:
                 raise APIError(400, str(exc) if len(batch) == 1 else f"prompt {index}: {exc}", "prompt") from None
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             runs.append((prompt, self._params(body, prompt, max_tokens, body.logprobs)))
+        await self._compile(runs[0][1], body)
         return await self._respond(body, _choices(runs, body.n), request, "text_completion")
 
     def _check_model(self, body: Body) -> None:
@@ -100,8 +132,16 @@ class OpenAIServing:
                 headers={"Retry-After": "1"},
             )
 
-    def _params(self, body: Body, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's sampling parameters for `body`; `max_tokens` is cut to the room the prompt leaves."""
+    def _params(
+        self,
+        body: Body,
+        prompt: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+        constraint: dict[str, Any] | None = None,
+    ) -> SamplingParams:
+        """The engine's sampling parameters for `body` (with the server's `constraint` for tool
+        calls); `max_tokens` is cut to the room the prompt leaves."""
         most = self.llm.engine.max_request_tokens
         room = most - len(prompt)  # what the context leaves for the reply
         if room < 1:
@@ -114,21 +154,26 @@ class OpenAIServing:
         limit = room if max_tokens is None else min(room, max_tokens) if max_tokens >= 1 else max_tokens
         try:
             check_salt(body.cache_salt)
-            return body.sampling(limit, logprobs)
+            return body.sampling(limit, logprobs, constraint)
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split()[0]) from None
 
-    async def _respond(self, body: Body, choices: list[Choice], request: HTTPRequest, kind: str) -> Any:
+    async def _respond(
+        self, body: Body, choices: list[Choice], request: HTTPRequest, kind: str, tools: Sequence[dict[str, Any]] = ()
+    ) -> Any:
+        """The response: one JSON body, or a stream; with `tools`, each choice's text split into
+        content and tool calls."""
         self._check_queue(len(choices))
         ident = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "created": int(time.time()), "model": self.model_id}
         events = self._run(choices, body.cache_salt)
         n = len(choices)
+        splits = [ToolCallStream(self.tokenizer, list(tools)) if tools else None for _ in range(n)]
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            stream = self._stream(events, head, kind, n, body.n, usage)
+            stream = self._stream(events, head, kind, splits, body.n, usage)
             return StreamingResponse(stream, media_type="text/event-stream")
-        return await until_done(self._collect(events, head, kind, n, body.n), request)
+        return await until_done(self._collect(events, head, kind, splits, body.n), request)
 
     async def _run(self, choices: list[Choice], salt: str | None) -> AsyncGenerator[Event, None]:
         """The outputs of every choice as they come, tagged by choice index; None every
@@ -167,9 +212,15 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _collect(
-        self, events: AsyncGenerator[Event, None], head: dict[str, Any], kind: str, n: int, per_prompt: int
+        self,
+        events: AsyncGenerator[Event, None],
+        head: dict[str, Any],
+        kind: str,
+        splits: list[ToolCallStream | None],
+        per_prompt: int,
     ) -> dict[str, Any]:
-        text: list[str] = [""] * n
+        n = len(splits)
+        pieces: list[list[Piece]] = [[] for _ in range(n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         reasons: list[str | None] = [None] * n
         usages: list[Usage | None] = [None] * n
@@ -178,10 +229,13 @@ class OpenAIServing:
                 if event is None:
                     continue
                 index, output = event
-                text[index] += output.delta
+                pieces[index] += _split(splits[index], output)
                 logprobs[index] += output.logprobs
                 reasons[index], usages[index] = output.finish_reason, output.usage
-        choices = [self._choice(kind, i, text[i], reasons[i], logprobs[i], final=True) for i in range(n)]
+        choices = []
+        for i in range(n):
+            text, calls = _text(pieces[i]), [p for p in pieces[i] if isinstance(p, ToolCall)]
+            choices.append(self._choice(kind, i, text, _reason(reasons[i], calls), logprobs[i], True, calls))
         return {**head, "object": kind, "choices": choices, "usage": usage_json(usages, per_prompt)}
 
     async def _stream(
@@ -189,28 +243,22 @@ class OpenAIServing:
         events: AsyncGenerator[Event, None],
         head: dict[str, Any],
         kind: str,
-        n: int,
+        splits: list[ToolCallStream | None],
         per_prompt: int,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+        """Server-Sent Events: a chat choice's tool calls as OpenAI streams them (id and name,
+        then the arguments), before the content that came with them."""
+        n = len(splits)
+        chunk = {**head, "object": "chat.completion.chunk" if kind == "chat.completion" else kind}
         usages: list[Usage | None] = [None] * n
+        calls: list[list[ToolCall]] = [[] for _ in range(n)]
         async with aclosing(events):
             if kind == "chat.completion":
                 for i in range(n):
+                    first = {"role": "assistant", "content": ""}
                     yield sse(
-                        {
-                            **head,
-                            "object": chunk_kind,
-                            "choices": [
-                                {
-                                    "index": i,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
+                        {**chunk, "choices": [{"index": i, "delta": first, "logprobs": None, "finish_reason": None}]}
                     )
             try:
                 async for event in events:
@@ -219,29 +267,41 @@ class OpenAIServing:
                         continue
                     index, output = event
                     usages[index] = output.usage
-                    if output.delta or output.finished or output.logprobs:
-                        yield sse(
-                            {
-                                **head,
-                                "object": chunk_kind,
-                                "choices": [
-                                    self._choice(kind, index, output.delta, output.finish_reason, list(output.logprobs))
-                                ],
-                            }
-                        )
+                    pieces = _split(splits[index], output)
+                    for call in (p for p in pieces if isinstance(p, ToolCall)):
+                        for delta in _call_deltas(call, len(calls[index])):
+                            tool_delta = {"index": index, "delta": {"tool_calls": [delta]}, "finish_reason": None}
+                            yield sse({**chunk, "choices": [{**tool_delta, "logprobs": None}]})
+                        calls[index].append(call)
+                    text = _text(pieces)
+                    if text or output.finished or output.logprobs:
+                        reason = _reason(output.finish_reason, calls[index])
+                        choice = self._choice(kind, index, text, reason, list(output.logprobs))
+                        yield sse({**chunk, "choices": [choice]})
             except RequestFailed as exc:  # the status line has gone: the error travels as an event
                 yield sse(APIError(500, str(exc), kind="server_error").body())
                 return
         if include_usage:
-            yield sse({**head, "object": chunk_kind, "choices": [], "usage": usage_json(usages, per_prompt)})
+            yield sse({**chunk, "choices": [], "usage": usage_json(usages, per_prompt)})
         yield sse("[DONE]")
 
     def _choice(
-        self, kind: str, index: int, text: str, reason: str | None, scores: list[TokenLogprob], final: bool = False
+        self,
+        kind: str,
+        index: int,
+        text: str,
+        reason: str | None,
+        scores: list[TokenLogprob],
+        final: bool = False,
+        calls: list[ToolCall] | None = None,
     ) -> dict[str, Any]:
         wanted = bool(scores)
         if kind == "chat.completion":
-            part = {"role": "assistant", "content": text} if final else {"content": text}
+            part: dict[str, Any] = {"content": text}
+            if final:
+                part = {"role": "assistant", "content": text or (None if calls else "")}
+                if calls:
+                    part["tool_calls"] = [call.as_json() for call in calls]
             return {
                 "index": index,
                 "message" if final else "delta": part,
@@ -276,6 +336,31 @@ class OpenAIServing:
             "top_logprobs": [{self._token_text(t): lp for t, lp in s.top} for s in scores],
             "text_offset": offsets,
         }
+
+
+def _split(split: ToolCallStream | None, output: RequestOutput) -> list[Piece]:
+    """An output's new text as content and tool calls (all content when no tools were offered)."""
+    if split is None:
+        return [output.delta] if output.delta else []
+    return split.feed(output.delta) + (split.close() if output.finished else [])
+
+
+def _text(pieces: list[Piece]) -> str:
+    return "".join(p for p in pieces if isinstance(p, str))
+
+
+def _reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    """OpenAI's finish reason: a reply that ended by itself after calling tools ends in "tool_calls"."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _call_deltas(call: ToolCall, index: int) -> list[dict[str, Any]]:
+    """A tool call as OpenAI streams it: its id and name first, then its arguments."""
+    head = call.as_json(index)
+    return [
+        {**head, "function": {"name": call.name, "arguments": ""}},
+        {"index": index, "function": {"arguments": call.arguments}},
+    ]
 
 
 async def until_done(work: Awaitable[Any], request: HTTPRequest) -> Any:

@@ -1,0 +1,134 @@
+"""Tool calls: the model's tool-call text, as it streams, split from the reply's content and parsed
+into OpenAI's `tool_calls` by mlx-lm's parser for the model's family; and the grammar that holds
+a reply to tool calls when `tool_choice` asks for one.
+
+Streamed and whole replies go through the same `ToolCallStream`, so they are equal: text between
+the model's tool-call markers never reaches `content`, and a call that does not parse (cut off
+by `max_tokens`, say) is given back as the text it was.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"  # a call is {"name": ..., "arguments": {...}} between the markers
+COMPACT_JSON = {"whitespace_flexible": False}  # llguidance's option: arguments as a model writes them best
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: OpenAI's id, the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_json(self, index: int | None = None) -> dict[str, Any]:
+        """The call as OpenAI's `tool_calls` entry (with `index` in a streamed delta)."""
+        entry = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return entry if index is None else {"index": index, **entry}
+
+
+Piece = str | ToolCall  # what a reply's text turns into: content, or a call
+
+
+class ToolCallStream:
+    """Splits a reply's text into content and tool calls as the text arrives (`feed`), holding
+    back only what may be the start of a tool-call marker, and whitespace after a call (the
+    separator between calls, which is not content); `close` ends the reply."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, tools: list[dict[str, Any]]) -> None:
+        self.start: str = tokenizer.tool_call_start
+        self.end: str = tokenizer.tool_call_end
+        self.parse = tokenizer.tool_parser
+        self.tools = tools
+        self._held = ""
+        self._in_call = False
+        self._called = False
+        self._gap = ""  # whitespace since the last call
+
+    def feed(self, text: str) -> list[Piece]:
+        self._held += text
+        pieces: list[Piece] = []
+        while True:
+            marker = self.end if self._in_call else self.start
+            at = self._held.find(marker)
+            if at < 0:
+                break
+            before, self._held = self._held[:at], self._held[at + len(marker) :]
+            pieces += self._parsed(before) if self._in_call else [before]
+            self._in_call = not self._in_call
+        if not self._in_call:
+            keep = _partial_marker(self._held, self.start)
+            pieces.append(self._held[: len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep :]
+        return self._between_calls(pieces)
+
+    def close(self) -> list[Piece]:
+        """What is left at the reply's end: a call without its end marker is parsed if it can be."""
+        held, self._held = self._held, ""
+        return self._between_calls(self._parsed(held) if self._in_call else [held])
+
+    def _between_calls(self, pieces: list[Piece]) -> list[Piece]:
+        """`pieces` without the whitespace that follows a call, unless other text follows it."""
+        kept: list[Piece] = []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                self._called, self._gap = True, ""
+                kept.append(piece)
+            elif self._called and not (self._gap + piece).strip():
+                self._gap += piece
+            elif piece:
+                kept.append(self._gap + piece)
+                self._gap = ""
+        return kept
+
+    def _parsed(self, text: str) -> list[Piece]:
+        try:
+            parsed = self.parse(text, self.tools)
+            calls = parsed if isinstance(parsed, list) else [parsed]
+            return [ToolCall(call["name"], _arguments(call["arguments"])) for call in calls]
+        except (ValueError, KeyError, TypeError):  # not a call after all: the model's text, as it was
+            return [self.start + text]
+
+
+def _arguments(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _partial_marker(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker`."""
+    return next((n for n in range(min(len(text), len(marker) - 1), 0, -1) if marker.startswith(text[-n:])), 0)
+
+
+def tool_grammar(tokenizer: TokenizerWrapper, tools: list[dict[str, Any]], parallel: bool) -> str:
+    """A Lark grammar (llguidance's, with `%json`) for a reply of one tool call, or several when
+    `parallel`, each naming one of `tools` (OpenAI's tool entries) with arguments valid under
+    its parameter schema. Only for models whose calls are mlx-lm's json_tools format; others
+    raise ValueError."""
+    if getattr(tokenizer.tool_parser, "__module__", None) != JSON_TOOLS:
+        raise ValueError(
+            "this model writes its tool calls in a format mlxkv cannot enforce yet (only JSON between "
+            "<tool_call> markers is); use tool_choice 'auto'"
+        )
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool["function"]["name"]},
+                "arguments": tool["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema = json.dumps({"anyOf": calls, "x-guidance": COMPACT_JSON}, ensure_ascii=False)
+    start, end = json.dumps(tokenizer.tool_call_start + "\n"), json.dumps("\n" + tokenizer.tool_call_end)
+    repeat = ' ("\\n" call)*' if parallel else ""
+    return f"start: call{repeat}\ncall: {start} %json {schema} {end}\n"

@@ -1,0 +1,257 @@
+"""Tool calls and structured output over real HTTP, with the official `openai` client and LangChain,
+on a tiny random checkpoint whose chat template offers tools (calls as JSON between <tool_call>
+markers): even a random model, constrained, calls tools with arguments valid under their schema."""
+
+import asyncio
+import json
+
+import jsonschema
+import openai
+import pytest
+from helpers import start_server, stop_server
+
+from mlxkv.entrypoints.prompts import prompt_ids
+from mlxkv.models import load
+from mlxkv.models.random_model import TOOLS_CHAT_TEMPLATE, make_checkpoint
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city for the next days.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+    },
+}
+TOOLS = [WEATHER, CLOCK]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "maximum": 9}},
+}
+ANSWER["required"] = ["answer", "score"]
+MODEL = "tiny-tools"  # the checkpoint's folder, which the server names its model by
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "tiny-tools"
+    return make_checkpoint(path, chat_template=TOOLS_CHAT_TEMPLATE, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    proc, url = start_server("--model", MODEL, "--max-num-seqs", "16", cwd=checkpoint.parent)
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+
+
+def schema_of(name):
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def call(client, stream=False, **kw):
+    """A chat request to the one model the server runs (the client's `model`)."""
+    args = dict(model=MODEL, messages=ASK, max_tokens=300, temperature=0.8, seed=1)
+    return client.chat.completions.create(**{**args, **kw}, stream=stream)
+
+
+def test_forced_calls_are_valid_for_16_concurrent_requests_beside_free_ones(server):
+    """Eight requests must call a tool, eight are free, all at once: every forced reply is one
+    call of an offered tool whose arguments validate against its schema."""
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused")
+
+    async def run():
+        forced = [
+            call(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=i) for i in range(8)
+        ]
+        free = [call(client, max_tokens=40, seed=i) for i in range(8)]
+        return await asyncio.gather(*forced, *free)
+
+    replies = asyncio.run(run())
+    for reply in replies[:8]:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (made,) = choice.message.tool_calls
+        assert made.type == "function" and made.id.startswith("call_")
+        jsonschema.validate(json.loads(made.function.arguments), schema_of(made.function.name))
+    assert all(r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None for r in replies[8:])
+
+
+def test_a_named_tool_is_the_one_called(client):
+    reply = call(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, seed=4)
+    for made in reply.choices[0].message.tool_calls:
+        assert made.function.name == "get_time"
+        assert json.loads(made.function.arguments)["zone"] in ("UTC", "CET")
+
+
+def test_streamed_calls_equal_the_whole_reply_for_the_same_seed(client):
+    """Parallel calls allowed: the model calls until it stops or runs out of tokens; streamed, the
+    calls come as OpenAI's deltas (id and name, then arguments) and add up to the same reply."""
+    for seed in (2, 3):
+        whole = call(client, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=150).choices[0]
+        content, calls, reason = "", {}, None
+        for chunk in call(client, True, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=150):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for part in delta.tool_calls or []:
+                entry = calls.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": ""})
+                entry["arguments"] += part.function.arguments
+            reason = chunk.choices[0].finish_reason or reason
+        made = [(c.id, c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [m[1:] for m in made]
+        assert content == (whole.message.content or "") and reason == whole.finish_reason
+        assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_response_format_holds_on_both_endpoints_streamed_or_not(client):
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    reply = call(client, response_format=schema)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), ANSWER)
+    streamed = "".join(c.choices[0].delta.content or "" for c in call(client, True, response_format=schema))
+    assert streamed == reply.choices[0].message.content
+    anything = call(client, response_format={"type": "json_object"}, max_tokens=400, seed=5)
+    assert anything.choices[0].finish_reason == "length" or isinstance(
+        json.loads(anything.choices[0].message.content), dict
+    )
+    text = client.completions.create(
+        model=MODEL, prompt="Say", max_tokens=200, seed=1, extra_body={"response_format": schema}
+    )
+    jsonschema.validate(json.loads(text.choices[0].text), ANSWER)
+
+
+@pytest.mark.parametrize(
+    "field, value, check",
+    [
+        ("regex", "[0-9]{2}-[a-z]{3}", lambda t: len(t) == 6 and t[2] == "-"),
+        ("choice", ["left", "right"], lambda t: t in ("left", "right")),
+        ("grammar", 'start: "go " DIR\nDIR: "up" | "down"', lambda t: t in ("go up", "go down")),
+        ("json", ANSWER, lambda t: jsonschema.validate(json.loads(t), ANSWER) is None),
+    ],
+)
+def test_structured_outputs_as_vllm_names_them(client, field, value, check):
+    reply = client.completions.create(
+        model=MODEL, prompt="Say", max_tokens=100, seed=2, extra_body={"structured_outputs": {field: value}}
+    )
+    assert reply.choices[0].finish_reason == "stop" and check(reply.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    "extra, param, message",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}}}}},
+            "response_format",
+            'response_format: json_schema cannot be used: Unimplemented keys: ["if"]',
+        ),
+        ({"structured_outputs": {"regex": "a("}}, "structured_outputs", "structured_outputs: regex cannot be used"),
+        ({"json_schema": {"type": "object", "if": {}}}, "json_schema", "json_schema cannot be used: Unimplemented"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "tool_choice names 'nope', which is not among the tools",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]}
+            | {"tool_choice": "required"},
+            "tool_choice",
+            "tool_choice: grammar cannot be used",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "tool_choice 'required' needs tools"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            None,
+            "constraints: give at most one; got json_schema (response_format), regex (structured_outputs)",
+        ),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field(client, extra, param, message):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=extra)
+    error = refused.value.body
+    assert error["message"].startswith(message) and (param is None or error["param"] == param)
+
+
+def test_a_tool_answer_goes_back_through_the_template(client, checkpoint):
+    """An assistant's call and the tool's answer are rendered by the model's own template, the
+    call's arguments as an object (as mlx-lm renders them)."""
+    made = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    turns = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [made]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    reply = call(client, messages=turns, tools=TOOLS, max_tokens=4)
+    as_template = turns[:1] + [
+        {"role": "assistant", "content": "", "tool_calls": [{**made, "function": {**made["function"]}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    as_template[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Oslo"}
+    tokenizer = load(str(checkpoint))[1]
+    assert reply.usage.prompt_tokens == len(prompt_ids(tokenizer, as_template, tools=TOOLS))
+    assert "sunny, 21 C" in tokenizer.decode(prompt_ids(tokenizer, as_template, tools=TOOLS))
+
+
+def test_tool_choice_none_shows_no_tools_and_parses_no_calls(client, checkpoint):
+    reply = call(client, tools=TOOLS, tool_choice="none", max_tokens=4)
+    tokenizer = load(str(checkpoint))[1]
+    assert reply.usage.prompt_tokens == len(prompt_ids(tokenizer, ASK))
+    assert reply.choices[0].message.tool_calls is None
+
+
+def test_langchain_binds_tools_and_gets_structured_output(server):
+    pytest.importorskip("langchain_openai", reason="langchain-openai could not be installed")
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class WeatherArgs(BaseModel):
+        city: str = Field(max_length=10)
+        days: int = Field(ge=1, le=7)
+
+    @tool(args_schema=WeatherArgs)
+    def get_weather(city: str, days: int) -> str:
+        """The weather in a city for the next days."""
+        return "sunny"
+
+    class Person(BaseModel):
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=120)
+
+    chat = ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model=MODEL, max_tokens=300, seed=3)
+    message = chat.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False).invoke("Paris?")
+    (made,) = message.tool_calls
+    assert made["name"] == "get_weather" and WeatherArgs(**made["args"])
+    person = chat.with_structured_output(Person).invoke("Who is there?")
+    assert isinstance(person, Person)
+
+
+def test_tools_need_a_model_whose_template_has_tool_calls():
+    proc, url = start_server("--max-num-seqs", "1")  # the demo model: no chat template at all
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused").chat.completions.create(
+                model="mlxkv-demo", messages=ASK, tools=TOOLS, max_tokens=4
+            )
+        assert refused.value.body["param"] == "tools"
+        assert refused.value.body["message"].startswith("this model's chat template has no tool calls")
+    finally:
+        stop_server(proc)
