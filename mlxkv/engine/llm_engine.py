@@ -410,6 +410,7 @@ class LLMEngine:
             token_ids,
             scores,
             usage,
+            request.stream.stop_string,
         )
 
     def reset_peak_usage(self) -> None:

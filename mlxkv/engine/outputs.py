@@ -30,3 +30,4 @@ class RequestOutput:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
     usage: Usage | None = None
+    stop_string: str | None = None  # the stop string that ended the text, when one did

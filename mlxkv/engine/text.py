@@ -12,7 +12,7 @@ class TextStream:
     `take_delta` until later tokens settle it, so a stop string is never streamed.
     """
 
-    __slots__ = ("_detokenizer", "_stop", "_longest", "text", "_sent", "stopped", "finished")
+    __slots__ = ("_detokenizer", "_stop", "_longest", "text", "_sent", "stopped", "stop_string", "finished")
 
     def __init__(self, detokenizer: StreamingDetokenizer, stop: tuple[str, ...]) -> None:
         self._detokenizer = detokenizer
@@ -21,6 +21,7 @@ class TextStream:
         self.text = ""
         self._sent = 0
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
         self.finished = False
 
     def add(self, token: int) -> bool:
@@ -54,7 +55,8 @@ class TextStream:
             self.text = text
             return
         search_from = max(0, len(self.text) - self._longest)
-        hits = [i for s in self._stop if (i := text.find(s, search_from)) >= 0]
+        hits = sorted((i, s) for s in self._stop if (i := text.find(s, search_from)) >= 0)
         if hits:
-            text, self.stopped = text[: min(hits)], True
+            (at, self.stop_string), self.stopped = hits[0], True
+            text = text[:at]
         self.text = text

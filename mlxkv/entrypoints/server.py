@@ -1,4 +1,5 @@
-"""`mlxkv serve`'s HTTP app: OpenAI's API (`openai/`), `/metrics`, `/health`, the model list and a chat page.
+"""`mlxkv serve`'s HTTP app: OpenAI's API (`openai/`), Anthropic's Messages API (`anthropic/`), `/metrics`,
+`/health`, the model list and a chat page, all over one serving core (`core.py`).
 
 Concurrent clients share one `AsyncLLM`, so their requests are batched by the scheduler.
 """
@@ -20,8 +21,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..engine.async_llm import AsyncLLM
 from ..errors import RequestFailed, RequestTooLong
+from .anthropic import protocol as anthropic_protocol
+from .anthropic.serving import AnthropicServing
+from .core import ServingCore, ServingError
 from .metrics import Metrics
-from .openai.protocol import APIError, ChatBody, CompletionBody
+from .openai import protocol as openai_protocol
 from .openai.serving import OpenAIServing
 
 KEEPALIVE_S = 2.0  # a comment line this often while a stream has nothing to send (a long prefill)
@@ -41,16 +45,27 @@ def build_app(
 
     def authorize(request: HTTPRequest) -> None:
         """With an API key, every endpoint but /health and the chat page wants it (the page holds no
-        data and asks its user for the key). A dependency: an HTTP middleware would hide client
-        disconnects from the handlers."""
+        data and asks its user for the key), as `Authorization: Bearer <key>` or Anthropic's
+        `x-api-key: <key>`. A dependency: an HTTP middleware would hide client disconnects from the
+        handlers."""
         if api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise APIError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
+            bearer = request.headers.get("authorization", "").encode()
+            header = request.headers.get("x-api-key", "").encode()
+            if not (
+                secrets.compare_digest(bearer, f"Bearer {api_key}".encode())
+                or secrets.compare_digest(header, api_key.encode())
+            ):
+                raise ServingError(
+                    401,
+                    "a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>)",
+                    code="invalid_api_key",
+                    kind="authentication_error",
+                )
 
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorize)])
     metrics = Metrics(llm.engine)
-    openai = OpenAIServing(llm, model_id, metrics, max_queue, keepalive_s)
+    core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s)
+    openai, anthropic = OpenAIServing(core), AnthropicServing(core)
     created = int(time.time())
     chat_page = files("mlxkv.entrypoints").joinpath("chat.html").read_text(encoding="utf-8")
     if allowed_origins:
@@ -58,26 +73,33 @@ def build_app(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
         )
 
-    @app.exception_handler(APIError)
-    async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
-        return exc.response()
+    def render(request: HTTPRequest, error: ServingError) -> JSONResponse:
+        """`error` in the shape of the API the request called."""
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_protocol.error_response(error)
+        return openai_protocol.error_response(error)
+
+    @app.exception_handler(ServingError)
+    async def refused(request: HTTPRequest, exc: ServingError) -> JSONResponse:
+        return render(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
         where = [str(part) for part in first.get("loc", ()) if part != "body"]
         if first.get("type") == "json_invalid":
-            return APIError(400, f"the body is not valid JSON: {first.get('msg')}").response()
+            return render(request, ServingError(400, f"the body is not valid JSON: {first.get('msg')}"))
         param = ".".join(where) or None
-        return APIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param).response()
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return render(request, ServingError(400, message, param))
 
     @app.exception_handler(RequestTooLong)
-    async def too_long(_: HTTPRequest, exc: RequestTooLong) -> JSONResponse:
-        return APIError(400, str(exc), None, "context_length_exceeded").response()
+    async def too_long(request: HTTPRequest, exc: RequestTooLong) -> JSONResponse:
+        return render(request, ServingError(400, str(exc), None, "context_length_exceeded"))
 
     @app.exception_handler(RequestFailed)
-    async def failed(_: HTTPRequest, exc: RequestFailed) -> JSONResponse:
-        return APIError(500, str(exc), kind="server_error").response()
+    async def failed(request: HTTPRequest, exc: RequestFailed) -> JSONResponse:
+        return render(request, ServingError(500, str(exc), kind="server_error"))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -99,11 +121,19 @@ def build_app(
         return chat_page
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody, request: HTTPRequest) -> Any:
+    async def chat(body: openai_protocol.ChatBody, request: HTTPRequest) -> Any:
         return await openai.chat(body, request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: HTTPRequest) -> Any:
+    async def completions(body: openai_protocol.CompletionBody, request: HTTPRequest) -> Any:
         return await openai.completions(body, request)
+
+    @app.post("/v1/messages")
+    async def messages(body: anthropic_protocol.MessagesBody, request: HTTPRequest) -> Any:
+        return await anthropic.messages(body, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: anthropic_protocol.CountTokensBody) -> dict[str, int]:
+        return await anthropic.count_tokens(body)
 
     return app

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mlxkv.entrypoints.openai.tool_calls import ToolCall, ToolCallStream, tool_grammar
+from mlxkv.entrypoints.tool_calls import ToolCall, ToolCallStream, tool_grammar
 from mlxkv.models import load
 from mlxkv.models.random_model import TOOLS_CHAT_TEMPLATE, make_checkpoint
 

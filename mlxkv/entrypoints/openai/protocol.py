@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.outputs import Usage
 from ...engine.sampling_params import CONSTRAINTS, SamplingParams
+from ..core import ServingError
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "logprobs"}
@@ -213,26 +214,21 @@ class CompletionBody(Body):
         return [cast("str | list[int]", self.prompt)]
 
 
-class APIError(Exception):
-    """An error answered as OpenAI's `{"error": {...}}` with an HTTP status."""
+OPENAI_KINDS = {  # OpenAI's error types for the core's kinds it names otherwise
+    "overloaded_error": "server_error",
+    "not_found_error": "invalid_request_error",
+    "authentication_error": "invalid_request_error",
+}
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+def error_body(error: ServingError) -> dict[str, Any]:
+    """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
+    kind = OPENAI_KINDS.get(error.kind, error.kind)
+    return {"error": {"message": str(error), "type": kind, "param": error.param, "code": error.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+def error_response(error: ServingError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
 
 
 def usage_json(usages: list[Usage | None], per_prompt: int) -> dict[str, Any]:

@@ -1,0 +1,176 @@
+"""Anthropic's Messages API request bodies and error shape, as mlxkv reads them.
+
+Content blocks of type `text`, `tool_use` and `tool_result` are read; `cache_control` is accepted
+(the prefix cache keeps every prompt's pages while the pool has room). Unknown fields, such as
+`metadata`, are ignored, as Anthropic's clients send some of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..core import ServingError
+
+ANTHROPIC_DEFAULTS = {"temperature": 1.0}  # Anthropic's documented default; SamplingParams' own is greedy
+ANTHROPIC_KINDS = {"server_error": "api_error"}  # the core's kinds Anthropic names otherwise
+
+
+class CacheControl(BaseModel):
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
+class TextBlock(BaseModel):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(BaseModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(block.text for block in content)
+        return f"Error: {text}" if self.is_error else text
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class MessageParam(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    def as_template_inputs(self) -> list[dict[str, Any]]:
+        """The message as chat templates read it (mlx-lm's way): a user's tool results as `tool`
+        messages before its text, an assistant's tool uses as `tool_calls` with object arguments."""
+        blocks = [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        if self.role == "assistant":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
+            if uses:
+                message["tool_calls"] = [
+                    {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}} for b in uses
+                ]
+            return [message]
+        results = [
+            {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+            for b in blocks
+            if isinstance(b, ToolResultBlock)
+        ]
+        return results + ([{"role": "user", "content": text}] if text or not results else [])
+
+
+class ToolParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        """The tool as chat templates and mlx-lm's tool parsers read it: OpenAI's function entry."""
+        function = {"name": self.name, "parameters": self.input_schema}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+class ToolChoice(BaseModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class CountTokensBody(BaseModel):
+    """What decides a prompt's tokens: the model, system prompt, messages and tools."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def template_inputs(self) -> list[dict[str, Any]]:
+        system = self.system if isinstance(self.system, str) or self.system is None else _joined(self.system)
+        head = [{"role": "system", "content": system}] if system else []
+        return head + [m for message in self.messages for m in message.as_template_inputs()]
+
+    def shown_tools(self) -> list[dict[str, Any]]:
+        """The tools the chat template shows the model: all of them, or none with `tool_choice` none."""
+        if self.tool_choice is not None and self.tool_choice.type == "none":
+            return []
+        return [tool.as_openai() for tool in self.tools or []]
+
+    def forced_tools(self) -> list[dict[str, Any]]:
+        """The tools the reply must call one of: all with `any`, the named one with `tool`."""
+        choice, shown = self.tool_choice, self.shown_tools()
+        if choice is None or choice.type in ("auto", "none"):
+            return []
+        if not shown:
+            raise ValueError(f"tool_choice {choice.type!r} needs tools")
+        if choice.type == "any":
+            return shown
+        named = [t for t in shown if t["function"]["name"] == choice.name]
+        if not named:
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
+        return named
+
+
+class OutputFormat(BaseModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `effort` and what else a client sends: not for this model
+    format: OutputFormat | None = None
+
+
+class MessagesBody(CountTokensBody):
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    output_config: OutputConfig | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The sampling fields given (null is unset), as `SamplingParams` names them, with the JSON
+        schema of `output_config.format` (Anthropic's structured outputs)."""
+        given: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        given["stop"] = self.stop_sequences
+        if self.output_config is not None and self.output_config.format is not None:
+            given["json_schema"] = self.output_config.format.schema_
+        return {**ANTHROPIC_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _joined(blocks: list[TextBlock]) -> str:
+    return "".join(block.text for block in blocks)
+
+
+def error_body(error: ServingError) -> dict[str, Any]:
+    """Anthropic's error object: `{"type": "error", "error": {"type", "message"}}`."""
+    return {"type": "error", "error": {"type": ANTHROPIC_KINDS.get(error.kind, error.kind), "message": str(error)}}
+
+
+def error_response(error: ServingError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)

@@ -1,0 +1,212 @@
+"""The serving core every HTTP API of `mlxkv serve` shares: a conversation through the model's chat
+template, sampling cut to the room the context leaves, constraints compiled before a reply
+starts, and each choice's engine outputs as one stream of events, its text split into content and
+tool calls. Each API (`openai/`, `anthropic/`) adapts its request bodies and response shapes to it,
+and renders `ServingError` in its own error shape.
+
+A client that goes away (mid-prefill or mid-stream) is aborted at once and its pages freed:
+Starlette cancels a streaming response when its client disconnects, and `until_done` does the
+same for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+
+from ..engine.async_llm import AsyncLLM
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from .metrics import Metrics
+from .prompts import prompt_ids
+from .tool_calls import Piece, ToolCallStream, tool_grammar
+
+Event = tuple[int, RequestOutput] | None  # (choice index, output), or None for a keepalive
+Choice = tuple[list[int], SamplingParams]  # one choice's prompt and sampling
+
+
+class ServingError(Exception):
+    """A request refused or failed, as every API reports it: an HTTP status, a message, the field
+    at fault, a code, and its kind (`invalid_request_error`, `authentication_error`,
+    `not_found_error`, `server_error`, `overloaded_error`); each API renders it in its own shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
+
+
+@dataclass(frozen=True)
+class Tools:
+    """What a chat request does with tools: those its template shows (OpenAI's entries), and the
+    grammar that holds the reply to calls (for a required or named tool; None: the model decides)."""
+
+    shown: list[dict[str, Any]]
+    grammar: str | None = None
+
+
+def seeded_choices(runs: list[Choice], n: int) -> list[Choice]:
+    """`n` choices of each prompt. With a seed, choice j of a prompt draws with seed + j, so that
+    each choice is its own reproducible stream, and choice 0 is what the same request with n=1 gives."""
+    return [
+        (prompt, params if params.seed is None or j == 0 else replace(params, seed=(params.seed + j) % 2**64))
+        for prompt, params in runs
+        for j in range(n)
+    ]
+
+
+class ServingCore:
+    """One model behind every API: its prompts, sampling, constraints and running choices."""
+
+    def __init__(self, llm: AsyncLLM, model_id: str, metrics: Metrics, max_queue: int, keepalive_s: float) -> None:
+        self.llm, self.model_id, self.metrics = llm, model_id, metrics
+        self.max_queue, self.keepalive_s = max_queue, keepalive_s
+        self.tokenizer = llm.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise ServingError(
+                404,
+                f"model {model!r} does not exist; this server runs {self.model_id!r}",
+                "model",
+                "model_not_found",
+                "not_found_error",
+            )
+
+    def tools(self, shown: list[dict[str, Any]], forced: list[dict[str, Any]], parallel: bool, field: str) -> Tools:
+        """The tools of a chat request (OpenAI's entries): `forced` are those the reply must call
+        one of (none: the model decides); a 400 naming `field` if the model cannot call them."""
+        try:
+            if shown and not self.tokenizer.has_tool_calling:
+                raise ValueError("this model's chat template has no tool calls (mlx-lm finds no tool-call format)")
+            return Tools(shown, tool_grammar(self.tokenizer, forced, parallel) if forced else None)
+        except ValueError as exc:
+            raise ServingError(400, str(exc), field) from None
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: Tools | None = None) -> list[int]:
+        """The prompt of a conversation (role/content dicts, as chat templates read them)."""
+        try:
+            return prompt_ids(self.tokenizer, messages, tools=tools.shown if tools else None)
+        except Exception as exc:
+            raise ServingError(400, f"the messages do not fit the model's chat template: {exc}", "messages") from None
+
+    def encode(self, text: str | list[int]) -> list[int]:
+        """A completion prompt's token ids (text with the tokenizer's BOS, or ids checked)."""
+        return self.llm.engine.encode(text)
+
+    def room(self, prompt: list[int], max_tokens: int | None) -> int:
+        """`max_tokens` (None: as many as fit) cut to what the context leaves after `prompt`;
+        a prompt that leaves nothing is a 400."""
+        most = self.llm.engine.max_request_tokens
+        room = most - len(prompt)
+        if room < 1:
+            raise ServingError(
+                400,
+                f"the prompt has {len(prompt)} tokens; this server holds at most {most} per request, prompt and reply",
+                None,
+                "context_length_exceeded",
+            )
+        return room if max_tokens is None else min(room, max_tokens) if max_tokens >= 1 else max_tokens
+
+    async def compile(self, params: SamplingParams, source: str | None = None) -> None:
+        """Compile the request's constraint before any reply starts (on a worker thread: a large
+        schema takes a while), so that one llguidance refuses is a 400 naming where it came from
+        (`source`, else the `SamplingParams` field)."""
+        try:
+            await asyncio.to_thread(self.llm.engine.structured.matcher, params)
+        except ValueError as exc:
+            field = str(exc).split()[0]  # the field named at the start of the message
+            where = source or field
+            raise ServingError(400, str(exc) if where == field else f"{where}: {exc}", where) from None
+
+    def check_queue(self, choices: int) -> None:
+        if self.llm.engine.num_waiting + choices > self.max_queue:
+            raise ServingError(
+                503,
+                f"the server is busy ({self.max_queue} requests waiting); retry shortly",
+                code="queue_full",
+                kind="overloaded_error",
+                headers={"Retry-After": "1"},
+            )
+
+    def splitters(self, n: int, tools: Tools | None) -> list[ToolCallStream | None]:
+        """One splitter of content and tool calls per choice where tools were shown."""
+        return [ToolCallStream(self.tokenizer, tools.shown) if tools and tools.shown else None for _ in range(n)]
+
+    async def run(self, choices: list[Choice], salt: str | None) -> AsyncGenerator[Event, None]:
+        """The outputs of every choice as they come, tagged by choice index; None every
+        `keepalive_s` without any. Leaving early aborts every choice still running. Call
+        `check_queue` first, while an error can still be answered."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue()
+        n = len(choices)
+        timer = self.metrics.timer(n)
+
+        async def pump(index: int) -> None:
+            prompt, params = choices[index]
+            try:
+                async with aclosing(self.llm.outputs(prompt, params, cache_salt=salt)) as outputs:
+                    async for output in outputs:
+                        timer.observe(index, output)
+                        await queue.put((index, output, None))
+            except Exception as exc:  # handed to the consumer, which raises it
+                await queue.put((index, None, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(n)]
+        try:
+            finished = 0
+            while finished < n:
+                try:
+                    index, output, error = await asyncio.wait_for(queue.get(), self.keepalive_s)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+                if error is not None:
+                    raise error
+                assert output is not None
+                finished += output.finished
+                yield index, output
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def split(splitter: ToolCallStream | None, output: RequestOutput) -> list[Piece]:
+    """An output's new text as content and tool calls (all content when no tools were shown)."""
+    if splitter is None:
+        return [output.delta] if output.delta else []
+    return splitter.feed(output.delta) + (splitter.close() if output.finished else [])
+
+
+def text_of(pieces: Sequence[Piece]) -> str:
+    return "".join(p for p in pieces if isinstance(p, str))
+
+
+async def until_done(work: Awaitable[Any], request: HTTPRequest) -> Any:
+    """Run `work`, cancelling it (which aborts its requests) the moment the client disconnects."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return task.result() if not task.cancelled() else Response(status_code=499)
