@@ -1,5 +1,6 @@
-"""`mlxkv serve`'s HTTP app: OpenAI's API (`openai/`), Anthropic's Messages API (`anthropic/`), `/metrics`,
-`/health`, the model list and a chat page, all over one serving core (`core.py`).
+"""`mlxkv serve`'s HTTP app: OpenAI's API (`openai/`), Anthropic's Messages API (`anthropic/`), Ollama's
+API (`ollama/`), `/metrics`, `/health`, the model list and a chat page, all over one serving core
+(`core.py`).
 
 Concurrent clients share one `AsyncLLM`, so their requests are batched by the scheduler.
 """
@@ -10,7 +11,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from importlib.resources import files
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
@@ -18,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 
 from ..engine.async_llm import AsyncLLM
 from ..errors import RequestFailed, RequestTooLong
@@ -25,11 +27,20 @@ from .anthropic import protocol as anthropic_protocol
 from .anthropic.serving import AnthropicServing
 from .core import ServingCore, ServingError
 from .metrics import Metrics
+from .ollama import protocol as ollama_protocol
+from .ollama.serving import OllamaServing
 from .openai import protocol as openai_protocol
 from .openai.serving import OpenAIServing
 
+Model = TypeVar("Model", bound=BaseModel)
 KEEPALIVE_S = 2.0  # a comment line this often while a stream has nothing to send (a long prefill)
 OPEN_PATHS = ("/health", "/")  # what answers without the API key
+
+
+async def json_body(request: HTTPRequest, model: type[Model]) -> Model:
+    """The request's body read as JSON whatever its content type says (Ollama's clients and docs
+    send JSON without one), checked by `model`."""
+    return model.model_validate_json(await request.body() or b"{}")
 
 
 def build_app(
@@ -65,7 +76,7 @@ def build_app(
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorize)])
     metrics = Metrics(llm.engine)
     core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s)
-    openai, anthropic = OpenAIServing(core), AnthropicServing(core)
+    openai, anthropic, ollama = OpenAIServing(core), AnthropicServing(core), OllamaServing(core)
     created = int(time.time())
     chat_page = files("mlxkv.entrypoints").joinpath("chat.html").read_text(encoding="utf-8")
     if allowed_origins:
@@ -77,6 +88,8 @@ def build_app(
         """`error` in the shape of the API the request called."""
         if request.url.path.startswith("/v1/messages"):
             return anthropic_protocol.error_response(error)
+        if request.url.path.startswith("/api/"):
+            return ollama_protocol.error_response(error)
         return openai_protocol.error_response(error)
 
     @app.exception_handler(ServingError)
@@ -85,13 +98,20 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
+        return render(request, refusal(exc.errors()))
+
+    @app.exception_handler(ValidationError)
+    async def invalid_json(request: HTTPRequest, exc: ValidationError) -> JSONResponse:
+        return render(request, refusal(exc.errors()))
+
+    def refusal(errors: Sequence[Any]) -> ServingError:
+        """The first of a body's validation errors, naming the field."""
+        first = errors[0]
         where = [str(part) for part in first.get("loc", ()) if part != "body"]
         if first.get("type") == "json_invalid":
-            return render(request, ServingError(400, f"the body is not valid JSON: {first.get('msg')}"))
+            return ServingError(400, f"the body is not valid JSON: {first.get('msg')}")
         param = ".".join(where) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return render(request, ServingError(400, message, param))
+        return ServingError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param)
 
     @app.exception_handler(RequestTooLong)
     async def too_long(request: HTTPRequest, exc: RequestTooLong) -> JSONResponse:
@@ -135,5 +155,25 @@ def build_app(
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: anthropic_protocol.CountTokensBody) -> dict[str, int]:
         return await anthropic.count_tokens(body)
+
+    @app.post("/api/chat")
+    async def ollama_chat(request: HTTPRequest) -> Any:
+        return await ollama.chat(await json_body(request, ollama_protocol.ChatBody), request)
+
+    @app.post("/api/generate")
+    async def ollama_generate(request: HTTPRequest) -> Any:
+        return await ollama.generate(await json_body(request, ollama_protocol.GenerateBody), request)
+
+    @app.get("/api/tags")
+    async def ollama_tags() -> dict[str, Any]:
+        return ollama.tags()
+
+    @app.post("/api/show")
+    async def ollama_show(request: HTTPRequest) -> dict[str, Any]:
+        return ollama.show(await json_body(request, ollama_protocol.ShowBody))
+
+    @app.get("/api/version")
+    async def ollama_version() -> dict[str, str]:
+        return ollama.version()
 
     return app

@@ -1,0 +1,1 @@
+"""Ollama's API: request bodies and error shape (`protocol`), and the endpoints (`serving`)."""
