@@ -30,6 +30,7 @@ from .metrics import Metrics
 from .ollama import protocol as ollama_protocol
 from .ollama.serving import OllamaServing
 from .openai import protocol as openai_protocol
+from .openai.responses import ResponsesBody, ResponsesServing
 from .openai.serving import OpenAIServing
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -76,7 +77,8 @@ def build_app(
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorize)])
     metrics = Metrics(llm.engine)
     core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s)
-    openai, anthropic, ollama = OpenAIServing(core), AnthropicServing(core), OllamaServing(core)
+    openai, responses = OpenAIServing(core), ResponsesServing(core)
+    anthropic, ollama = AnthropicServing(core), OllamaServing(core)
     created = int(time.time())
     chat_page = files("mlxkv.entrypoints").joinpath("chat.html").read_text(encoding="utf-8")
     if allowed_origins:
@@ -147,6 +149,10 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: openai_protocol.CompletionBody, request: HTTPRequest) -> Any:
         return await openai.completions(body, request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesBody, request: HTTPRequest) -> Any:
+        return await responses.create(body, request)
 
     @app.post("/v1/messages")
     async def messages(body: anthropic_protocol.MessagesBody, request: HTTPRequest) -> Any:
