@@ -58,6 +58,21 @@ class Tools:
     grammar: str | None = None
 
 
+def forced_tools(shown: list[dict[str, Any]], choice: str | None, name: str | None = None) -> list[dict[str, Any]]:
+    """The tools (OpenAI's entries) a reply must call one of: the one `name`d, every one shown when
+    `choice` requires a call (OpenAI's 'required', Anthropic's 'any'), else none (the model decides)."""
+    if name is not None:
+        named = [tool for tool in shown if tool["function"]["name"] == name]
+        if not named:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        return named
+    if choice in ("required", "any"):
+        if not shown:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        return shown
+    return []
+
+
 def seeded_choices(runs: list[Choice], n: int) -> list[Choice]:
     """`n` choices of each prompt. With a seed, choice j of a prompt draws with seed + j, so that
     each choice is its own reproducible stream, and choice 0 is what the same request with n=1 gives."""

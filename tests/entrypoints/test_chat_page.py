@@ -116,15 +116,20 @@ def reload(browser, url: str) -> None:
     WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "mlxkv-demo")
 
 
-def test_max_tokens_and_temperature_go_with_the_request(page, served):
-    reload(page, served)
-    page.execute_script("""
+def record_requests(browser) -> None:
+    """Keep the body of every chat request the page sends in `window.sent`."""
+    browser.execute_script("""
         window.sent = [];
         const realFetch = window.fetch;
         window.fetch = (url, options) => {
           if (String(url).endsWith("/v1/chat/completions")) window.sent.push(JSON.parse(options.body));
           return realFetch(url, options);
         };""")
+
+
+def test_max_tokens_and_temperature_go_with_the_request(page, served):
+    reload(page, served)
+    record_requests(page)
     set_field(page, "max-tokens", "5")
     set_field(page, "temperature", "0")
     send(page, "The import statement")
@@ -193,13 +198,7 @@ def test_tool_calls_show_as_calls_and_the_next_message_answers_them(tmp_path):
     try:
         browser.get(url + "/")
         WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "tiny-tools")
-        browser.execute_script("""
-            window.sent = [];
-            const realFetch = window.fetch;
-            window.fetch = (url, options) => {
-              if (String(url).endsWith("/v1/chat/completions")) window.sent.push(JSON.parse(options.body));
-              return realFetch(url, options);
-            };""")
+        record_requests(browser)
         browser.find_element(By.CSS_SELECTOR, "#tools-panel summary").click()
         set_field(browser, "tools", json.dumps([WEATHER]))
         Select(browser.find_element(By.ID, "tool-choice")).select_by_visible_text("required")

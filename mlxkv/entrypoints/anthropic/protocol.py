@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core import ServingError
+from ..core import ServingError, forced_tools
 
 ANTHROPIC_DEFAULTS = {"temperature": 1.0}  # Anthropic's documented default; SamplingParams' own is greedy
 ANTHROPIC_KINDS = {"server_error": "api_error"}  # the core's kinds Anthropic names otherwise
@@ -121,17 +121,10 @@ class CountTokensBody(BaseModel):
 
     def forced_tools(self) -> list[dict[str, Any]]:
         """The tools the reply must call one of: all with `any`, the named one with `tool`."""
-        choice, shown = self.tool_choice, self.shown_tools()
-        if choice is None or choice.type in ("auto", "none"):
+        choice = self.tool_choice
+        if choice is None:
             return []
-        if not shown:
-            raise ValueError(f"tool_choice {choice.type!r} needs tools")
-        if choice.type == "any":
-            return shown
-        named = [t for t in shown if t["function"]["name"] == choice.name]
-        if not named:
-            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
-        return named
+        return forced_tools(self.shown_tools(), choice.type, choice.name if choice.type == "tool" else None)
 
 
 class OutputFormat(BaseModel):

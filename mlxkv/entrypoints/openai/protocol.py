@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.outputs import Usage
 from ...engine.sampling_params import CONSTRAINTS, SamplingParams
-from ..core import ServingError
+from ..core import ServingError, forced_tools
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "logprobs"}
@@ -179,7 +179,7 @@ class ChatBody(Body):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
-    def offered_tools(self) -> list[dict[str, Any]]:
+    def shown_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template shows the model, as OpenAI's entries (which templates and
         mlx-lm's tool parsers read): every one, or none with `tool_choice` 'none'."""
         if self.tool_choice == "none":
@@ -189,18 +189,10 @@ class ChatBody(Body):
     def forced_tools(self) -> list[dict[str, Any]]:
         """The tools the reply must call one of: all with `tool_choice` 'required', the named one
         with a named choice, none otherwise (the model decides, and its calls are parsed)."""
-        offered = self.offered_tools()
-        if self.tool_choice == "required":
-            if not offered:
-                raise ValueError("tool_choice 'required' needs tools")
-            return offered
-        if isinstance(self.tool_choice, NamedToolChoice):
-            wanted = self.tool_choice.function.name
-            named = [t for t in offered if t["function"]["name"] == wanted]
-            if not named:
-                raise ValueError(f"tool_choice names {wanted!r}, which is not among the tools")
-            return named
-        return []
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return forced_tools(self.shown_tools(), None, choice.function.name)
+        return forced_tools(self.shown_tools(), choice)
 
 
 class CompletionBody(Body):

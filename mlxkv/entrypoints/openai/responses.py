@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...engine.outputs import RequestOutput
 from ...engine.sampling_params import SamplingParams
 from ...errors import RequestFailed
-from ..core import Event, ServingCore, ServingError, split, until_done
+from ..core import Event, ServingCore, ServingError, forced_tools, split, until_done
 from ..tool_calls import Piece, ToolCallStream
 from .protocol import error_body
 
@@ -84,17 +84,10 @@ class ResponsesBody(BaseModel):
         return [] if self.tool_choice == "none" else [t.as_chat() for t in self.tools or []]
 
     def forced_tools(self) -> list[dict[str, Any]]:
-        shown = self.shown_tools()
-        if self.tool_choice == "required":
-            if not shown:
-                raise ValueError("tool_choice 'required' needs tools")
-            return shown
-        if isinstance(self.tool_choice, NamedFunction):
-            named = [t for t in shown if t["function"]["name"] == self.tool_choice.name]
-            if not named:
-                raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not among the tools")
-            return named
-        return []
+        choice = self.tool_choice
+        if isinstance(choice, NamedFunction):
+            return forced_tools(self.shown_tools(), None, choice.name)
+        return forced_tools(self.shown_tools(), choice)
 
     def constraint(self) -> dict[str, Any]:
         kind = self.text.format if self.text is not None else None

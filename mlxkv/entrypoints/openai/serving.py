@@ -32,7 +32,7 @@ class OpenAIServing:
     async def chat(self, body: ChatBody, request: HTTPRequest) -> Any:
         self.core.check_model(body.model)
         try:
-            shown, forced = body.offered_tools(), body.forced_tools()
+            shown, forced = body.shown_tools(), body.forced_tools()
         except ValueError as exc:
             raise ServingError(400, str(exc), "tool_choice") from None
         tools = self.core.tools(shown, forced, body.parallel_tool_calls, "tool_choice" if body.tool_choice else "tools")
