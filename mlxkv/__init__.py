@@ -7,7 +7,7 @@ The package is layered, each layer importing only those below it:
 """
 
 from .attention import reference_attention
-from .cache import KVBatch, KVCacheManager, KVLayout, KVUsage, PagePool, PageTable, resolve_layout
+from .cache import KVBatch, KVCacheManager, KVLayout, KVUsage, PagePool, PageTable, Pin, resolve_layout
 from .config import EngineConfig
 from .deprecation import module_getattr
 from .engine import AsyncLLM, EngineStats, LLMEngine, RequestOutput, SamplingParams
@@ -39,6 +39,7 @@ __all__ = [
     "ModelLoadError",
     "PagePool",
     "PageTable",
+    "Pin",
     "RequestFailed",
     "RequestOutput",
     "RequestTooLong",

@@ -74,6 +74,11 @@ class EngineConfig:
         "sequence's; 0 keeps none and reuses no prefix [default: --max-num-seqs].",
         optional(integer(0)),
     )
+    pinned_fraction: float = setting(
+        0.5,
+        "Most share of the pages that pinned prompt prefixes (cache_control) may hold; 0 pins nothing.",
+        number(0, 1),
+    )
     kv_bits: int | None = setting(
         None,
         f"Quantize the KV pages to {one_of(*BITS).expected} bits [default: the model's dtype].",

@@ -12,6 +12,7 @@ from .batch import KVBatch
 from .layout import KVLayout, resolve_layout
 from .manager import KVCacheManager
 from .page_table import PageTable
+from .pins import Pin
 from .pool import PagePool
 from .prefix_cache import PrefixCacheStats
 from .storage import KVStorage, kv_bytes_per_token
@@ -25,6 +26,7 @@ __all__ = [
     "KVUsage",
     "PagePool",
     "PageTable",
+    "Pin",
     "PrefixCacheStats",
     "kv_bytes_per_token",
     "resolve_layout",

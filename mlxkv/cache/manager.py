@@ -15,6 +15,7 @@ from ..settings import BOOLEAN, POSITIVE, require
 from .batch import KVBatch
 from .layout import KVLayout, resolve_layout
 from .page_table import PageTable
+from .pins import PrefixPins
 from .pool import PagePool
 from .state_pool import StatePool, StateShape
 from .state_snapshots import State, StateSnapshots
@@ -94,6 +95,9 @@ class KVCacheManager:
     layers' pages alone. Prefix caching is then off, since a windowed layer no longer holds
     a prefix's early tokens.
 
+    With prefix caching, `pin` keeps a sequence's leading pages from eviction for a while (see
+    `PrefixPins`), at most `pinned_fraction` of the pool.
+
     `state_shapes` gives each recurrent layer of a hybrid model the arrays it keeps per sequence
     (`StatePool`; the layers numbered apart from the attention layers): a sequence's state index
     is its row, taken by `claim` and given back by `release`. Cached pages alone do not give a
@@ -130,6 +134,7 @@ class KVCacheManager:
         window_pages: dict[int, int] | None = None,
         state_shapes: Sequence[Sequence[StateShape]] = (),
         prefix_states: int | None = None,
+        pinned_fraction: float = 0.5,
     ) -> None:
         sizes = dict(num_layers=num_layers, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size)
         for name, value in sizes.items():
@@ -157,6 +162,8 @@ class KVCacheManager:
             pages_per_seq = 1
             self.pool = PagePool(max_num_seqs, max_model_len)
         self.max_pages_per_seq = pages_per_seq
+        pinnable = int(pinned_fraction * self.pool.capacity)
+        self.pins = PrefixPins(self.pool, pinnable) if self.prefix_caching and pinnable else None
         self._rows = np.zeros((max_num_seqs, pages_per_seq), np.int32)  # row i: the pages of the sequence in row i
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._row_of: dict[int, int] = {}
@@ -267,6 +274,29 @@ class KVCacheManager:
                 self.states.write(layer, index, [array[None] for array in arrays])
         return pages * self.page_size
 
+    def pin(self, seq_id: int, tokens: int, ttl_s: float) -> int:
+        """Pin the full, published pages among the first `tokens` of sequence `seq_id` for
+        `ttl_s` seconds; returns the tokens pinned (0 without prefix caching or such pages)."""
+        with self._lock:
+            table = self._table(seq_id)
+            count = min(tokens // self.page_size, len(table.keys))
+            if self.pins is None or count == 0:
+                return 0
+            return self.pins.pin(table.keys[count - 1], table.pages[:count], ttl_s) * self.page_size
+
+    def expire_pins(self) -> None:
+        """Lapse the pins whose time is up."""
+        with self._lock:
+            if self.pins is not None:
+                self.pins.expire()
+
+    def make_room(self, pages: int) -> None:
+        """Lapse the oldest pins until `pages` pages are free, or no pin is left: a request is
+        never kept waiting or preempted for a pin."""
+        with self._lock:
+            if self.pins is not None:
+                self.pins.make_room(pages)
+
     def snapshot_point(self, prompt_tokens: int) -> int:
         """Where a prompt of `prompt_tokens` tokens has its recurrent state kept: the end of its last
         full page before its last token (0: nowhere, as without kept states)."""
@@ -368,6 +398,8 @@ class KVCacheManager:
                 self.states.reset()
             if self.snapshots is not None:
                 self.snapshots.clear()
+            if self.pins is not None:
+                self.pins.clear()
             self.pool.forget_cached()
 
     def kv(self, layer: int) -> tuple[Pages, Pages]:
@@ -417,7 +449,9 @@ class KVCacheManager:
 
     def usage(self) -> KVUsage:
         with self._lock:
-            shared_twice = self.pool.extra_refs * self.page_size  # shared pages are full
+            # a page held by several sequences or pins counts once; shared and pinned pages are full
+            pins = self.pins.references if self.pins is not None else 0
+            shared_twice = (self.pool.extra_refs - pins) * self.page_size
             tokens = sum(t.num_tokens for t in self._tables.values()) - shared_twice
             windowed = tuple(
                 (
@@ -447,6 +481,7 @@ class KVCacheManager:
                 self.states.size if self.states is not None else 0,
                 self.states.bytes_per_sequence if self.states is not None else 0,
                 len(self.snapshots) if self.snapshots is not None else 0,
+                self.pins.num_pages if self.pins is not None else 0,
             )
 
     @property

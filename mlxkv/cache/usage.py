@@ -26,6 +26,7 @@ class KVUsage:
     states_total: int = 0  # sequences the state pool has room for
     state_bytes: int = 0  # bytes of one sequence's state
     states_kept: int = 0  # states kept for the prefix cache (see StateSnapshots)
+    pages_pinned: int = 0  # pages pinned for a while (see PrefixPins), in use
 
     block_size = RenamedAttribute("page_size")
 
@@ -55,6 +56,7 @@ class KVUsage:
         pool = self.bytes_pool / 2**30
         size = f"{pool:.2f} GiB" if pool >= 1 else f"{self.bytes_pool / 2**20:.2f} MiB"
         cached = f", {self.pages_cached} more cached" if self.pages_cached else ""
+        cached = (f", {self.pages_pinned} pinned" if self.pages_pinned else "") + cached
         bits = f", {self.kv_bits}-bit" if self.kv_bits else ""
         windows = "".join(f", window-{w} layers {u.pages_used}/{u.pages_total}" for w, u in self.windowed)
         kept = f", {self.states_kept} kept for prefix hits" if self.states_kept else ""

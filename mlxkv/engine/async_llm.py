@@ -10,6 +10,7 @@ from contextlib import aclosing
 
 import mlx.core as mx
 
+from ..cache.pins import Pin
 from ..errors import RequestFailed
 from .inputs import request_key
 from .llm_engine import LLMEngine
@@ -56,6 +57,7 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | int | None = None,
         cache_salt: str | None = None,
+        pin: Pin | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield every `RequestOutput` of one request (text, tokens, log-probabilities, usage),
         the last one with `finished` set."""
@@ -65,7 +67,7 @@ class AsyncLLM:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         try:
-            self.engine.add_request(prompt, params, request_id, cache_salt)
+            self.engine.add_request(prompt, params, request_id, cache_salt, pin)
         except Exception:
             del self._queues[request_id]
             raise

@@ -157,6 +157,7 @@ def build_kv_cache(config: EngineConfig, model: ModelKV) -> KVCacheManager:
         dtype=model.dtype,
         prefix_caching=config.prefix_caching,
         prefix_states=config.prefix_states,
+        pinned_fraction=config.pinned_fraction,
         kv_bits=config.kv_bits,
         kv_group_size=config.kv_group_size,
         layer_windows=plan.layer_windows,

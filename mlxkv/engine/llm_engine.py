@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..attention.backend import AttentionSpec, choose_attention
 from ..attention.kernels import PagedAttentionKernels
 from ..attention.reference import reference_attention
+from ..cache.pins import Pin
 from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..config import EngineConfig
 from ..deprecation import warn
@@ -152,10 +153,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | int | None = None,
         cache_salt: str | None = None,
+        pin: Pin | None = None,
     ) -> Request:
         """Queue a prompt; raises `RequestTooLong` if it could never fit the KV cache, and ValueError
         if its constraint (`params.json_schema`, ...) cannot be compiled. Requests reuse each
-        other's cached prefix pages only when their `cache_salt`s are equal."""
+        other's cached prefix pages only when their `cache_salt`s are equal. With `pin`, the pages of
+        the prompt's first `pin.tokens` tokens stay cached for `pin.ttl_s` seconds once computed
+        (see `PrefixPins`)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -164,6 +168,7 @@ class LLMEngine:
             self.encode(prompt),
             params,
             check_salt(cache_salt),
+            pin,
         )
         if request.max_length > self.max_request_tokens:
             raise RequestTooLong(
@@ -204,6 +209,7 @@ class LLMEngine:
         self.last_step_wait = 0.0
         with self._lock:
             previous, self._inflight = self._inflight, None
+            self.cache.expire_pins()
             batch = self.scheduler.schedule()
             if batch is not None:
                 self._track_usage()
@@ -399,7 +405,9 @@ class LLMEngine:
     def _output(
         request: Request, token_ids: tuple[int, ...] = (), scores: tuple[TokenLogprob, ...] = ()
     ) -> RequestOutput:
-        usage = Usage(len(request.prompt_ids), request.num_outputs, request.num_cached_tokens or 0)
+        usage = Usage(
+            len(request.prompt_ids), request.num_outputs, request.num_cached_tokens or 0, request.pinned_tokens or 0
+        )
         assert request.stream is not None
         return RequestOutput(
             request.request_id,

@@ -9,11 +9,13 @@ from .sampling import TokenLogprob
 
 @dataclass(slots=True)
 class Usage:
-    """A request's token counts so far; `cached_tokens` of its prompt came from the prefix cache."""
+    """A request's token counts so far; `cached_tokens` of its prompt came from the prefix cache,
+    `pinned_tokens` stay cached for a while (its `pin`)."""
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    pinned_tokens: int = 0
 
 
 @dataclass(slots=True)

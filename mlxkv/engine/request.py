@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cache.pins import Pin
 from .sampling import TokenSampler
 from .sampling_params import SamplingParams
 from .text import TextStream
@@ -36,6 +37,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    pin: Pin | None = None  # keep the prompt's first tokens cached for a while, once computed
     output_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)  # prompt then outputs, for slicing and hashing
     status: Status = Status.WAITING
@@ -50,6 +52,7 @@ class Request:
     finish_time: float | None = None
     num_pending: int = field(default=0, init=False)  # outputs still `PENDING` (always the last ones)
     sampler: TokenSampler = field(init=False)
+    pinned_tokens: int | None = field(default=None, init=False)  # tokens `pin` pinned, once it has
     matcher: Any = field(default=None, init=False)  # llguidance's, following a constrained output
 
     def __post_init__(self) -> None:

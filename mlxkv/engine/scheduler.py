@@ -157,6 +157,12 @@ class Scheduler:
                 tokens.append(request.all_token_ids)
                 computed.append(request.num_computed)
         self.cache.publish(seq_ids, tokens, computed)
+        for request in step.requests:
+            pin = request.pin
+            if pin is not None and request.pinned_tokens is None and request.status is Status.RUNNING:
+                wanted = min(pin.tokens, len(request.prompt_ids))
+                if request.num_computed >= wanted:
+                    request.pinned_tokens = self.cache.pin(request.seq_id, wanted, pin.ttl_s)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request (done or aborted) and free its pages."""
@@ -198,6 +204,8 @@ class Scheduler:
                 counts.append(count)
                 left -= count
         pages = self.cache.pages_needed([r.seq_id for r in picked], counts)
+        if sum(pages) + plan.reserved > self.cache.free_pages:
+            self.cache.make_room(sum(pages) + plan.reserved)  # pins lapse before any request waits
         if sum(pages) > self.cache.free_pages - plan.reserved or any(
             n < e for n, e in zip(counts, self._own_kv_spans(picked))
         ):

@@ -12,6 +12,7 @@ same for the others.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
+from ..cache.pins import Pin
 from ..engine.async_llm import AsyncLLM
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
@@ -56,6 +58,28 @@ class Tools:
 
     shown: list[dict[str, Any]]
     grammar: str | None = None
+
+
+TTL = re.compile(r"(\d+(?:\.\d+)?)\s*([smh])")
+SECONDS = {"s": 1, "m": 60, "h": 3600}
+
+
+def pin_of(cache_control: Any, tokens: int) -> Pin | None:
+    """The pin a `cache_control` asks for (`{"type": "ephemeral", "ttl": "5m"}`: Anthropic's, also
+    taken as an extra field of OpenAI's bodies) over a prompt's first `tokens` tokens; 5 minutes
+    unless its `ttl` says otherwise ("30s", "5m", "1h"). None when there is none."""
+    if not isinstance(cache_control, dict) or tokens < 1:
+        return None
+    if cache_control.get("type") != "ephemeral":
+        raise ServingError(400, "cache_control must be {'type': 'ephemeral'} with an optional ttl", "cache_control")
+    ttl = cache_control.get("ttl") or "5m"
+    found = TTL.fullmatch(str(ttl))
+    if found is None:
+        raise ServingError(400, f"cache_control.ttl must be like '5m' or '1h', got {ttl!r}", "cache_control")
+    try:
+        return Pin(tokens, float(found.group(1)) * SECONDS[found.group(2)])
+    except ValueError as exc:
+        raise ServingError(400, f"cache_control: {exc}", "cache_control") from None
 
 
 def forced_tools(shown: list[dict[str, Any]], choice: str | None, name: str | None = None) -> list[dict[str, Any]]:
@@ -161,7 +185,7 @@ class ServingCore:
         """One splitter of content and tool calls per choice where tools were shown."""
         return [ToolCallStream(self.tokenizer, tools.shown) if tools and tools.shown else None for _ in range(n)]
 
-    async def run(self, choices: list[Choice], salt: str | None) -> AsyncGenerator[Event, None]:
+    async def run(self, choices: list[Choice], salt: str | None, pin: Pin | None = None) -> AsyncGenerator[Event, None]:
         """The outputs of every choice as they come, tagged by choice index; None every
         `keepalive_s` without any. Leaving early aborts every choice still running. Call
         `check_queue` first, while an error can still be answered."""
@@ -172,7 +196,7 @@ class ServingCore:
         async def pump(index: int) -> None:
             prompt, params = choices[index]
             try:
-                async with aclosing(self.llm.outputs(prompt, params, cache_salt=salt)) as outputs:
+                async with aclosing(self.llm.outputs(prompt, params, cache_salt=salt, pin=pin)) as outputs:
                     async for output in outputs:
                         timer.observe(index, output)
                         await queue.put((index, output, None))

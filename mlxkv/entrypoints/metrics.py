@@ -27,6 +27,7 @@ class EngineCollector(Collector):
             "waiting_requests": ("Requests waiting to be admitted", stats.waiting),
             "kv_pages_used": ("KV pages held by requests", stats.kv.pages_used),
             "kv_pages_total": ("KV pages in the pool", stats.kv.pages_total),
+            "kv_pages_pinned": ("KV pages pinned for a while (cache_control), in use", stats.kv.pages_pinned),
             "kv_bytes_holding_tokens": ("KV bytes holding tokens", stats.kv.bytes_holding_tokens),
             "states_used": ("Sequences holding a recurrent state (hybrid models)", stats.kv.states_used),
             "states_total": ("Sequences the recurrent-state pool has room for (hybrid models)", stats.kv.states_total),

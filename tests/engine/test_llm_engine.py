@@ -3,10 +3,11 @@ import threading
 import time
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers import ExplodingSampler, mlx_lm_greedy, mutant_kernels, uncompilable_kernels
 
-from mlxkv import LLM, LLMEngine, RequestTooLong, SamplingParams, UnknownSequenceError, reference_attention
+from mlxkv import LLM, LLMEngine, Pin, RequestTooLong, SamplingParams, UnknownSequenceError, reference_attention
 from mlxkv.attention.kernels import PagedAttentionKernels
 from mlxkv.config import EngineConfig
 from mlxkv.engine.request import NO_SEQUENCE
@@ -453,3 +454,33 @@ def test_an_abort_while_a_hybrids_step_is_built_drops_that_request_alone(tmp_pat
     assert {o.request_id for o in outputs} == {"B"} and all(o.error is None for o in outputs)
     assert [t for o in outputs for t in o.token_ids] == mlx_lm_greedy(path, prompts["B"], max_tokens=4)
     assert outputs[-1].finish_reason == "length" and len(engine.cache.snapshots) == 1  # B's state, not A's
+
+
+def test_a_pinned_prompt_survives_traffic_that_evicts_the_rest_until_its_time_is_up(model):
+    """A 41-token prompt pins its 10 full pages in a 40-page pool; requests of 28 pages each then
+    cycle through every other page. The prompt sent again finds its pages while pinned, not once
+    its pin has lapsed, nor without one; no page is held when all is done."""
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in rng.integers(1, 320, 41)]
+    traffic = [[int(t) for t in rng.integers(1, 320, 100)] for _ in range(3)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    def cached_after_traffic(pin, wait=0.0):
+        engine = LLMEngine(*model, EngineConfig(page_size=4, num_pages=40, max_num_seqs=1, max_model_len=112))
+        first = engine.add_request(prompt, params, pin=pin)
+        run_all(engine, [], [])
+        time.sleep(wait)
+        for other in traffic:
+            run_all(engine, [other], [params])
+        again, _ = run_all(engine, [prompt], [params])
+        while engine.has_unfinished():
+            engine.step()
+        engine.cache.expire_pins()
+        return first.pinned_tokens, again[0].num_cached_tokens, engine
+
+    pinned, cached, engine = cached_after_traffic(Pin(41, ttl_s=60))
+    assert (pinned, cached) == (40, 40) and engine.stats().kv.pages_pinned == 10
+    assert engine.cache.pool.used_count == 10  # the pin's pages alone
+    assert cached_after_traffic(None)[:2] == (None, 0)
+    pinned, cached, engine = cached_after_traffic(Pin(41, ttl_s=0.05), wait=0.1)
+    assert (pinned, cached) == (40, 0) and engine.cache.pool.used_count == 0

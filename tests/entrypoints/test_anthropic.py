@@ -2,6 +2,7 @@
 random checkpoint whose chat template offers tools."""
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -158,3 +159,27 @@ def test_output_config_holds_the_reply_to_a_json_schema(client):
     reply = create(client, max_tokens=60, output_config={"format": {"type": "json_schema", "schema": schema}})
     assert reply.stop_reason == "end_turn"
     jsonschema.validate(json.loads(reply.content[0].text), schema)
+
+
+def test_cache_control_pins_the_prompt_up_to_the_marked_block_and_says_what_it_wrote(server, client):
+    """The system prompt is marked: the first request writes its pages to the cache (and pins
+    them), the next one, with another question, reads them."""
+    system = [{"type": "text", "text": "You answer questions on Python. " * 10, "cache_control": {"type": "ephemeral"}}]
+    first = create(client, system=system, messages=[{"role": "user", "content": "First?"}], max_tokens=2)
+    written = first.usage.cache_creation_input_tokens
+    assert written > 100  # past the template's first page, which other tests' prompts share
+    second = create(client, system=system, messages=[{"role": "user", "content": "Second?"}], max_tokens=2)
+    assert second.usage.cache_read_input_tokens >= written and second.usage.cache_creation_input_tokens == 0
+    metrics = httpx.get(f"{server}/metrics", headers={"x-api-key": KEY}).text
+    assert int(float(re.search(r"^mlxkv_kv_pages_pinned (\S+)$", metrics, re.M).group(1))) > 0
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        create(
+            client,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "soon"}}],
+                }
+            ],
+        )
+    assert refused.value.body["error"]["message"] == "cache_control.ttl must be like '5m' or '1h', got 'soon'"

@@ -255,3 +255,16 @@ def test_tools_need_a_model_whose_template_has_tool_calls():
         assert refused.value.body["message"].startswith("this model's chat template has no tool calls")
     finally:
         stop_server(proc)
+
+
+def test_an_extra_cache_control_field_pins_a_chat_prompt(client, server):
+    import httpx
+
+    def pinned():
+        metrics = httpx.get(f"{server}/metrics").text
+        return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("mlxkv_kv_pages_pinned")))
+
+    before = pinned()
+    long = [{"role": "user", "content": "Pin this question, which is long enough to fill pages. " * 4}]
+    call(client, messages=long, max_tokens=2, extra_body={"cache_control": {"type": "ephemeral", "ttl": "1m"}})
+    assert pinned() > before

@@ -108,6 +108,26 @@ class CountTokensBody(BaseModel):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
 
+    def upto_last_cache_mark(self) -> tuple[CountTokensBody, CacheControl] | None:
+        """The conversation cut after its last block marked with `cache_control` (system blocks,
+        then each message's blocks, in order), with that mark; None if no block has one."""
+        system = self.system if isinstance(self.system, list) else []
+        marks = [(-1, j, block.cache_control) for j, block in enumerate(system)]
+        for i, message in enumerate(self.messages):
+            if not isinstance(message.content, str):
+                marks += [(i, j, block.cache_control) for j, block in enumerate(message.content)]
+        marked = [(i, j, mark) for i, j, mark in marks if mark is not None]
+        if not marked:
+            return None
+        i, j, mark = marked[-1]
+        if i < 0:
+            assert isinstance(self.system, list)
+            return self.model_copy(update={"system": self.system[: j + 1], "messages": []}), mark
+        message = self.messages[i]
+        assert not isinstance(message.content, str)
+        cut = message.model_copy(update={"content": message.content[: j + 1]})
+        return self.model_copy(update={"messages": [*self.messages[:i], cut]}), mark
+
     def template_inputs(self) -> list[dict[str, Any]]:
         system = self.system if isinstance(self.system, str) or self.system is None else _joined(self.system)
         head = [{"role": "system", "content": system}] if system else []

@@ -19,10 +19,11 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
+from ...cache.pins import Pin
 from ...engine.outputs import RequestOutput, Usage
 from ...engine.sampling_params import SamplingParams
 from ...errors import RequestFailed
-from ..core import Event, ServingCore, ServingError, Tools, split, until_done
+from ..core import Event, ServingCore, ServingError, Tools, pin_of, split, until_done
 from ..tool_calls import Piece, ToolCall, ToolCallStream
 from .protocol import CountTokensBody, MessagesBody, error_body
 
@@ -48,7 +49,7 @@ class AnthropicServing:
         )
         self.core.check_queue(1)
         ident = f"msg_{uuid.uuid4().hex[:24]}"
-        events = self.core.run([(prompt, params)], None)
+        events = self.core.run([(prompt, params)], None, self._pin(body, prompt, tools))
         splitter = self.core.splitters(1, tools)[0]
         if body.stream:
             return StreamingResponse(self._stream(events, ident, len(prompt), splitter), media_type="text/event-stream")
@@ -66,6 +67,24 @@ class AnthropicServing:
         parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
         tools = self.core.tools(shown, forced, parallel, "tool_choice" if body.tool_choice else "tools")
         return self.core.chat_prompt(body.template_inputs(), tools), tools
+
+    def _pin(self, body: MessagesBody, prompt: list[int], tools: Tools) -> Pin | None:
+        """What `cache_control` pins: the whole prompt for the request's own (top-level) mark,
+        else the prompt up to the last marked block (the tokens it shares with the conversation
+        cut there)."""
+        top = (body.model_extra or {}).get("cache_control")
+        if top is not None:
+            return pin_of(top, len(prompt))
+        upto = body.upto_last_cache_mark()
+        if upto is None:
+            return None
+        cut, mark = upto
+        try:
+            head = self.core.chat_prompt(cut.template_inputs(), tools)
+        except ServingError:  # the template will not render the conversation cut there
+            return None
+        shared = next((k for k, (a, b) in enumerate(zip(head, prompt)) if a != b), min(len(head), len(prompt)))
+        return pin_of(mark.model_dump(exclude_none=True), shared)
 
     def _message(self, ident: str, content: list[dict[str, Any]], last: RequestOutput | None) -> dict[str, Any]:
         reason, stop = _stop(last, any(block["type"] == "tool_use" for block in content))
@@ -195,13 +214,16 @@ def _stop(last: RequestOutput | None, called: bool) -> tuple[str | None, str | N
 
 
 def _usage(usage: Usage | None) -> dict[str, int]:
+    """Anthropic's usage: prompt tokens read from the cache, those written to it for a pin (its
+    `cache_control`), and the rest."""
     if usage is None:
         return {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    written = max(0, usage.pinned_tokens - usage.cached_tokens)
     return {
-        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens - written,
         "output_tokens": usage.completion_tokens,
         "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": written,
     }
 
 

@@ -12,12 +12,24 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
+from ...cache.pins import Pin
 from ...cache.prefix_cache import check_salt
 from ...engine.outputs import Usage
 from ...engine.sampling import TokenLogprob
 from ...engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from ...errors import RequestFailed
-from ..core import Choice, Event, ServingCore, ServingError, Tools, seeded_choices, split, text_of, until_done
+from ..core import (
+    Choice,
+    Event,
+    ServingCore,
+    ServingError,
+    Tools,
+    pin_of,
+    seeded_choices,
+    split,
+    text_of,
+    until_done,
+)
 from ..tool_calls import Piece, ToolCall, ToolCallStream
 from .protocol import Body, ChatBody, CompletionBody, error_body, sse, usage_json
 
@@ -48,7 +60,7 @@ class OpenAIServing:
         params = self._params(body, prompt, limit, (body.top_logprobs or 0) if body.logprobs else None, constraint)
         await self.core.compile(params, _source(body, constraint is not None))
         choices = seeded_choices([(prompt, params)], body.n)
-        return await self._respond(body, choices, request, "chat.completion", tools)
+        return await self._respond(body, choices, request, "chat.completion", self._pin(body, [prompt]), tools)
 
     async def completions(self, body: CompletionBody, request: HTTPRequest) -> Any:
         """One prompt, or a batch of them (OpenAI's list of strings or of token-id lists): choices
@@ -66,7 +78,8 @@ class OpenAIServing:
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             runs.append((prompt, self._params(body, prompt, max_tokens, body.logprobs)))
         await self.core.compile(runs[0][1], _source(body, False))
-        return await self._respond(body, seeded_choices(runs, body.n), request, "text_completion")
+        pin = self._pin(body, [prompt for prompt, _ in runs])
+        return await self._respond(body, seeded_choices(runs, body.n), request, "text_completion", pin)
 
     def _params(
         self,
@@ -86,20 +99,33 @@ class OpenAIServing:
             raise ServingError(400, str(exc), str(exc).split()[0]) from None
 
     async def _respond(
-        self, body: Body, choices: list[Choice], request: HTTPRequest, kind: str, tools: Tools | None = None
+        self,
+        body: Body,
+        choices: list[Choice],
+        request: HTTPRequest,
+        kind: str,
+        pin: Pin | None,
+        tools: Tools | None = None,
     ) -> Any:
         """The response: one JSON body, or a stream; with tools shown, each choice's text split
         into content and tool calls."""
         self.core.check_queue(len(choices))
         ident = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ident, "created": int(time.time()), "model": self.core.model_id}
-        events = self.core.run(choices, body.cache_salt)
+        events = self.core.run(choices, body.cache_salt, pin)
         splits = self.core.splitters(len(choices), tools)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             stream = self._stream(events, head, kind, splits, body.n, usage)
             return StreamingResponse(stream, media_type="text/event-stream")
         return await until_done(self._collect(events, head, kind, splits, body.n), request)
+
+    @staticmethod
+    def _pin(body: Body, prompts: list[list[int]]) -> Pin | None:
+        """What an extra `cache_control` field (Anthropic's, `{"type": "ephemeral", "ttl": "5m"}`)
+        pins: the whole prompt, of a request with one."""
+        mark = (body.model_extra or {}).get("cache_control")
+        return pin_of(mark, len(prompts[0])) if mark is not None and len(prompts) == 1 else None
 
     async def _collect(
         self,
