@@ -11,8 +11,15 @@ the table gives each turn's median.
 own `--question-len`-token question, all arriving at once: output throughput and mean time
 to first token with prefix caching on and off.
 
-Prints the tables and a final line
-`chat_ttft_turn8_over_turn1=... chat_turn8_ttft_vs_mlx_lm=... shared_prefix_speedup=...`.
+(c) An agent of `--agent-turns` turns whose conversation grows from `--agent-start` to
+`--agent-end` tokens, each turn resending all of it with a pin on it (what Anthropic's
+`cache_control` asks for) and taking a reply of `--agent-reply-len` tokens, while `--traffic`
+unrelated requests of `--traffic-len`-token prompts keep running and fill the pool: time to
+first token and tokens computed per turn, medians of `--agent-repeats` runs.
+
+Prints the tables and the final lines
+`chat_ttft_turn8_over_turn1=... chat_turn8_ttft_vs_mlx_lm=... shared_prefix_speedup=...` and
+`agent_turn_ttft_p50_ratio=...` (turn 20's TTFT over turn 2's).
 """
 
 from __future__ import annotations
@@ -29,10 +36,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from progress import OPENBLAS, bar, expect
 from tqdm import tqdm
 
-from mlxkv import LLMEngine, SamplingParams
+from mlxkv import LLMEngine, Pin, SamplingParams
 from mlxkv.config import EngineConfig
 
-DEFAULTS_TAKE = 477  # seconds on progress.MACHINE (docs/benchmarks.md)
+DEFAULTS_TAKE = 1320  # seconds on progress.MACHINE (docs/benchmarks.md)
 
 
 def greedy(logits: mx.array) -> mx.array:
@@ -100,6 +107,40 @@ def shared_prefix(
     }
 
 
+def agent(model, tokenizer, args, words, progress: tqdm) -> dict:
+    """(c) One agent's turns, each its whole conversation so far with a pin on it, beside
+    `args.traffic` unrelated requests that keep the pool full. TTFT and tokens computed per turn."""
+    growth = (args.agent_end - args.agent_start) // max(1, args.agent_turns - 1) - args.agent_reply_len
+    traffic_pages = 2 * args.traffic * -(-(args.traffic_len + args.output_len) // 16)
+    engine = LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(
+            max_num_seqs=args.traffic + 1,
+            max_model_len=args.agent_end + args.agent_reply_len + 16,
+            num_pages=-(-(args.agent_end + args.agent_reply_len) // 16) + traffic_pages,
+            pinned_fraction=0.9,  # room for the agent's whole conversation
+        ),
+    )
+    conversation, others = words(args.agent_start), []
+    ttft, computed = [], []
+    for _ in range(args.agent_turns):
+        params = SamplingParams(max_tokens=args.agent_reply_len, ignore_eos=True)
+        request = engine.add_request(conversation, params, pin=Pin(len(conversation), ttl_s=600))
+        while request.finish_reason is None:
+            others = [r for r in others if r.finish_reason is None]
+            while len(others) < args.traffic:
+                others.append(engine.add_request(words(args.traffic_len), SamplingParams(max_tokens=args.output_len)))
+            engine.step()
+        ttft.append(request.first_token_time - request.arrival_time)
+        computed.append(len(conversation) - (request.num_cached_tokens or 0))
+        conversation = conversation + request.output_ids + words(growth)
+        progress.update()
+    for other in others:
+        engine.abort(other.request_id, missing_ok=True)
+    return {"ttft": ttft, "computed": computed, "evictions": engine.cache.pool.num_evictions}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
@@ -112,6 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--agent-turns", type=int, default=20)
+    parser.add_argument("--agent-start", type=int, default=4096)
+    parser.add_argument("--agent-end", type=int, default=16384)
+    parser.add_argument("--agent-repeats", type=int, default=2)
+    parser.add_argument("--agent-reply-len", type=int, default=8)
+    parser.add_argument("--traffic", type=int, default=2)
+    parser.add_argument("--traffic-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -178,6 +226,24 @@ def main(argv: list[str] | None = None) -> None:
     same = shared["prefix caching on"]["outputs"] == shared["prefix caching off"]["outputs"]
     print(f"outputs identical with caching on and off: {same}")
 
+    progress = bar(args.agent_repeats * args.agent_turns, "(c) agent", unit="turn")
+    agents = [agent(model, tokenizer, args, words, progress) for _ in range(args.agent_repeats)]
+    progress.close()
+    agent_ttft = np.median([a["ttft"] for a in agents], axis=0)
+    growth = (args.agent_end - args.agent_start) // max(1, args.agent_turns - 1)
+    print(
+        f"\n(c) an agent's {args.agent_turns} turns, {args.agent_start} to {args.agent_end} tokens, each pinned, "
+        f"beside {args.traffic} requests of {args.traffic_len}-token prompts: median of {args.agent_repeats}"
+    )
+    print(f"{'turn':>4} {'prompt':>7} {'new':>5} {'computed':>9} {'TTFT s':>8}")
+    for i in range(args.agent_turns):
+        new = args.agent_start if i == 0 else growth
+        print(
+            f"{i + 1:>4} {args.agent_start + i * growth:>7} {new:>5} {agents[0]['computed'][i]:>9} "
+            f"{agent_ttft[i]:>8.3f}"
+        )
+    print(f"pages evicted (by the traffic): {', '.join(str(a['evictions']) for a in agents)}")
+
     last = args.turns - 1
     speedup = shared["prefix caching on"]["tok/s"] / shared["prefix caching off"]["tok/s"]
     print(
@@ -185,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         f"chat_turn{last + 1}_ttft_vs_mlx_lm={ttft['on'][last] / ttft['mlx-lm'][last]:.3f} "
         f"shared_prefix_speedup={speedup:.3f}"
     )
+    turn = min(1, args.agent_turns - 1)
+    print(f"agent_turn_ttft_p50_ratio={agent_ttft[-1] / agent_ttft[turn]:.3f}")
 
 
 if __name__ == "__main__":

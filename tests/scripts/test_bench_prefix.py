@@ -30,6 +30,16 @@ def test_a_small_run_reuses_all_but_the_new_tokens_and_prints_the_summary(checkp
             "4",
             "--max-num-seqs",
             "4",
+            "--agent-turns",
+            "3",
+            "--agent-start",
+            "64",
+            "--agent-end",
+            "192",
+            "--agent-repeats",
+            "1",
+            "--traffic-len",
+            "48",
         ]
     )
     out = capsys.readouterr().out
@@ -46,3 +56,8 @@ def test_a_small_run_reuses_all_but_the_new_tokens_and_prints_the_summary(checkp
         out,
         re.MULTILINE,
     )
+
+    agent = re.findall(r"^ +(\d) +(\d+) +(\d+) +(\d+) +[\d.]+$", out, re.MULTILINE)
+    assert [(turn, prompt) for turn, prompt, _, _ in agent] == [("1", "64"), ("2", "128"), ("3", "192")]
+    assert all(int(computed) < int(prompt) for _, prompt, _, computed in agent[1:])  # the pinned prefix is reused
+    assert re.search(r"^agent_turn_ttft_p50_ratio=[\d.]+$", out, re.MULTILINE)
