@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=args.num_requests))
     vocab = model.args.vocab_size
     prompts = [[(7 * i + 13 * j) % (vocab - 1) + 1 for j in range(args.prompt_len)] for i in range(args.num_requests)]
-    engine.structured.matcher(SamplingParams(json_schema=RECORDS))  # llguidance's tokenizer, built once up front
+    engine.structured.compile(SamplingParams(json_schema=RECORDS))  # llguidance's tokenizer, built once up front
     progress = bar(len(args.constrained) * args.repeats * (args.output_len + 2), "", unit="step")
     runs: dict[int, list[float]] = {k: [] for k in args.constrained}
     for repeat in range(args.repeats):

@@ -57,9 +57,10 @@ class StructuredOutput:
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None
 
-    def matcher(self, params: SamplingParams) -> llguidance.LLMatcher | None:
-        """A fresh matcher for `params`' constraint (None if it has none); a constraint llguidance
-        cannot compile raises ValueError naming the field and llguidance's reason."""
+    def compile(self, params: SamplingParams) -> llguidance.LLMatcher | None:
+        """The compiled matcher of `params`' constraint, kept for the next request with it (None if
+        it has none); a constraint llguidance cannot compile raises ValueError naming the field and
+        llguidance's reason."""
         found = grammar_of(params)
         if found is None:
             return None
@@ -72,7 +73,12 @@ class StructuredOutput:
             self._compiled.move_to_end(grammar)
             while len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
-            return compiled.deep_copy()
+            return compiled
+
+    def matcher(self, params: SamplingParams) -> llguidance.LLMatcher | None:
+        """A fresh matcher for one request with `params` (see `compile`): a copy of the compiled one."""
+        compiled = self.compile(params)
+        return None if compiled is None else compiled.deep_copy()
 
     def _compile(self, name: str, grammar: str) -> llguidance.LLMatcher:
         if self._lltokenizer is None:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator, Awaitable, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,6 +51,17 @@ class ServingError(Exception):
         self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
 
 
+@contextmanager
+def refused_as(param: str | None = None, names: dict[str, str] | None = None) -> Iterator[None]:
+    """A ValueError raised within, as a 400 naming `param`; without one, the setting its message
+    starts with (a setting's check names it first), as this API calls it (`names`)."""
+    try:
+        yield
+    except ValueError as exc:
+        field = str(exc).split()[0]
+        raise ServingError(400, str(exc), param or (names or {}).get(field, field)) from None
+
+
 @dataclass(frozen=True)
 class Tools:
     """What a chat request does with tools: those its template shows (OpenAI's entries), and the
@@ -84,15 +95,16 @@ def pin_of(cache_control: Any, tokens: int) -> Pin | None:
 
 def forced_tools(shown: list[dict[str, Any]], choice: str | None, name: str | None = None) -> list[dict[str, Any]]:
     """The tools (OpenAI's entries) a reply must call one of: the one `name`d, every one shown when
-    `choice` requires a call (OpenAI's 'required', Anthropic's 'any'), else none (the model decides)."""
+    `choice` requires a call (OpenAI's 'required', Anthropic's 'any'), else none (the model
+    decides); a 400 naming `tool_choice` if there is none to call."""
     if name is not None:
         named = [tool for tool in shown if tool["function"]["name"] == name]
         if not named:
-            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+            raise ServingError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         return named
     if choice in ("required", "any"):
         if not shown:
-            raise ValueError(f"tool_choice {choice!r} needs tools")
+            raise ServingError(400, f"tool_choice {choice!r} needs tools", "tool_choice")
         return shown
     return []
 
@@ -128,12 +140,12 @@ class ServingCore:
     def tools(self, shown: list[dict[str, Any]], forced: list[dict[str, Any]], parallel: bool, field: str) -> Tools:
         """The tools of a chat request (OpenAI's entries): `forced` are those the reply must call
         one of (none: the model decides); a 400 naming `field` if the model cannot call them."""
-        try:
-            if shown and not self.tokenizer.has_tool_calling:
-                raise ValueError("this model's chat template has no tool calls (mlx-lm finds no tool-call format)")
+        if shown and not self.tokenizer.has_tool_calling:
+            raise ServingError(
+                400, "this model's chat template has no tool calls (mlx-lm finds no tool-call format)", field
+            )
+        with refused_as(field):
             return Tools(shown, tool_grammar(self.tokenizer, forced, parallel) if forced else None)
-        except ValueError as exc:
-            raise ServingError(400, str(exc), field) from None
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: Tools | None = None) -> list[int]:
         """The prompt of a conversation (role/content dicts, as chat templates read them)."""
@@ -165,7 +177,7 @@ class ServingCore:
         schema takes a while), so that one llguidance refuses is a 400 naming where it came from
         (`source`, else the `SamplingParams` field)."""
         try:
-            await asyncio.to_thread(self.llm.engine.structured.matcher, params)
+            await asyncio.to_thread(self.llm.engine.structured.compile, params)
         except ValueError as exc:
             field = str(exc).split()[0]  # the field named at the start of the message
             where = source or field

@@ -23,7 +23,7 @@ from ...cache.pins import Pin
 from ...engine.outputs import RequestOutput, Usage
 from ...engine.sampling_params import SamplingParams
 from ...errors import RequestFailed
-from ..core import Event, ServingCore, ServingError, Tools, pin_of, split, until_done
+from ..core import Event, ServingCore, ServingError, Tools, pin_of, refused_as, split, until_done
 from ..tool_calls import Piece, ToolCall, ToolCallStream
 from .protocol import CountTokensBody, MessagesBody, error_body
 
@@ -39,11 +39,8 @@ class AnthropicServing:
     async def messages(self, body: MessagesBody, request: HTTPRequest) -> Any:
         prompt, tools = self._prompt(body)
         fields: dict[str, Any] = body.sampling_fields() | ({"grammar": tools.grammar} if tools.grammar else {})
-        try:
+        with refused_as(names={"stop": "stop_sequences"}):
             params = SamplingParams(**fields, max_tokens=self.core.room(prompt, body.max_tokens))
-        except ValueError as exc:
-            field = str(exc).split()[0]
-            raise ServingError(400, str(exc), {"stop": "stop_sequences"}.get(field, field)) from None
         await self.core.compile(
             params, "tool_choice" if tools.grammar else "output_config" if body.output_config else None
         )
@@ -60,12 +57,9 @@ class AnthropicServing:
 
     def _prompt(self, body: CountTokensBody) -> tuple[list[int], Tools]:
         self.core.check_model(body.model)
-        try:
-            shown, forced = body.shown_tools(), body.forced_tools()
-        except ValueError as exc:
-            raise ServingError(400, str(exc), "tool_choice") from None
         parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
-        tools = self.core.tools(shown, forced, parallel, "tool_choice" if body.tool_choice else "tools")
+        field = "tool_choice" if body.tool_choice else "tools"
+        tools = self.core.tools(body.shown_tools(), body.forced_tools(), parallel, field)
         return self.core.chat_prompt(body.template_inputs(), tools), tools
 
     def _pin(self, body: MessagesBody, prompt: list[int], tools: Tools) -> Pin | None:

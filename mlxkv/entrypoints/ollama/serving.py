@@ -25,11 +25,9 @@ from ...engine.outputs import RequestOutput
 from ...engine.sampling_params import SamplingParams
 from ...errors import RequestFailed
 from ...models.structure import text_model
-from ..core import Event, ServingCore, ServingError, Tools, split, until_done
+from ..core import Event, ServingCore, ServingError, Tools, refused_as, split, until_done
 from ..tool_calls import Piece, ToolCall, ToolCallStream
 from .protocol import OLLAMA_DEFAULTS, Body, ChatBody, GenerateBody, ShowBody
-
-DONE_REASONS = {"stop": "stop", "length": "length"}
 
 
 class OllamaServing:
@@ -65,10 +63,8 @@ class OllamaServing:
         options = body.options
         wanted = options.num_predict if options is not None and options.num_predict not in (None, -1) else None
         fields = OLLAMA_DEFAULTS | (options.sampling_fields() if options else {}) | body.constraint()
-        try:
+        with refused_as():
             params = SamplingParams(**fields, max_tokens=self.core.room(prompt, wanted))
-        except ValueError as exc:
-            raise ServingError(400, str(exc), str(exc).split()[0]) from None
         await self.core.compile(params, "format" if body.format is not None else None)
         self.core.check_queue(1)
         events = self.core.run([(prompt, params)], None)
@@ -96,7 +92,7 @@ class OllamaServing:
         now = time.perf_counter_ns()
         yield self._chunk(key, "") | {
             "done": True,
-            "done_reason": DONE_REASONS.get(last.finish_reason or "", last.finish_reason),
+            "done_reason": last.finish_reason,
             "total_duration": now - started,
             "load_duration": 0,
             "prompt_eval_count": last.usage.prompt_tokens,

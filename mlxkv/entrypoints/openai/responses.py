@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...engine.outputs import RequestOutput
 from ...engine.sampling_params import SamplingParams
 from ...errors import RequestFailed
-from ..core import Event, ServingCore, ServingError, forced_tools, split, until_done
+from ..core import Event, ServingCore, ServingError, forced_tools, refused_as, split, until_done
 from ..tool_calls import Piece, ToolCallStream
 from .protocol import error_body
 
@@ -156,22 +156,18 @@ class ResponsesServing:
 
     async def create(self, body: ResponsesBody, request: HTTPRequest) -> Any:
         self.core.check_model(body.model)
-        try:
-            shown, forced = body.shown_tools(), body.forced_tools()
-            history = self.store.get(body.previous_response_id) if body.previous_response_id else []
+        history = self.store.get(body.previous_response_id) if body.previous_response_id else []
+        with refused_as("input"):
             messages = history + template_inputs(body.input)
-        except ValueError as exc:
-            raise ServingError(400, str(exc), "input" if "input" in str(exc) else "tool_choice") from None
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        tools = self.core.tools(shown, forced, body.parallel_tool_calls, "tool_choice" if body.tool_choice else "tools")
+        field = "tool_choice" if body.tool_choice else "tools"
+        tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
         prompt = self.core.chat_prompt(system + messages, tools)
         given = {"temperature": body.temperature, "top_p": body.top_p}
         fields: dict[str, Any] = {"temperature": 1.0} | {k: v for k, v in given.items() if v is not None}
         fields |= {"grammar": tools.grammar} if tools.grammar else body.constraint()
-        try:
+        with refused_as():
             params = SamplingParams(**fields, max_tokens=self.core.room(prompt, body.max_output_tokens))
-        except ValueError as exc:
-            raise ServingError(400, str(exc), str(exc).split()[0]) from None
         await self.core.compile(
             params, "tool_choice" if tools.grammar else "text.format" if body.constraint() else None
         )

@@ -25,6 +25,7 @@ from ..core import (
     ServingError,
     Tools,
     pin_of,
+    refused_as,
     seeded_choices,
     split,
     text_of,
@@ -43,15 +44,10 @@ class OpenAIServing:
 
     async def chat(self, body: ChatBody, request: HTTPRequest) -> Any:
         self.core.check_model(body.model)
-        try:
-            shown, forced = body.shown_tools(), body.forced_tools()
-        except ValueError as exc:
-            raise ServingError(400, str(exc), "tool_choice") from None
-        tools = self.core.tools(shown, forced, body.parallel_tool_calls, "tool_choice" if body.tool_choice else "tools")
-        try:
+        field = "tool_choice" if body.tool_choice else "tools"
+        tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
+        with refused_as("messages"):
             messages = [m.as_template_input() for m in body.messages]
-        except ValueError as exc:
-            raise ServingError(400, str(exc), "messages") from None
         prompt = self.core.chat_prompt(messages, tools)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
             raise ServingError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
@@ -92,11 +88,9 @@ class OpenAIServing:
         """The engine's sampling parameters for `body` (with the server's `constraint` for tool
         calls); `max_tokens` is cut to the room the prompt leaves."""
         limit = self.core.room(prompt, max_tokens)
-        try:
+        with refused_as():
             check_salt(body.cache_salt)
             return body.sampling(limit, logprobs, constraint)
-        except ValueError as exc:
-            raise ServingError(400, str(exc), str(exc).split()[0]) from None
 
     async def _respond(
         self,
