@@ -98,8 +98,15 @@ def test_a_function_call_round_trip(client):
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     answer = [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    assert called.tool_choice == "required"
     after = create(client, input=answer, previous_response_id=called.id, tools=[WEATHER], max_output_tokens=3)
     assert after.status == "incomplete" and after.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_a_named_tool_choice_is_echoed_as_given(client):
+    named = {"type": "function", "name": "get_weather"}
+    reply = create(client, input="Weather?", tools=[WEATHER], tool_choice=named, max_output_tokens=200)
+    assert reply.tool_choice.model_dump() == named and reply.output[0].name == "get_weather"
 
 
 def test_text_format_holds_the_output_to_a_schema(client):

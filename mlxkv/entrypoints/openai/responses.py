@@ -269,7 +269,7 @@ class _Reply:
             "instructions": body.instructions,
             "output": self.items if done else [],
             "parallel_tool_calls": body.parallel_tool_calls,
-            "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else "auto",
+            "tool_choice": _tool_choice(body.tool_choice),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "temperature": body.temperature,
             "top_p": body.top_p,
@@ -345,3 +345,8 @@ class _Reply:
         payload = {"type": name, "sequence_number": self.sequence, **data}
         self.sequence += 1
         return f"event: {name}\ndata: {json.dumps(payload)}\n\n"
+
+
+def _tool_choice(choice: str | NamedFunction | None) -> str | dict[str, Any]:
+    """The request's tool choice as a response echoes it: `auto` unless it gave one."""
+    return choice.model_dump() if isinstance(choice, NamedFunction) else choice or "auto"
