@@ -163,6 +163,8 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if pin is not None and not isinstance(pin, Pin):
+            raise TypeError(f"pin must be a Pin or None, got {type(pin).__name__}")
         request = Request(
             self.new_request_id() if request_id is None else request_key(request_id),
             self.encode(prompt),

@@ -484,3 +484,6 @@ def test_a_pinned_prompt_survives_traffic_that_evicts_the_rest_until_its_time_is
     assert cached_after_traffic(None)[:2] == (None, 0)
     pinned, cached, engine = cached_after_traffic(Pin(41, ttl_s=0.05), wait=0.1)
     assert (pinned, cached) == (40, 0) and engine.cache.pool.used_count == 0
+    with pytest.raises(TypeError, match="pin must be a Pin or None, got int"):
+        engine.add_request(prompt, params, pin=40)
+    assert not engine.has_unfinished()
