@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
 
     expect(DEFAULTS_TAKE, "no model runs, so the BLAS plays no part")
     source = args.model / "config.json" if args.model is not None and args.model.is_dir() else args.model
+    if source is not None and not source.is_file():
+        parser.error(f"--model: {str(source)!r} is neither a checkpoint directory with a config.json nor a config.json")
     config = json.loads(source.read_text()) if source is not None else GEMMA4_E2B
     model = lazy_model(config)
     kv = replace(model_kv(model), weights_bytes=0)  # the cache alone, whatever memory the weights would take

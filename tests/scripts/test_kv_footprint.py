@@ -2,6 +2,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import BASE, GEMMA4, HYBRIDS
 
 from mlxkv.models.random_model import make_checkpoint
@@ -43,3 +44,13 @@ def test_a_tiny_gemma4_in_the_contiguous_layout(tmp_path, capsys):
     rows = table(capsys.readouterr().out)
     # float32, 2 KV heads: three sliding layers of 64 and one global of 128, against five and two
     assert rows["K/V per token outside window pools (KiB)"] == ("5.00", "8.00", "0.625")
+
+
+def test_a_model_path_without_a_config_is_one_clear_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        kv_footprint.main(["--model", str(tmp_path)])
+    _, message = capsys.readouterr().err.splitlines()[-1].split(": ", 1)  # after the program, as argv[0] names it
+    assert message == (
+        f"error: --model: '{tmp_path}/config.json' is neither a checkpoint directory with a config.json "
+        "nor a config.json"
+    )
