@@ -96,6 +96,12 @@ class EngineConfig:
     pipeline: bool = setting(
         True, "Start each step before reading the tokens of the one before (no: read every step first).", BOOLEAN
     )
+    prompt_lookup: bool = setting(
+        False, "Speculative decoding with draft tokens looked up in each request's own prompt and output.", BOOLEAN
+    )
+    num_draft_tokens: int = setting(
+        3, "Most draft tokens a speculating request proposes per step (fewer while fewer are accepted).", POSITIVE
+    )
 
     block_size = RenamedAttribute("page_size")
     num_blocks = RenamedAttribute("num_pages")

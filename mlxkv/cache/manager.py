@@ -355,6 +355,15 @@ class KVCacheManager:
                     table.extend(count, pages)
             return self._batches(seq_ids, tables, counts)
 
+    def rewind(self, seq_id: int, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` of sequence `seq_id`, which must cover every token it
+        published: the speculative decoder's rejected draft tokens go, with the pages that held
+        only them (their K/V are never read, and a later append writes over them)."""
+        with self._lock:
+            self._table(seq_id).rewind(num_tokens)
+            for group in self.windowed.values():
+                group.tables[seq_id].rewind(num_tokens)
+
     def write(self, layer: int, batch: KVBatch, keys: mx.array, values: mx.array) -> None:
         """Store `layer`'s K/V for the new tokens of `batch` (`[tokens, kv_heads, head_dim]`)."""
         with self._lock:

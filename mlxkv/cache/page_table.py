@@ -198,6 +198,17 @@ class PageTable:
         self.num_pages = num_pages
         self.num_tokens = self.num_computed = num_pages * self.page_size
 
+    def rewind(self, num_tokens: int) -> None:
+        """Forget the tokens past the first `num_tokens` (draft tokens the model rejected, never
+        published) and give back the pages that held only them; a partly filled page stays."""
+        if not self.num_computed <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot rewind sequence {self.owner} to {num_tokens} of its {self.num_tokens} tokens")
+        keep = max(-(-num_tokens // self.page_size), self.dropped)
+        self.pool.release_pages(self.owner, self.row[keep : self.num_pages].tolist()[::-1])
+        self.row[keep : self.num_pages] = 0
+        self.num_pages = min(self.num_pages, keep)
+        self.num_tokens = num_tokens
+
     @property
     def _parent(self) -> bytes:
         """The key the next page's key chains from."""

@@ -28,10 +28,12 @@ from .inputs import encode_prompt, request_key
 from .kv_budget import build_kv_cache
 from .model_runner import ModelRunner, layer_variants, model_kv
 from .outputs import RequestOutput, Usage
+from .prompt_lookup import PromptLookup
 from .request import PENDING, Request, Status
 from .sampling import SamplingFailed, TokenLogprob, logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
+from .speculation import Speculator, accepted_prefix
 from .stats import EngineStats
 from .structured_output import StructuredOutput
 from .text import TextStream
@@ -41,14 +43,23 @@ logger = logging.getLogger("mlxkv")
 
 @dataclass
 class InFlight:
-    """A step started on the device whose sampled tokens the host has not read yet: row i of
-    `tokens` is `sampling[i]`'s output number `indices[i]`, a `PENDING` placeholder until read."""
+    """A step started on the device whose sampled tokens the host has not read yet. Row i of
+    `sampling` draws `1 + len(drafts[i])` tokens, from its output number `indices[i]` (a `PENDING`
+    placeholder until read) on, one row of `tokens` each: a speculating row's draws where its
+    draft tokens were proposed, and one past them."""
 
     batch: ScheduledBatch
     sampling: list[Request]
     indices: list[int]
+    drafts: list[list[int]]
     tokens: mx.array
     scored: tuple[mx.array, ...]
+    started: float
+
+    @property
+    def positions(self) -> list[Request]:
+        """The request of each row of `tokens`."""
+        return [r for r, d in zip(self.sampling, self.drafts) for _ in range(1 + len(d))]
 
 
 class LLMEngine:
@@ -98,6 +109,7 @@ class LLMEngine:
             "reference" if attention is reference_attention else "Metal kernels",
         )
         self.runner = ModelRunner(model, self.cache, attention)
+        self.speculator = self._speculator()
         self.structured = StructuredOutput(tokenizer, model.args.vocab_size)
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
@@ -107,6 +119,18 @@ class LLMEngine:
         self._lock = threading.RLock()
         self.last_step_wait = 0.0  # seconds the last step was blocked in MLX evaluation (the rest: host work)
         self._inflight: InFlight | None = None
+
+    def _speculator(self) -> Speculator | None:
+        """The speculative decoding `config` asks for, if any; a hybrid model's recurrent state
+        cannot be rewound past rejected draft tokens, so it cannot speculate."""
+        if not self.config.prompt_lookup:
+            return None
+        if self.cache.states is not None:
+            raise ValueError(
+                "speculative decoding (prompt_lookup) needs a model whose every layer keeps K/V; "
+                "this one has recurrent layers, whose state cannot be rewound past rejected draft tokens"
+            )
+        return Speculator(PromptLookup(), self.config.num_draft_tokens)
 
     @property
     def max_request_tokens(self) -> int:
@@ -129,6 +153,7 @@ class LLMEngine:
                 self.cache.usage(),
                 self.cache.prefix_caching,
                 replace(self.scheduler.prefix_stats),
+                self.speculator.stats if self.speculator is not None else None,
             )
 
     @property
@@ -212,12 +237,19 @@ class LLMEngine:
         with self._lock:
             previous, self._inflight = self._inflight, None
             self.cache.expire_pins()
+            drafting = self._draft_lengths()
+        outputs: list[RequestOutput] | None = None
+        if previous is not None and (drafting or any(previous.drafts)):  # drafts need every token known
+            outputs, previous = self._resolve(previous)[0], None
+        with self._lock:
+            if drafting:
+                self._propose(drafting)
             batch = self.scheduler.schedule()
             if batch is not None:
                 self._track_usage()
-        failed, outputs = self._launch(batch, previous) if batch is not None else ([], None)
+        failed, read = self._launch(batch, previous) if batch is not None else ([], None)
         if outputs is None:
-            outputs = self._resolve(previous)[0] if previous is not None else []
+            outputs = read if read is not None else self._resolve(previous)[0] if previous is not None else []
         with self._lock:
             current = self._inflight
             if current is not None:  # its K/V are queued, and its input tokens now all known
@@ -227,6 +259,26 @@ class LLMEngine:
         if current is not None and not self.config.pipeline:
             outputs += self._resolve(current)[0]
         return outputs + failed
+
+    def _draft_lengths(self) -> dict[Request, int]:
+        """How many draft tokens each running decode request proposes in the next step (those
+        proposing any), as `Speculator.lengths` decides."""
+        if self.speculator is None:
+            return {}
+        decode = [r for r in self.scheduler.running if r.is_decode and not r.done_sampling]
+        prefill = sum(r.num_remaining for r in self.scheduler.running if not r.is_decode)
+        budget = self.config.max_num_batched_tokens - len(decode)
+        other = min(budget, prefill + (budget if self.scheduler.waiting else 0))
+        return self.speculator.lengths(decode, other)
+
+    def _propose(self, lengths: dict[Request, int]) -> None:
+        """Give each request still decoding its draft tokens, cut at the first its constraint forbids."""
+        assert self.speculator is not None
+        live = [r for r in lengths if r.status is Status.RUNNING and r.is_decode]
+        self.speculator.propose(live, [lengths[r] for r in live])
+        for request in live:
+            if request.matcher is not None and request.draft:
+                del request.draft[request.matcher.validate_tokens(request.draft) :]
 
     def _launch(
         self, batch: ScheduledBatch, previous: InFlight | None
@@ -238,8 +290,12 @@ class LLMEngine:
         A constrained row's mask needs every earlier token of its request, so when one's last
         token comes from `previous`, the forward pass is started, `previous` read while it runs
         (its tokens accepted, the matchers advanced), and only then the sampling built."""
+        started = time.perf_counter()
         sampling = [r for r, s in zip(batch.requests, batch.samples) if s]
-        indices = [len(r.output_ids) for r in sampling]  # the output number each row samples
+        drafts = [d for d, s in zip(batch.drafts, batch.samples) if s]
+        indices = [len(r.output_ids) for r in sampling]  # the output number each row samples first
+        widths = [1 + len(d) for d in drafts]
+        firsts = np.cumsum(widths) - widths  # each row's first row of logits
         read: list[RequestOutput] | None = None
         try:
             logits = self.runner.forward(batch, self._token_ids(batch, previous))  # None when no row samples
@@ -252,18 +308,23 @@ class LLMEngine:
                     read, ok = self._resolve(previous, batch.requests)
                     if not ok:  # `previous` failed, and this batch, which read its tokens, is undone
                         return [], read
-                matchers = [sampling[row].matcher for row in constrained]
-                logits = self.structured.masked(logits, constrained, matchers)
+                logits = self.structured.masked(
+                    logits, [(sampling[row].matcher, int(firsts[row]), drafts[row]) for row in constrained]
+                )
             tokens = (
-                sample(logits, [r.sampler for r in sampling], indices)
+                sample(
+                    logits,
+                    [r.sampler for r, w in zip(sampling, widths) for _ in range(w)],
+                    [n + i for n, w in zip(indices, widths) for i in range(w)],
+                )
                 if logits is not None
                 else mx.array([], mx.uint32)
             )
             wanted = [r.params.logprobs for r in sampling if r.params.logprobs is not None]
             scored = logprobs(logits, tokens, max(wanted)) if logits is not None and wanted else ()
-            started = time.perf_counter()
+            waiting = time.perf_counter()
             mx.async_eval(tokens, *scored, self.cache.tensors)  # on a CPU build this runs most of the graph
-            self.last_step_wait += time.perf_counter() - started
+            self.last_step_wait += time.perf_counter() - waiting
         except SamplingFailed as exc:
             return self._recover(batch.requests, [sampling[exc.row]], exc.cause), read
         except Exception as exc:
@@ -275,7 +336,7 @@ class LLMEngine:
             for request in sampling:
                 if request.status is not Status.FINISHED:  # not aborted since it was scheduled
                     request.append_output(PENDING)
-            self._inflight = InFlight(batch, sampling, indices, tokens, scored)
+            self._inflight = InFlight(batch, sampling, indices, drafts, tokens, scored, started)
         return [], read
 
     @staticmethod
@@ -283,7 +344,10 @@ class LLMEngine:
         """The batch's input tokens, packed; a token still `PENDING` comes lazily from the step
         before, which sampled it."""
         host = np.fromiter(
-            itertools.chain.from_iterable(r.pending(n) for r, n in zip(batch.requests, batch.counts)), np.int32
+            itertools.chain.from_iterable(
+                r.pending(n - len(d)) + d for r, n, d in zip(batch.requests, batch.counts, batch.drafts)
+            ),
+            np.int32,
         )
         waiting = np.flatnonzero(host == PENDING)
         if not waiting.size:
@@ -314,12 +378,31 @@ class LLMEngine:
             raise
         now = time.perf_counter()
         with self._lock:
-            scores = _token_logprobs(step.sampling, sampled, scored)
-            return [
-                self._accept(request, index, token, score, now)
-                for request, index, token, score in zip(step.sampling, step.indices, sampled, scores)
-                if request.status is not Status.FINISHED
-            ], True
+            if self.speculator is not None:
+                self.speculator.cost.record(step.batch.kv.num_tokens, now - step.started)
+            scores = _token_logprobs(step.positions, sampled, scored)
+            outputs, first = [], 0
+            for request, index, draft in zip(step.sampling, step.indices, step.drafts):
+                row, first = slice(first, first + 1 + len(draft)), first + 1 + len(draft)
+                if request.status is not Status.FINISHED:
+                    outputs.append(self._verify(request, index, draft, sampled[row], scores[row], now))
+            return outputs, True
+
+    def _verify(
+        self, request: Request, index: int, draft: list[int], sampled: list[int], scores: list[Any], now: float
+    ) -> RequestOutput:
+        """Accept a row's draws from output number `index` on: its first draw, and one more for
+        each draft token equal to the draw before it (the drafts so accepted are computed: their
+        K/V stay; the rest are given back)."""
+        if not draft:
+            return self._accept(request, index, sampled, scores, now)
+        assert self.speculator is not None
+        accepted = accepted_prefix(draft, sampled)
+        self.speculator.record(request, len(draft), accepted)
+        output = self._accept(request, index, sampled[: accepted + 1], scores[: accepted + 1], now)
+        if request.status is Status.RUNNING:
+            self.scheduler.commit_verified(request, 1 + accepted)
+        return output
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every unfinished request with `error` (for a failure no request can be blamed for)."""
@@ -367,35 +450,51 @@ class LLMEngine:
         request.error = error
         return self._finish(request, "error")
 
-    def _accept(
-        self, request: Request, index: int, token: int, score: TokenLogprob | None, now: float
-    ) -> RequestOutput:
-        """Put `token`, read at time `now`, in its placeholder as output number `index`, and end
-        the request if it is done (dropping what a later step computed for it)."""
+    def _accept(self, request: Request, index: int, tokens: list[int], scores: list[Any], now: float) -> RequestOutput:
+        """Make `tokens`, read at time `now`, outputs number `index`, `index + 1`, ... (the first
+        in its placeholder), and end the request at the first that finishes it (dropping what
+        comes after, and what a later step computed for it)."""
         if request.first_token_time is None:
             request.first_token_time = now
+        for count, token in enumerate(tokens):
+            reason = self._take(request, index + count, token)
+            if reason is not None:
+                kept = count + (reason not in ("eos", "error"))
+                return self._finish(
+                    request, "stop" if reason == "eos" else reason, tuple(tokens[:kept]), _present(scores[:kept])
+                )
+        return self._output(request, tuple(tokens), _present(scores))
+
+    def _take(self, request: Request, index: int, token: int) -> str | None:
+        """Make `token` output number `index` (its placeholder, or the next output); the reason it
+        ends the request, if it does ("eos": the token is not an output)."""
         if token in self.tokenizer.eos_token_ids and not request.params.ignore_eos:
             request.truncate_outputs(index)
-            return self._finish(request, "stop")
-        request.set_output(index, token)
-        new = ((token,), (score,) if score else ())
+            return "eos"
+        if index < len(request.output_ids):
+            request.set_output(index, token)
+        else:
+            request.append_output(token)
         matcher = request.matcher
         if matcher is not None and not matcher.consume_token(token):  # the mask allowed it: a bug
-            return self._fail(request, MlxkvError(f"structured output failed: {matcher.get_error()}"))
+            request.error = MlxkvError(f"structured output failed: {matcher.get_error()}")
+            return "error"
         assert request.stream is not None  # every request the engine admits has its stream
         if request.stream.add(token):
             request.truncate_outputs(index + 1)
-            return self._finish(request, "stop", *new)
+            return "stop"
         if matcher is not None and matcher.is_stopped():  # its constraint allows nothing more
-            return self._finish(request, "stop", *new)
+            return "stop"
         if index + 1 >= request.params.max_tokens:
-            return self._finish(request, "length", *new)
-        return self._output(request, *new)
+            return "length"
+        return None
 
     def _finish(
         self, request: Request, reason: str, token_ids: tuple[int, ...] = (), scores: tuple[TokenLogprob, ...] = ()
     ) -> RequestOutput:
         request.drop_pending()
+        if self.speculator is not None:
+            self.speculator.drafter.forget(request)
         assert request.stream is not None
         request.stream.finish()
         request.finish_time = time.perf_counter()
@@ -432,6 +531,11 @@ class LLMEngine:
         sequence only when it may be one)."""
         if self.cache.pool.used_count >= self.peak_usage.pages_used:
             self.peak_usage = self.cache.usage()
+
+
+def _present(scores: list[TokenLogprob | None]) -> tuple[TokenLogprob, ...]:
+    """The log-probabilities asked for (a request that asked none has None for each token)."""
+    return tuple(score for score in scores if score is not None)
 
 
 def _token_logprobs(sampling: list[Request], tokens: list[int], scored: list[list[Any]]) -> list[TokenLogprob | None]:

@@ -176,13 +176,15 @@ class ModelRunner:
             setattr(layers[index], name, RecurrentLayer(mlx_lm_module(layers[index], name), number))
 
     def forward(self, step: ScheduledBatch, token_ids: mx.array) -> mx.array | None:
-        """Logits `[rows that sample, vocab]` for `step`, whose packed input tokens are
-        `token_ids`; None if no row samples (lazy either way)."""
+        """Logits for `step`, whose packed input tokens are `token_ids`: a row for each row that
+        samples, and one more for each of its draft tokens (`[rows, vocab]`); None if no row
+        samples (lazy either way)."""
         hidden = self.hidden(token_ids, step.kv, step.own_kv)
         if len(step.samples) == hidden.shape[0] and all(step.samples):  # all decode rows: every token samples
             return self.head(hidden)
-        rows = (np.cumsum(step.counts) - 1)[np.asarray(step.samples, dtype=bool)]
-        return self.head(hidden[mx.array(rows.astype(np.int32))]) if rows.size else None
+        ends = np.cumsum(step.counts)
+        rows = [np.arange(end - len(draft) - 1, end) for end, draft, s in zip(ends, step.drafts, step.samples) if s]
+        return self.head(hidden[mx.array(np.concatenate(rows).astype(np.int32))]) if rows else None
 
     def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, own_kv: Sequence[int]) -> mx.array:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,

@@ -10,6 +10,7 @@ from typing import Any
 from ..cache.pins import Pin
 from .sampling import TokenSampler
 from .sampling_params import SamplingParams
+from .speculation import Speculation
 from .text import TextStream
 
 PENDING = -1  # an output token sampled by a step whose result the host has not read yet
@@ -54,6 +55,8 @@ class Request:
     sampler: TokenSampler = field(init=False)
     pinned_tokens: int | None = field(default=None, init=False)  # tokens `pin` pinned, once it has
     matcher: Any = field(default=None, init=False)  # llguidance's, following a constrained output
+    draft: list[int] = field(default_factory=list, init=False)  # tokens proposed to follow, for the next step
+    speculation: Speculation = field(default_factory=Speculation, init=False)
 
     def __post_init__(self) -> None:
         self.sampler = TokenSampler(self.params)

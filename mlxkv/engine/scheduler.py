@@ -20,7 +20,8 @@ class ScheduledBatch:
     `samples[i]`: row i reaches the end of its tokens this step and so needs a next token.
     `own_kv[i]`: how many of row i's first tokens attend their own K/V unquantized (see
     `Scheduler.own_kv_span`). `snapshots`: the sequences of a hybrid model whose row ends at their
-    snapshot point, whose recurrent state the step keeps for the prefix cache."""
+    snapshot point, whose recurrent state the step keeps for the prefix cache. `drafts[i]`: the
+    draft tokens that follow row i's last token in it (a speculating decode row), else none."""
 
     requests: list[Request]
     counts: list[int]
@@ -28,6 +29,7 @@ class ScheduledBatch:
     samples: list[bool]
     own_kv: list[int]
     snapshots: list[int]
+    drafts: list[list[int]]
 
 
 @dataclass
@@ -95,7 +97,7 @@ class Scheduler:
             if not request.done_sampling:
                 (decode if request.is_decode else prefill).append(request)
         running = decode + prefill  # prefill chunks after every decode
-        if not self._pick(plan, running):
+        if not self._pick(plan, running) and not self._pick_without_drafts(plan, decode, prefill):
             for request in running:
                 if plan.budget and request not in plan.preempted:
                     self._make_room(plan, request)
@@ -111,10 +113,13 @@ class Scheduler:
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
+        requests, counts = list(plan.counts), list(plan.counts.values())
+        drafts = [r.draft for r in requests]
+        for request in self.running:  # a draft is proposed for one step
+            request.draft = []
         if not plan.counts:
             return None
-        requests, counts = list(plan.counts), list(plan.counts.values())
-        samples = [n == r.num_remaining for r, n in zip(requests, counts)]
+        samples = [n == r.num_remaining + len(d) for r, n, d in zip(requests, counts, drafts)]
         snapshots = [r.seq_id for r, n in zip(requests, counts) if 0 < self._snapshot_point(r) == r.num_computed + n]
         return ScheduledBatch(
             requests,
@@ -123,6 +128,7 @@ class Scheduler:
             samples,
             self._own_kv_spans(requests),
             snapshots,
+            drafts,
         )
 
     def _snapshot_point(self, request: Request) -> int:
@@ -145,13 +151,14 @@ class Scheduler:
         return [self.own_kv_span(r) for r in requests]
 
     def commit(self, step: ScheduledBatch) -> None:
-        """Count `step`'s tokens as computed, now that their K/V are evaluated, and cache the
-        pages they filled (requests aborted meanwhile are skipped)."""
+        """Count `step`'s tokens as computed, now that their K/V are queued, and cache the pages
+        they filled (requests aborted meanwhile are skipped). A speculating row counts only once
+        its drafts are verified (`commit_verified`)."""
         seq_ids: list[int] = []
         tokens: list[list[int]] = []
         computed: list[int] = []
-        for request, count in zip(step.requests, step.counts):
-            if request.status is Status.RUNNING:
+        for request, count, draft in zip(step.requests, step.counts, step.drafts):
+            if request.status is Status.RUNNING and not draft:
                 request.num_computed += count
                 seq_ids.append(request.seq_id)
                 tokens.append(request.all_token_ids)
@@ -164,6 +171,13 @@ class Scheduler:
                 if request.num_computed >= wanted:
                     request.pinned_tokens = self.cache.pin(request.seq_id, wanted, pin.ttl_s)
 
+    def commit_verified(self, request: Request, count: int) -> None:
+        """Count a speculating row's last token and its accepted draft tokens (`count` in all) as
+        computed, and give back the slots of the rejected ones."""
+        request.num_computed += count
+        self.cache.rewind(request.seq_id, request.num_computed)
+        self.cache.publish([request.seq_id], [request.all_token_ids], [request.num_computed])
+
     def finish(self, request: Request, reason: str) -> None:
         """End a request (done or aborted) and free its pages."""
         if request in self.running:
@@ -174,6 +188,7 @@ class Scheduler:
         request.seq_id = NO_SEQUENCE
         request.status = Status.FINISHED
         request.finish_reason = reason
+        request.draft = []
 
     def _admit(self, plan: _Plan, request: Request) -> bool:
         """Open a sequence for `request` from its cached prefix and pick its first tokens, if
@@ -195,7 +210,8 @@ class Scheduler:
         pick none."""
         picked, counts, left = [], [], plan.budget
         for request in requests:
-            count = min(request.num_remaining, left)
+            count = min(request.num_remaining + len(request.draft), left)
+            del request.draft[max(0, count - request.num_remaining) :]  # as many drafts as the budget leaves
             stop = self._snapshot_point(request)
             if request.num_computed < stop:
                 count = min(count, stop - request.num_computed)
@@ -212,6 +228,15 @@ class Scheduler:
             return False
         plan.pick(picked, counts, pages)
         return True
+
+    def _pick_without_drafts(self, plan: _Plan, decode: list[Request], prefill: list[Request]) -> bool:
+        """Pick the running requests with no draft tokens (if any had some), before anyone is
+        preempted for pages that drafts would take."""
+        if not any(r.draft for r in decode):
+            return False
+        for request in decode:
+            request.draft = []
+        return self._pick(plan, decode + prefill)
 
     def _make_room(self, plan: _Plan, request: Request) -> None:
         """Pick `request`, preempting the newest running requests until it fits (maybe itself)."""
@@ -241,6 +266,7 @@ class Scheduler:
         return request
 
     def _requeue(self, request: Request) -> None:
+        request.draft = []
         self.cache.release(request.seq_id)
         request.seq_id = NO_SEQUENCE
         request.num_computed = 0

@@ -6,12 +6,14 @@ from dataclasses import dataclass
 
 from ..cache.prefix_cache import PrefixCacheStats
 from ..cache.usage import KVUsage
+from .speculation import SpeculationStats
 
 
 @dataclass(frozen=True)
 class EngineStats:
     """Requests running and waiting, preemptions so far, the KV cache's use, and what the prefix cache
-    reused (`prefix_caching` says whether it is on: off, or the contiguous layout, shares nothing)."""
+    reused (`prefix_caching` says whether it is on: off, or the contiguous layout, shares nothing),
+    and the draft tokens speculative decoding proposed and accepted (None when it is off)."""
 
     running: int
     waiting: int
@@ -19,3 +21,4 @@ class EngineStats:
     kv: KVUsage
     prefix_caching: bool
     prefix_cache: PrefixCacheStats
+    speculation: SpeculationStats | None = None

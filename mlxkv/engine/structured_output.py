@@ -6,7 +6,8 @@ samples, every constrained row's mask of allowed tokens is filled on the host (l
 threads, one bit per token) and all of them are applied to the step's logits in one operation;
 a step without constrained rows does nothing here. A matcher must have seen every earlier token
 of its request before its next mask is made, so the engine reads a step holding constrained
-rows before it schedules the next (`LLMEngine.step`).
+rows before it samples the next (`LLMEngine._launch`). A speculating row gets a mask for each
+of its draft tokens' positions too, each as the matcher would be after the drafts before it.
 """
 
 from __future__ import annotations
@@ -90,20 +91,27 @@ class StructuredOutput:
             raise ValueError(f"{name} cannot be used: {problem.strip()}")
         return llguidance.LLMatcher(self._lltokenizer, grammar, log_level=0)
 
-    def masked(self, logits: mx.array, rows: Sequence[int], matchers: Sequence[llguidance.LLMatcher]) -> mx.array:
-        """`logits` (`[rows, vocab]`) with every token that `matchers[i]` does not allow next in row
-        `rows[i]` set to -inf; one fill of all the masks (in parallel) and one `where` (lazy)."""
+    def masked(self, logits: mx.array, rows: Sequence[tuple[llguidance.LLMatcher, int, Sequence[int]]]) -> mx.array:
+        """`logits` (`[rows, vocab]`) with every token a matcher does not allow set to -inf. Each of
+        `rows` is (a matcher, its row, its draft tokens): the matcher's mask goes in its row, and
+        with draft tokens, the mask after each of them in the rows after it. One fill of all the
+        masks (in parallel) and one `where` (lazy)."""
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), self.vocab_size)
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self._executor, [(matcher, i) for i, matcher in enumerate(matchers)], bitmask
-        )
+        widths = np.array([len(draft) + 1 for _, _, draft in rows])
+        index = np.concatenate([np.arange(first, first + w) for (_, first, _), w in zip(rows, widths)]).astype(np.int32)
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(index), self.vocab_size)
+        packed = np.cumsum(widths) - widths
+        drafting = [(matcher, int(at), list(draft)) for (matcher, _, draft), at in zip(rows, packed) if draft]
+        plain = [(matcher, int(at)) for (matcher, _, draft), at in zip(rows, packed) if not draft]
+        if drafting:
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting, bitmask)
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         # why: unpacked on the host, as gathering each token's word is slow in MLX on a CPU (docs/benchmarks.md)
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
-        index = mx.array(np.asarray(rows, np.int32))
-        masked = mx.where(mx.array(allowed.view(np.bool_)), logits[index], -mx.inf)
-        if len(rows) == logits.shape[0]:
+        masked = mx.where(mx.array(allowed.view(np.bool_)), logits[mx.array(index)], -mx.inf)
+        if len(index) == logits.shape[0]:
             return masked
-        logits[index] = masked
+        logits[mx.array(index)] = masked
         return logits

@@ -61,6 +61,27 @@ def test_lifecycle_writes_through_the_slot_mapping():
     assert cache.pool.free_count == 10
 
 
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_rewinding_past_rejected_drafts_frees_the_pages_they_alone_took(layout):
+    cache = make(layout)
+    (a,) = cache.claim(1)
+    cache.append([a], [7])  # 7 tokens computed: pages 0 and 1, the second holding 3
+    cache.publish([a], [list(range(7))], [7])
+    cache.append([a], [6])  # the last token and 5 drafts: up to token 12, into pages 2 and 3
+    assert cache.num_tokens(a) == 13
+    cache.rewind(a, 9)  # the last token and one draft accepted: the page of tokens 12 goes back
+    assert cache.num_tokens(a) == 9
+    if layout == "paged":
+        assert cache.pool.pages(a) == [0, 1, 2] and cache.free_pages == 7
+        assert cache.append([a], [1]).slot_mapping.tolist() == [9]  # the next token where a rejected one was
+        with pytest.raises(ValueError, match="cannot rewind sequence 0 to 6 of its 10 tokens"):
+            cache.rewind(a, 6)  # before tokens the prefix cache holds
+    else:
+        assert cache.free_pages == 3
+    cache.release(a)
+    assert cache.free_pages == cache.pool.capacity
+
+
 def test_a_released_sequences_row_of_the_block_tables_starts_empty_for_the_next():
     cache = make(max_num_seqs=2)
     a, b = cache.claim(2)

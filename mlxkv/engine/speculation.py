@@ -1,0 +1,156 @@
+"""Speculative decoding's decisions: how many tokens each request drafts in a step, and how many
+of them the model accepted.
+
+A speculating decode row runs its last token and `k` draft tokens through the model in one chunk;
+the model's own draw at each of the k + 1 positions (with the key of that output's index, as
+without speculation) is compared with the drafts, and the drafts are accepted up to the first
+that differs, whose position's draw is the correction (or, all accepted, the bonus token). The
+outputs are therefore exactly the tokens the request draws without speculation, greedy or seeded.
+
+Whether a draft token pays is measured: step time is fitted as `fixed + per_token * tokens` on
+the steps the engine runs, and the i-th draft token of a request whose drafts are accepted at a
+rate r is added only while r**i (its chance of being accepted) beats `per_token * n / (fixed +
+per_token * n)`, the share of the step's time its n tokens cost. While reading the weights
+dominates a step (one chat, or few), that share is small and requests draft their most; in a full
+batch of a compute-bound step it nears 1 and drafting stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .request import Request
+
+PRIOR_RATE = 0.6  # a request's acceptance rate before any of its drafts is verified
+RATE_WEIGHT = 0.3  # weight of the latest verification in the moving average
+DRIFT = 0.05  # how fast a request that stopped drafting drifts back to the prior, to try again
+FORGET = 0.97  # weight of the fit's past per step
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for requests whose tokens are all known on the host."""
+
+    def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
+        """Up to `lengths[i]` tokens likely to follow `requests[i]`'s tokens (maybe fewer, or none)."""
+        ...
+
+    def forget(self, request: Request) -> None:
+        """`request` is finished: drop what is kept for it."""
+        ...
+
+
+@dataclass
+class Speculation:
+    """One request's drafting: its acceptance rate (a moving average of the share of draft tokens
+    accepted per trial) and its totals."""
+
+    rate: float = PRIOR_RATE
+    drafted: int = 0
+    accepted: int = 0
+
+    def length(self, most: int, share: float) -> int:
+        """Draft tokens worth proposing: the i-th is accepted with chance rate**i, and pays while
+        that beats `share`."""
+        k = 0
+        while k < most and self.rate ** (k + 1) > share:
+            k += 1
+        if k == 0:
+            self.rate += DRIFT * (PRIOR_RATE - self.rate)
+        return k
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """`accepted` of `drafted` draft tokens were accepted (a rejection ends a trial)."""
+        self.drafted += drafted
+        self.accepted += accepted
+        trials = accepted + (accepted < drafted)
+        self.rate += RATE_WEIGHT * (accepted / trials - self.rate)
+
+
+def accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many of `draft` the model accepted: those equal to its draws before them
+    (`sampled[i]` is its draw where `draft[i]` was proposed)."""
+    count = 0
+    while count < len(draft) and draft[count] == sampled[count]:
+        count += 1
+    return count
+
+
+class StepCost:
+    """Seconds per step fitted as `fixed + per_token * tokens` by least squares over the steps run,
+    older steps weighing less (each step multiplies the past's weight by `FORGET`)."""
+
+    def __init__(self) -> None:
+        self._sums = [0.0] * 5  # weight, tokens, tokens**2, seconds, tokens * seconds
+
+    def record(self, tokens: int, seconds: float) -> None:
+        for i, value in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
+            self._sums[i] = self._sums[i] * FORGET + value
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_token) seconds, or None until the steps seen vary enough in size."""
+        w, n, nn, t, nt = self._sums
+        spread = w * nn - n * n
+        if w < 4 or spread <= 1e-6 * w * nn:
+            return None
+        per_token = (w * nt - n * t) / spread
+        return (t - per_token * n) / w, per_token
+
+    def share(self, tokens: int) -> float:
+        """The share of a step of `tokens` tokens that its tokens cost (0: they are free, as
+        before anything is measured)."""
+        fitted = self.fit()
+        if fitted is None:
+            return 0.0
+        fixed, per_token = fitted
+        if per_token <= 0:
+            return 0.0
+        if fixed <= 0:
+            return 1.0
+        return per_token * tokens / (fixed + per_token * tokens)
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Draft tokens proposed and accepted so far, over every request."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class Speculator:
+    """The engine's speculative decoding: a drafter, at most `most` draft tokens a request and
+    step, and the step-time fit that says how many pay."""
+
+    def __init__(self, drafter: Drafter, most: int) -> None:
+        self.drafter = drafter
+        self.most = most
+        self.cost = StepCost()
+        self.stats = SpeculationStats()
+
+    def lengths(self, requests: Sequence[Request], other_tokens: int) -> dict[Request, int]:
+        """How many draft tokens each decode request (of those that would propose any) proposes in
+        a step of these rows and `other_tokens` more: as many as pay, within its `max_tokens`."""
+        share = self.cost.share(len(requests) + other_tokens)
+        wanted = {}
+        for request in requests:
+            room = request.params.max_tokens - len(request.output_ids) - 1  # k drafts make k + 1 outputs
+            k = min(request.speculation.length(self.most, share), room)
+            if k > 0:
+                wanted[request] = k
+        return wanted
+
+    def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> None:
+        """Set each request's `draft`: at most its length of tokens from the drafter."""
+        for request, proposal, most in zip(requests, self.drafter.propose(requests, lengths), lengths):
+            request.draft = proposal[:most]
+
+    def record(self, request: Request, drafted: int, accepted: int) -> None:
+        request.speculation.record(drafted, accepted)
+        self.stats = SpeculationStats(self.stats.drafted + drafted, self.stats.accepted + accepted)

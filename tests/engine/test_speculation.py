@@ -1,0 +1,142 @@
+import random
+
+import pytest
+from helpers import BASE, HYBRIDS
+
+from mlxkv import LLM, EngineConfig, LLMEngine, SamplingParams
+from mlxkv.engine.speculation import Speculation, StepCost, accepted_prefix
+from mlxkv.models.loading import load
+from mlxkv.models.random_model import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load(checkpoint("llama-fp32"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Prompts that repeat themselves, and which the random model continues in loops: prompt lookup
+    finds drafts in both, and the model accepts many and rejects some."""
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(8):
+        motif = [rng.randrange(3, 320) for _ in range(rng.randint(3, 8))]
+        prompts.append((motif * 4 + [rng.randrange(3, 320) for _ in range(rng.randint(0, 6))])[: rng.randint(9, 40)])
+    return prompts
+
+
+def generate(model, prompts, params, **config):
+    """Each request's tokens, and what speculation did (None without it)."""
+    llm = LLM(model, max_num_seqs=4, max_model_len=256, page_size=4, **config)
+    outputs = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert stats.running == stats.waiting == 0 and stats.kv.pages_used == 0
+    return [o.token_ids for o in outputs], stats.speculation
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7)],
+    ids=["greedy", "seeded"],
+)
+def test_speculation_changes_no_token(model, prompts, layout, params):
+    expected, _ = generate(model, prompts, params, kv_layout=layout)
+    got, stats = generate(model, prompts, params, kv_layout=layout, prompt_lookup=True)
+    assert got == expected
+    assert 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("llama-fp32", dict(num_pages=20, max_num_batched_tokens=32)),  # preempts
+        ("llama-fp32-d64", dict(kv_bits=8, kv_group_size=32)),
+        ("llama-fp32", dict(pipeline=False)),
+        ("llama-fp32", dict(num_draft_tokens=1)),
+    ],
+    ids=["preemption", "quantized", "unpipelined", "one-draft-token"],
+)
+def test_speculation_changes_no_token_in_any_engine(checkpoint, prompts, name, config):
+    model, params = load(checkpoint(name)), SamplingParams(max_tokens=30)
+    expected, _ = generate(model, prompts, params, **config)
+    got, stats = generate(model, prompts, params, prompt_lookup=True, **config)
+    assert got == expected
+    assert stats.accepted > 0
+
+
+def test_stop_strings_eos_and_max_tokens_inside_accepted_drafts(model, prompts):
+    llm = LLM(model, max_num_seqs=4, max_model_len=256, page_size=4)
+    long = llm.generate(prompts, SamplingParams(max_tokens=40))
+    stops = [o.text[len(o.text) // 2 : len(o.text) // 2 + 2] or "x" for o in long]
+    eos = long[0].token_ids[20]
+    cases = [SamplingParams(max_tokens=40, stop=stop) for stop in stops] + [SamplingParams(max_tokens=13)]
+    for engine_config in ({}, dict(prompt_lookup=True)):
+        speculating = LLM(model, max_num_seqs=4, max_model_len=256, page_size=4, **engine_config)
+        speculating.engine.tokenizer.add_eos_token(eos)
+        outputs = [(o.text, o.finish_reason, o.token_ids) for o in speculating.generate(prompts + prompts[:1], cases)]
+        if not engine_config:
+            expected = outputs
+    assert outputs == expected
+    assert outputs[0][2] == long[0].token_ids[: long[0].token_ids.index(eos)]  # EOS ended the loop early
+
+
+def test_a_prefix_hit_and_an_abort_mid_draft_leave_the_rest_alone(model, prompts):
+    params = SamplingParams(max_tokens=40)
+    expected, _ = generate(model, prompts, params)
+    engine = LLMEngine(*model, EngineConfig(max_num_seqs=8, max_model_len=256, page_size=4, prompt_lookup=True))
+    for _ in range(2):  # the second round starts from the first's cached pages
+        requests = [engine.add_request(p, params) for p in prompts]
+        for _ in range(8):
+            engine.step()
+        victim = requests[3]
+        engine.abort(victim.request_id)
+        while engine.has_unfinished():
+            engine.step()
+        assert victim.finish_reason == "abort"
+        assert [r.output_ids for i, r in enumerate(requests) if i != 3] == expected[:3] + expected[4:]
+    assert engine.cache.pool.used_count == 0
+    assert engine.stats().prefix_cache.cached_tokens > 0 and engine.stats().speculation.accepted > 0
+
+
+def test_structured_output_holds_draft_tokens_to_its_grammar(model, prompts):
+    params = SamplingParams(max_tokens=24, regex="(ab|cd){4,12}[0-9]{3}")
+    expected, _ = generate(model, prompts[:4], params)
+    got, stats = generate(model, prompts[:4], params, prompt_lookup=True)
+    assert got == expected
+    assert stats.drafted > 0
+
+
+def test_a_model_with_recurrent_layers_refuses_to_speculate(tmp_path):
+    name = sorted(HYBRIDS)[0]
+    hybrid = load(make_checkpoint(tmp_path, name, shape={**BASE, **HYBRIDS[name]}))
+    with pytest.raises(ValueError, match=r"prompt_lookup.*recurrent layers"):
+        LLM(hybrid, prompt_lookup=True, max_model_len=64)
+
+
+def test_drafts_are_accepted_up_to_the_first_the_model_would_not_draw():
+    assert accepted_prefix([5, 6, 7], [5, 6, 8, 9]) == 2
+    assert accepted_prefix([5, 6, 7], [5, 6, 7, 9]) == 3
+    assert accepted_prefix([5], [4, 5]) == 0
+
+
+def test_a_request_drafts_while_its_acceptance_beats_the_share_of_the_step():
+    speculation = Speculation(rate=0.6)
+    assert speculation.length(most=8, share=0.3) == 2  # 0.6 and 0.36 beat 0.3; 0.216 does not
+    assert speculation.length(most=1, share=0.0) == 1
+    speculation.record(drafted=3, accepted=1)  # one success and one failure: 0.5 this time
+    assert speculation.rate == pytest.approx(0.6 + 0.3 * (0.5 - 0.6))
+    assert (speculation.drafted, speculation.accepted) == (3, 1)
+    assert speculation.length(most=8, share=0.99) == 0
+    assert speculation.rate > 0.57  # one that stops drafting drifts back towards trying again
+
+
+def test_step_cost_is_fitted_to_the_steps_run():
+    cost = StepCost()
+    assert cost.share(10) == 0.0  # nothing measured: tokens are taken as free
+    for tokens in [1, 4, 2, 8, 1, 16]:
+        cost.record(tokens, 0.010 + 0.001 * tokens)
+    fixed, per_token = cost.fit()
+    assert fixed == pytest.approx(0.010) and per_token == pytest.approx(0.001)
+    assert cost.share(10) == pytest.approx(0.5)
