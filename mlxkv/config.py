@@ -9,7 +9,7 @@ from .attention.backend import BACKENDS
 from .cache.layout import KVLayout, resolve_layout
 from .cache.storage import BITS, KV_BITS, KV_GROUP_SIZES
 from .deprecation import RenamedAttribute, renamed_keywords
-from .settings import BOOLEAN, POSITIVE, integer, number, one_of, optional, setting, validate
+from .settings import BOOLEAN, POSITIVE, TEXT, integer, number, one_of, optional, setting, validate
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -99,6 +99,12 @@ class EngineConfig:
     prompt_lookup: bool = setting(
         False, "Speculative decoding with draft tokens looked up in each request's own prompt and output.", BOOLEAN
     )
+    draft_model: str | None = setting(
+        None,
+        "Speculative decoding with draft tokens from this mlx-lm checkpoint (path or Hugging Face repo id), "
+        "which must share the model's tokenizer.",
+        optional(TEXT),
+    )
     num_draft_tokens: int = setting(
         3, "Most draft tokens a speculating request proposes per step (fewer while fewer are accepted).", POSITIVE
     )
@@ -109,5 +115,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.prompt_lookup and self.draft_model is not None:
+            raise ValueError("give prompt_lookup or draft_model, not both: a request drafts one way")
         if self.num_pages is not None and self.kv_layout is KVLayout.CONTIGUOUS:
             raise ValueError("num_pages applies to the paged layout; size the contiguous one with kv_cache_memory")

@@ -64,6 +64,7 @@ def one_of(*values: object) -> Check:
 
 
 BOOLEAN = Check(lambda v: isinstance(v, bool), "True or False")
+TEXT = Check(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
 
 
 def optional(check: Check) -> Check:

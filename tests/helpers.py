@@ -281,3 +281,21 @@ GEMMA4_K_EQ_V = dict(
     top_k_experts=2,
     moe_intermediate_size=64,
 )
+
+
+def perturbed_copy(source, dest, scale: float, seed: int = 0):
+    """A copy of the checkpoint in `source` with every weight moved by Gaussian noise of `scale`
+    times its own spread: a model that mostly agrees with the original (a draft model's stand-in)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            (dest / file.name).write_bytes(file.read_bytes())
+    rng = np.random.default_rng(seed)
+    for file in source.glob("*.safetensors"):
+        weights = {}
+        for name, array in mx.load(str(file)).items():
+            values = np.array(array.astype(mx.float32))
+            noise = rng.standard_normal(values.shape) * scale * values.std()
+            weights[name] = mx.array(values + noise).astype(array.dtype)
+        mx.save_safetensors(str(dest / file.name), weights, metadata={"format": "mlx"})
+    return dest

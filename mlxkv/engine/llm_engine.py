@@ -15,7 +15,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..attention.backend import AttentionSpec, choose_attention
 from ..attention.kernels import PagedAttentionKernels
 from ..attention.reference import reference_attention
 from ..cache.pins import Pin
@@ -24,9 +23,10 @@ from ..config import EngineConfig
 from ..deprecation import warn
 from ..errors import MlxkvError, RequestTooLong, UnknownSequenceError
 from ..models.structure import text_model
+from .draft_model import DraftModel
 from .inputs import encode_prompt, request_key
 from .kv_budget import build_kv_cache
-from .model_runner import ModelRunner, layer_variants, model_kv
+from .model_runner import ModelRunner, attention_for, model_kv
 from .outputs import RequestOutput, Usage
 from .prompt_lookup import PromptLookup
 from .request import PENDING, Request, Status
@@ -90,47 +90,41 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         model = text_model(model)
-        shape = model_kv(model)
-        self.cache = build_kv_cache(self.config, shape)
-        spec = AttentionSpec(
-            shape.dtype,
-            model.args.num_attention_heads,
-            shape.num_kv_heads,
-            shape.head_dim,
-            self.cache.page_size,
-            self.cache.kv_bits,
-            self.cache.kv_group_size,
-            layer_variants(model),
-        )
-        attention = choose_attention(self.config.attention, spec, kernels)
+        self.cache = build_kv_cache(self.config, model_kv(model))
+        attention = attention_for(model, self.cache, self.config.attention, kernels)
         logger.info(
             "KV cache: %s; attention: %s",
             self.cache.usage(),
             "reference" if attention is reference_attention else "Metal kernels",
         )
         self.runner = ModelRunner(model, self.cache, attention)
-        self.speculator = self._speculator()
+        self.vocab_size = model.args.vocab_size
+        self.speculator = self._speculator(kernels)
         self.structured = StructuredOutput(tokenizer, model.args.vocab_size)
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
-        self.vocab_size = model.args.vocab_size
         self.reset_peak_usage()
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self.last_step_wait = 0.0  # seconds the last step was blocked in MLX evaluation (the rest: host work)
         self._inflight: InFlight | None = None
 
-    def _speculator(self) -> Speculator | None:
+    def _speculator(self, kernels: PagedAttentionKernels | None) -> Speculator | None:
         """The speculative decoding `config` asks for, if any; a hybrid model's recurrent state
         cannot be rewound past rejected draft tokens, so it cannot speculate."""
-        if not self.config.prompt_lookup:
+        config = self.config
+        if not config.prompt_lookup and config.draft_model is None:
             return None
+        name = "prompt_lookup" if config.prompt_lookup else "draft_model"
         if self.cache.states is not None:
             raise ValueError(
-                "speculative decoding (prompt_lookup) needs a model whose every layer keeps K/V; "
-                "this one has recurrent layers, whose state cannot be rewound past rejected draft tokens"
+                f"speculative decoding ({name}) needs a model whose every layer keeps K/V; this one has "
+                "recurrent layers, whose state cannot be rewound past rejected draft tokens"
             )
-        return Speculator(PromptLookup(), self.config.num_draft_tokens)
+        if config.draft_model is None:
+            return Speculator(PromptLookup(), config.num_draft_tokens)
+        drafter = DraftModel.load(config, self.cache, self.tokenizer, self.vocab_size, kernels)
+        return Speculator(drafter, config.num_draft_tokens)
 
     @property
     def max_request_tokens(self) -> int:
@@ -241,13 +235,14 @@ class LLMEngine:
         outputs: list[RequestOutput] | None = None
         if previous is not None and (drafting or any(previous.drafts)):  # drafts need every token known
             outputs, previous = self._resolve(previous)[0], None
+        started = time.perf_counter()
+        if drafting:  # without the lock: a draft model runs here
+            self._propose(drafting)
         with self._lock:
-            if drafting:
-                self._propose(drafting)
             batch = self.scheduler.schedule()
             if batch is not None:
                 self._track_usage()
-        failed, read = self._launch(batch, previous) if batch is not None else ([], None)
+        failed, read = self._launch(batch, previous, started) if batch is not None else ([], None)
         if outputs is None:
             outputs = read if read is not None else self._resolve(previous)[0] if previous is not None else []
         with self._lock:
@@ -281,16 +276,15 @@ class LLMEngine:
                 del request.draft[request.matcher.validate_tokens(request.draft) :]
 
     def _launch(
-        self, batch: ScheduledBatch, previous: InFlight | None
+        self, batch: ScheduledBatch, previous: InFlight | None, started: float
     ) -> tuple[list[RequestOutput], list[RequestOutput] | None]:
-        """Build `batch`'s forward pass and sampling and start evaluating them; returns the
-        outputs of the requests that failed to (none when it started), and `previous`' outputs
-        when it had to be read first (else None).
+        """Build `batch`'s forward pass and sampling and start evaluating them (the step having
+        started at `started`, drafting included); returns the outputs of the requests that failed
+        to (none when it started), and `previous`' outputs when it had to be read first (else None).
 
         A constrained row's mask needs every earlier token of its request, so when one's last
         token comes from `previous`, the forward pass is started, `previous` read while it runs
         (its tokens accepted, the matchers advanced), and only then the sampling built."""
-        started = time.perf_counter()
         sampling = [r for r, s in zip(batch.requests, batch.samples) if s]
         drafts = [d for d, s in zip(batch.drafts, batch.samples) if s]
         indices = [len(r.output_ids) for r in sampling]  # the output number each row samples first

@@ -10,8 +10,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..attention.backend import AttentionFn
+from ..attention.backend import AttentionFn, AttentionSpec, choose_attention
 from ..attention.first_chunk import first_chunk_attention
+from ..attention.kernels import PagedAttentionKernels
 from ..attention.reference import reference_attention
 from ..attention.variant import Variant
 from ..cache.batch import KVBatch
@@ -148,6 +149,24 @@ def model_kv(model: nn.Module) -> ModelKV:
     windows = [variant.window for variant in layer_variants(model)]
     states = state_shapes(model, layer_roles(model))
     return ModelKV(layers, kv_heads, head_dims, dtype, model_context(model), weights, windows, states)
+
+
+def attention_for(
+    model: nn.Module, cache: KVCacheManager, choice: str | None, kernels: PagedAttentionKernels | None = None
+) -> AttentionFn:
+    """The attention `model`'s layers run over `cache` (see `choose_attention`)."""
+    _, kv_heads, head_dims, dtype = kv_shape(model)
+    spec = AttentionSpec(
+        dtype,
+        model.args.num_attention_heads,
+        kv_heads,
+        head_dims,
+        cache.page_size,
+        cache.kv_bits,
+        cache.kv_group_size,
+        layer_variants(model),
+    )
+    return choose_attention(choice, spec, kernels)
 
 
 class ModelRunner:

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..settings import BOOLEAN, POSITIVE, Check, integer, number, optional, setting, validate
+from ..settings import BOOLEAN, POSITIVE, TEXT, Check, integer, number, optional, setting, validate
 
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy: 1/T would push the scaled logits past float32
 MAX_LOGPROBS = 20  # most alternatives a request may ask log-probabilities for (OpenAI's limit)
@@ -24,7 +24,6 @@ def _stop_strings(stop: Any) -> Any:
 STOP = Check(
     lambda v: isinstance(v, tuple) and all(isinstance(s, str) and s for s in v), "a non-empty string or a list of them"
 )
-TEXT = Check(lambda v: isinstance(v, str) and bool(v), "a non-empty string")
 CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # the ways to constrain an output, at most one a request
 
 

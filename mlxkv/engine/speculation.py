@@ -7,16 +7,21 @@ without speculation) is compared with the drafts, and the drafts are accepted up
 that differs, whose position's draw is the correction (or, all accepted, the bonus token). The
 outputs are therefore exactly the tokens the request draws without speculation, greedy or seeded.
 
-Whether a draft token pays is measured: step time is fitted as `fixed + per_token * tokens` on
-the steps the engine runs, and the i-th draft token of a request whose drafts are accepted at a
-rate r is added only while r**i (its chance of being accepted) beats `per_token * n / (fixed +
-per_token * n)`, the share of the step's time its n tokens cost. While reading the weights
-dominates a step (one chat, or few), that share is small and requests draft their most; in a full
-batch of a compute-bound step it nears 1 and drafting stops.
+Whether a draft token pays is measured. Step time is fitted as `fixed + per_token * tokens` on the
+steps the engine runs, and drafting's own time per draft token (a draft model's decode step; next
+to nothing for prompt lookup) is averaged. A step of n tokens makes about n tokens in
+`fixed + per_token * n` seconds; the i-th draft token of a request whose drafts are accepted at a
+rate r adds r**i tokens (its chance of being accepted) for `per_token` seconds and its share of
+the drafting, so it is proposed only while r**i beats the cost's share of the step. While reading
+the weights dominates a step (one chat, or few), that share is small and requests draft their
+most; in a full batch of a compute-bound step, or with a draft that is seldom right, it is not,
+and drafting stops. A request that stopped drafting tries again after a rest that doubles each
+time the trial fails, so a draft that is never right costs next to nothing.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -26,7 +31,7 @@ if TYPE_CHECKING:
 
 PRIOR_RATE = 0.6  # a request's acceptance rate before any of its drafts is verified
 RATE_WEIGHT = 0.3  # weight of the latest verification in the moving average
-DRIFT = 0.05  # how fast a request that stopped drafting drifts back to the prior, to try again
+LONGEST_REST = 64  # most steps a request sits out before trying to draft again
 FORGET = 0.97  # weight of the fit's past per step
 
 
@@ -45,20 +50,27 @@ class Drafter(Protocol):
 @dataclass
 class Speculation:
     """One request's drafting: its acceptance rate (a moving average of the share of draft tokens
-    accepted per trial) and its totals."""
+    accepted per trial), its totals, and the steps it sits out after drafting stopped paying."""
 
     rate: float = PRIOR_RATE
     drafted: int = 0
     accepted: int = 0
+    rest: int = 0  # steps left to sit out
+    next_rest: int = 1  # the rest after the next time drafting stops paying
 
     def length(self, most: int, share: float) -> int:
         """Draft tokens worth proposing: the i-th is accepted with chance rate**i, and pays while
-        that beats `share`."""
+        that beats `share` (the share of a step one draft token costs)."""
+        if self.rest:
+            self.rest -= 1
+            if not self.rest:
+                self.rate = PRIOR_RATE  # rested: a fresh trial
+            return 0
         k = 0
         while k < most and self.rate ** (k + 1) > share:
             k += 1
         if k == 0:
-            self.rate += DRIFT * (PRIOR_RATE - self.rate)
+            self.rest, self.next_rest = self.next_rest, min(2 * self.next_rest, LONGEST_REST)
         return k
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -67,6 +79,8 @@ class Speculation:
         self.accepted += accepted
         trials = accepted + (accepted < drafted)
         self.rate += RATE_WEIGHT * (accepted / trials - self.rate)
+        if accepted:
+            self.next_rest = 1
 
 
 def accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:
@@ -98,18 +112,16 @@ class StepCost:
         per_token = (w * nt - n * t) / spread
         return (t - per_token * n) / w, per_token
 
-    def share(self, tokens: int) -> float:
-        """The share of a step of `tokens` tokens that its tokens cost (0: they are free, as
-        before anything is measured)."""
+    def share(self, tokens: int, extra: float = 0.0) -> float:
+        """The share of a step of `tokens` tokens that its tokens and `extra` seconds more cost: 0
+        before anything is measured (tokens are then taken as free)."""
         fitted = self.fit()
         if fitted is None:
             return 0.0
         fixed, per_token = fitted
-        if per_token <= 0:
-            return 0.0
-        if fixed <= 0:
+        if fixed + per_token * tokens <= 0:
             return 1.0
-        return per_token * tokens / (fixed + per_token * tokens)
+        return max(0.0, per_token * tokens + extra) / (fixed + per_token * tokens)
 
 
 @dataclass(frozen=True)
@@ -132,12 +144,13 @@ class Speculator:
         self.drafter = drafter
         self.most = most
         self.cost = StepCost()
+        self.draft_step = 0.0  # seconds of drafting per draft token of every request, a moving average
         self.stats = SpeculationStats()
 
     def lengths(self, requests: Sequence[Request], other_tokens: int) -> dict[Request, int]:
         """How many draft tokens each decode request (of those that would propose any) proposes in
         a step of these rows and `other_tokens` more: as many as pay, within its `max_tokens`."""
-        share = self.cost.share(len(requests) + other_tokens)
+        share = self.cost.share(len(requests) + other_tokens, self.draft_step)
         wanted = {}
         for request in requests:
             room = request.params.max_tokens - len(request.output_ids) - 1  # k drafts make k + 1 outputs
@@ -148,7 +161,11 @@ class Speculator:
 
     def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> None:
         """Set each request's `draft`: at most its length of tokens from the drafter."""
-        for request, proposal, most in zip(requests, self.drafter.propose(requests, lengths), lengths):
+        started = time.perf_counter()
+        proposals = self.drafter.propose(requests, lengths)
+        if lengths:
+            self.draft_step += RATE_WEIGHT * ((time.perf_counter() - started) / max(lengths) - self.draft_step)
+        for request, proposal, most in zip(requests, proposals, lengths):
             request.draft = proposal[:most]
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:

@@ -216,6 +216,15 @@ def prefix_figures(llm: LLM, request: Request) -> str:
     return "prefix cache: off"
 
 
+def speculation_figures(request: Request) -> str:
+    """What speculative decoding did for `request` (nothing when it proposed no draft)."""
+    spec = request.speculation
+    if not spec.drafted:
+        return ""
+    rate = spec.accepted / spec.drafted
+    return f"; speculation: {spec.accepted} of {spec.drafted} draft tokens accepted ({rate:.0%})"
+
+
 def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose: bool) -> Request:
     """Stream one completion to stdout, then (verbose) print mlx-lm's figures and the KV cache's;
     returns the finished request."""
@@ -236,7 +245,7 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
         typer.echo(f"Prompt: {len(request.prompt_ids)} tokens, {request.prompt_tps:.3f} tokens-per-sec")
         typer.echo(f"Generation: {len(request.output_ids)} tokens, {request.generation_tps:.3f} tokens-per-sec")
         typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-        typer.echo(f"KV cache: {llm.engine.peak_usage}; {prefix_figures(llm, request)}")
+        typer.echo(f"KV cache: {llm.engine.peak_usage}; {prefix_figures(llm, request)}{speculation_figures(request)}")
     return request
 
 

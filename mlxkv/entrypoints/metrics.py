@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..engine.llm_engine import LLMEngine
@@ -38,6 +38,11 @@ class EngineCollector(Collector):
                 stats.prefix_cache.hit_rate,
             ),
         }
+        speculation = stats.speculation
+        if speculation is not None:
+            gauges["spec_acceptance_rate"] = ("Share of draft tokens the model accepted", speculation.acceptance_rate)
+            yield CounterMetricFamily("mlxkv_spec_draft_tokens", "Draft tokens proposed", value=speculation.drafted)
+            yield CounterMetricFamily("mlxkv_spec_accepted_tokens", "Draft tokens accepted", value=speculation.accepted)
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mlxkv_{name}", doc, value=value)
 

@@ -33,12 +33,19 @@ def workload(model):
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
-def test_many_requests_under_preemption_and_cancellation(model, workload, layout):
+@pytest.mark.parametrize("speculating", [False, True], ids=["", "prompt-lookup"])
+def test_many_requests_under_preemption_and_cancellation(model, workload, layout, speculating):
     prompts, params, expected = workload
     sizing = dict(num_pages=14, page_size=8) if layout == "paged" else dict(kv_cache_memory=6 * 64 * 3072)
-    engine = LLMEngine(
-        *model, EngineConfig(kv_layout=layout, max_num_seqs=12, max_num_batched_tokens=64, max_model_len=64, **sizing)
+    config = EngineConfig(
+        kv_layout=layout,
+        max_num_seqs=12,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        prompt_lookup=speculating,
+        **sizing,
     )
+    engine = LLMEngine(*model, config)
     requests = [engine.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
     cancelled, leaks = set(), []
     done = threading.Event()
@@ -76,6 +83,8 @@ def test_many_requests_under_preemption_and_cancellation(model, workload, layout
             assert request.output_ids == tokens, request.request_id
     if layout == "paged":
         assert engine.scheduler.num_preemptions > 0
+    if speculating:
+        assert engine.stats().speculation.accepted > 0
     assert engine.cache.free_pages == engine.cache.pool.capacity
     assert engine.cache.num_sequences == 0
 

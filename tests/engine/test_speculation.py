@@ -1,7 +1,7 @@
 import random
 
 import pytest
-from helpers import BASE, HYBRIDS
+from helpers import BASE, HYBRIDS, perturbed_copy
 
 from mlxkv import LLM, EngineConfig, LLMEngine, SamplingParams
 from mlxkv.engine.speculation import Speculation, StepCost, accepted_prefix
@@ -12,6 +12,18 @@ from mlxkv.models.random_model import make_checkpoint
 @pytest.fixture(scope="module")
 def model(checkpoint):
     return load(checkpoint("llama-fp32"))
+
+
+@pytest.fixture(scope="module")
+def draft(checkpoint, tmp_path_factory):
+    """A draft model that mostly agrees with the model: its weights, moved a little."""
+    return str(perturbed_copy(checkpoint("llama-fp32"), tmp_path_factory.mktemp("draft"), scale=0.1))
+
+
+@pytest.fixture(params=["prompt-lookup", "draft-model"])
+def drafter(request, draft):
+    """The engine settings of each drafter."""
+    return dict(prompt_lookup=True) if request.param == "prompt-lookup" else dict(draft_model=draft)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +53,9 @@ def generate(model, prompts, params, **config):
     [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=7)],
     ids=["greedy", "seeded"],
 )
-def test_speculation_changes_no_token(model, prompts, layout, params):
+def test_speculation_changes_no_token(model, prompts, drafter, layout, params):
     expected, _ = generate(model, prompts, params, kv_layout=layout)
-    got, stats = generate(model, prompts, params, kv_layout=layout, prompt_lookup=True)
+    got, stats = generate(model, prompts, params, kv_layout=layout, **drafter)
     assert got == expected
     assert 0 < stats.accepted < stats.drafted
 
@@ -58,21 +70,24 @@ def test_speculation_changes_no_token(model, prompts, layout, params):
     ],
     ids=["preemption", "quantized", "unpipelined", "one-draft-token"],
 )
-def test_speculation_changes_no_token_in_any_engine(checkpoint, prompts, name, config):
+def test_speculation_changes_no_token_in_any_engine(checkpoint, prompts, drafter, name, config):
     model, params = load(checkpoint(name)), SamplingParams(max_tokens=30)
+    if "draft_model" in drafter and name != "llama-fp32":
+        drafter = dict(draft_model=str(checkpoint(name)))  # the model drafting for itself
     expected, _ = generate(model, prompts, params, **config)
-    got, stats = generate(model, prompts, params, prompt_lookup=True, **config)
+    got, stats = generate(model, prompts, params, **drafter, **config)
     assert got == expected
     assert stats.accepted > 0
 
 
-def test_stop_strings_eos_and_max_tokens_inside_accepted_drafts(model, prompts):
+def test_stop_strings_eos_and_max_tokens_inside_accepted_drafts(checkpoint, prompts, drafter):
+    model = load(checkpoint("llama-fp32"))  # its own tokenizer, given one more EOS token below
     llm = LLM(model, max_num_seqs=4, max_model_len=256, page_size=4)
     long = llm.generate(prompts, SamplingParams(max_tokens=40))
     stops = [o.text[len(o.text) // 2 : len(o.text) // 2 + 2] or "x" for o in long]
     eos = long[0].token_ids[20]
     cases = [SamplingParams(max_tokens=40, stop=stop) for stop in stops] + [SamplingParams(max_tokens=13)]
-    for engine_config in ({}, dict(prompt_lookup=True)):
+    for engine_config in ({}, drafter):
         speculating = LLM(model, max_num_seqs=4, max_model_len=256, page_size=4, **engine_config)
         speculating.engine.tokenizer.add_eos_token(eos)
         outputs = [(o.text, o.finish_reason, o.token_ids) for o in speculating.generate(prompts + prompts[:1], cases)]
@@ -82,10 +97,10 @@ def test_stop_strings_eos_and_max_tokens_inside_accepted_drafts(model, prompts):
     assert outputs[0][2] == long[0].token_ids[: long[0].token_ids.index(eos)]  # EOS ended the loop early
 
 
-def test_a_prefix_hit_and_an_abort_mid_draft_leave_the_rest_alone(model, prompts):
+def test_a_prefix_hit_and_an_abort_mid_draft_leave_the_rest_alone(model, prompts, drafter):
     params = SamplingParams(max_tokens=40)
     expected, _ = generate(model, prompts, params)
-    engine = LLMEngine(*model, EngineConfig(max_num_seqs=8, max_model_len=256, page_size=4, prompt_lookup=True))
+    engine = LLMEngine(*model, EngineConfig(max_num_seqs=8, max_model_len=256, page_size=4, **drafter))
     for _ in range(2):  # the second round starts from the first's cached pages
         requests = [engine.add_request(p, params) for p in prompts]
         for _ in range(8):
@@ -100,19 +115,31 @@ def test_a_prefix_hit_and_an_abort_mid_draft_leave_the_rest_alone(model, prompts
     assert engine.stats().prefix_cache.cached_tokens > 0 and engine.stats().speculation.accepted > 0
 
 
-def test_structured_output_holds_draft_tokens_to_its_grammar(model, prompts):
+def test_structured_output_holds_draft_tokens_to_its_grammar(model, prompts, drafter):
     params = SamplingParams(max_tokens=24, regex="(ab|cd){4,12}[0-9]{3}")
     expected, _ = generate(model, prompts[:4], params)
-    got, stats = generate(model, prompts[:4], params, prompt_lookup=True)
+    got, stats = generate(model, prompts[:4], params, **drafter)
     assert got == expected
     assert stats.drafted > 0
 
 
-def test_a_model_with_recurrent_layers_refuses_to_speculate(tmp_path):
+def test_a_model_with_recurrent_layers_neither_speculates_nor_drafts(model, tmp_path):
     name = sorted(HYBRIDS)[0]
-    hybrid = load(make_checkpoint(tmp_path, name, shape={**BASE, **HYBRIDS[name]}))
-    with pytest.raises(ValueError, match=r"prompt_lookup.*recurrent layers"):
-        LLM(hybrid, prompt_lookup=True, max_model_len=64)
+    path = make_checkpoint(tmp_path, name, shape={**BASE, **HYBRIDS[name]})
+    with pytest.raises(ValueError, match=r"speculative decoding \(prompt_lookup\) needs .* recurrent layers"):
+        LLM(load(path), prompt_lookup=True, max_model_len=64)
+    with pytest.raises(ValueError, match=rf"draft_model='{path}' has recurrent layers"):
+        LLM(model, draft_model=str(path), max_model_len=64)
+
+
+def test_a_draft_model_that_cannot_serve_is_refused_by_name(model, tmp_path):
+    with pytest.raises(ValueError, match="draft_model='/nowhere': "):
+        LLM(model, draft_model="/nowhere", max_model_len=64)
+    other = make_checkpoint(tmp_path, "llama", shape={**BASE, "vocab_size": 400})
+    with pytest.raises(ValueError, match=r"tokenizer of \d+ tokens, the model's has 320: a draft model must"):
+        LLM(model, draft_model=str(other), max_model_len=64)
+    with pytest.raises(ValueError, match="give prompt_lookup or draft_model, not both"):
+        EngineConfig(prompt_lookup=True, draft_model=str(other))
 
 
 def test_drafts_are_accepted_up_to_the_first_the_model_would_not_draw():
@@ -128,8 +155,21 @@ def test_a_request_drafts_while_its_acceptance_beats_the_share_of_the_step():
     speculation.record(drafted=3, accepted=1)  # one success and one failure: 0.5 this time
     assert speculation.rate == pytest.approx(0.6 + 0.3 * (0.5 - 0.6))
     assert (speculation.drafted, speculation.accepted) == (3, 1)
-    assert speculation.length(most=8, share=0.99) == 0
-    assert speculation.rate > 0.57  # one that stops drafting drifts back towards trying again
+
+
+def test_a_request_whose_drafts_do_not_pay_rests_twice_as_long_each_time():
+    speculation, rests = Speculation(), []
+    for _ in range(4):
+        assert speculation.length(most=4, share=0.9) == 0  # stops paying
+        rest = 0
+        while speculation.length(most=4, share=0.0) == 0:
+            rest += 1
+        rests.append(rest)
+        speculation.record(drafted=4, accepted=0)  # the fresh trial fails
+    assert rests == [1, 2, 4, 8]
+    speculation.record(drafted=4, accepted=2)
+    speculation.length(most=4, share=0.9)
+    assert speculation.rest == 1  # a success starts the rests afresh
 
 
 def test_step_cost_is_fitted_to_the_steps_run():
@@ -140,3 +180,4 @@ def test_step_cost_is_fitted_to_the_steps_run():
     fixed, per_token = cost.fit()
     assert fixed == pytest.approx(0.010) and per_token == pytest.approx(0.001)
     assert cost.share(10) == pytest.approx(0.5)
+    assert cost.share(10, extra=0.005) == pytest.approx(0.75)  # and a drafter's 5 ms a draft token
