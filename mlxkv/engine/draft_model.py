@@ -111,6 +111,12 @@ class DraftModel:
         if held is not None:
             self.cache.release(held.seq_id)
 
+    def reset(self) -> None:
+        """Release every sequence and start the cache's tensors afresh (their last writes may have failed)."""
+        for request in list(self._held):
+            self.forget(request)
+        self.cache.reset()
+
     def _drop_stale(self) -> None:
         """Release the sequences of requests no longer running (preempted, or failed): they catch up
         again if they come back."""

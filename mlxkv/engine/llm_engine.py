@@ -267,10 +267,17 @@ class LLMEngine:
         return self.speculator.lengths(decode, other)
 
     def _propose(self, lengths: dict[Request, int]) -> None:
-        """Give each request still decoding its draft tokens, cut at the first its constraint forbids."""
+        """Give each request still decoding its draft tokens, cut at the first its constraint forbids.
+        A drafter that fails costs this step its drafts, never a request: it starts afresh."""
         assert self.speculator is not None
         live = [r for r in lengths if r.status is Status.RUNNING and r.is_decode]
-        self.speculator.propose(live, [lengths[r] for r in live])
+        try:
+            self.speculator.propose(live, [lengths[r] for r in live])
+        except Exception as exc:
+            logger.warning("drafting failed (%s); this step runs without draft tokens", exc)
+            for request in live:
+                request.draft = []
+            self.speculator.drafter.reset()
         for request in live:
             if request.matcher is not None and request.draft:
                 del request.draft[request.matcher.validate_tokens(request.draft) :]

@@ -53,3 +53,6 @@ class PromptLookup:
 
     def forget(self, request: Request) -> None:
         self._indexes.pop(request, None)
+
+    def reset(self) -> None:
+        self._indexes.clear()

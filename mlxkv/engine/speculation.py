@@ -46,6 +46,10 @@ class Drafter(Protocol):
         """`request` is finished: drop what is kept for it."""
         ...
 
+    def reset(self) -> None:
+        """Drop everything kept, after a failure."""
+        ...
+
 
 @dataclass
 class Speculation:

@@ -1,7 +1,7 @@
 import random
 
 import pytest
-from helpers import BASE, HYBRIDS, perturbed_copy
+from helpers import BASE, GEMMA4, HYBRIDS, perturbed_copy
 
 from mlxkv import LLM, EngineConfig, LLMEngine, SamplingParams
 from mlxkv.engine.speculation import Speculation, StepCost, accepted_prefix
@@ -80,6 +80,41 @@ def test_speculation_changes_no_token_in_any_engine(checkpoint, prompts, drafter
     assert stats.accepted > 0
 
 
+@pytest.mark.parametrize(
+    "model_type, shape",
+    [
+        ("llama", dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)),
+        ("gemma4_text", GEMMA4),
+    ],
+    ids=["sliding-window", "gemma4-kv-shared"],
+)
+def test_windowed_and_kv_shared_layers_rewind_alike(tmp_path, prompts, model_type, shape):
+    path = make_checkpoint(tmp_path / "model", model_type, shape={**BASE, **shape}, max_position_embeddings=256)
+    drafts = str(perturbed_copy(path, tmp_path / "draft", scale=0.1))  # windows in the draft's cache too
+    model, params = load(path), SamplingParams(max_tokens=30)
+    expected, _ = generate(model, prompts, params)
+    for drafter in (dict(prompt_lookup=True), dict(draft_model=drafts)):
+        got, stats = generate(model, prompts, params, **drafter)
+        assert got == expected
+    assert 0 < stats.accepted < stats.drafted  # the draft model's, rejections included
+
+
+def test_log_probabilities_of_accepted_drafts_are_the_models(model, prompts, drafter):
+    def scores(config):
+        engine = LLMEngine(*model, EngineConfig(max_num_seqs=4, max_model_len=256, page_size=4, **config))
+        requests = [engine.add_request(p, SamplingParams(max_tokens=20, logprobs=2)) for p in prompts[:4]]
+        found: dict[str, list] = {r.request_id: [] for r in requests}
+        while engine.has_unfinished():
+            for output in engine.step():
+                found[output.request_id] += output.logprobs
+        return [[(s.token, s.logprob, [t for t, _ in s.top]) for s in found[r.request_id]] for r in requests]
+
+    expected, got = scores({}), scores(drafter)
+    assert [[(t, top) for t, _, top in row] for row in got] == [[(t, top) for t, _, top in row] for row in expected]
+    flat = [[v for row in rows for _, v, _ in row] for rows in (got, expected)]
+    assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+
+
 def test_stop_strings_eos_and_max_tokens_inside_accepted_drafts(checkpoint, prompts, drafter):
     model = load(checkpoint("llama-fp32"))  # its own tokenizer, given one more EOS token below
     llm = LLM(model, max_num_seqs=4, max_model_len=256, page_size=4)
@@ -113,6 +148,24 @@ def test_a_prefix_hit_and_an_abort_mid_draft_leave_the_rest_alone(model, prompts
         assert [r.output_ids for i, r in enumerate(requests) if i != 3] == expected[:3] + expected[4:]
     assert engine.cache.pool.used_count == 0
     assert engine.stats().prefix_cache.cached_tokens > 0 and engine.stats().speculation.accepted > 0
+
+
+def test_a_drafter_that_fails_costs_its_drafts_and_no_request(model, prompts, drafter, monkeypatch, caplog):
+    params = SamplingParams(max_tokens=30)
+    expected, _ = generate(model, prompts, params)
+    llm = LLM(model, max_num_seqs=4, max_model_len=256, page_size=4, **drafter)
+    drafts, calls = llm.engine.speculator.drafter, []
+
+    def every_third_fails(requests, lengths):
+        calls.append(len(requests))
+        if len(calls) % 3 == 0:
+            raise RuntimeError("out of memory")
+        return type(drafts).propose(drafts, requests, lengths)
+
+    monkeypatch.setattr(drafts, "propose", every_third_fails)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert len(calls) >= 3 and "drafting failed (out of memory); this step runs without draft tokens" in caplog.text
+    assert llm.stats().kv.pages_used == 0 and llm.stats().speculation.accepted > 0
 
 
 def test_structured_output_holds_draft_tokens_to_its_grammar(model, prompts, drafter):

@@ -110,6 +110,19 @@ def test_kv_line_counts_the_pages_one_request_used(checkpoint):
     assert int(used.group(1)) == -(-(prompt_tokens + 9) // 4)
 
 
+@pytest.mark.parametrize("drafting", [["--prompt-lookup"], ["--draft-model", "self"]], ids=["lookup", "draft"])
+def test_speculation_prints_the_same_text_and_what_it_accepted(checkpoint, drafting):
+    path = str(checkpoint("llama-fp32"))
+    drafting = [path if arg == "self" else arg for arg in drafting]  # the model drafting for itself
+    args = ["generate", "--model", path, "--prompt", "ab ab ab ab ab ab", "-m", "40", "--ignore-eos"]
+    plain, speculating = runner.invoke(app, args), runner.invoke(app, args + drafting)
+    assert speculating.exit_code == 0, speculating.output
+    assert generated_text(speculating.stdout) == generated_text(plain.stdout)
+    figures = re.search(r"; speculation: (\d+) of (\d+) draft tokens accepted \((\d+)%\)$", speculating.stdout.strip())
+    accepted, drafted, rate = map(int, figures.groups())
+    assert 0 < accepted <= drafted and rate == round(100 * accepted / drafted)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -123,6 +136,12 @@ def test_kv_line_counts_the_pages_one_request_used(checkpoint):
         (["--attention", "cuda"], r"error: --attention must be 'metal' or 'reference' \(or left out\), got 'cuda'"),
         (["--seed", "-1"], r"error: --seed must be an integer in \[0, 2\*\*64\) \(or left out\), got -1"),
         (["--kv-bits", "8"], "error: the model's head_dim=16 is not a multiple of 32"),
+        (
+            ["--draft-model", "/nonexistent/draft"],
+            "error: --draft-model='/nonexistent/draft': model path '/nonexistent/draft' does not exist",
+        ),
+        (["--prompt-lookup", "--draft-model", "x"], "error: give --prompt-lookup or --draft-model, not both"),
+        (["--num-draft-tokens", "0"], "error: --num-draft-tokens must be a positive integer, got 0"),
     ],
 )
 def test_bad_input_gives_one_clear_line_and_a_failing_exit(checkpoint, args, message):

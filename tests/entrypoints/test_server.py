@@ -8,12 +8,14 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from helpers import start_server, stop_server
 
+import mlxkv
 from mlxkv import LLM, SamplingParams
 from mlxkv.entrypoints.prompts import prompt_ids
 
@@ -306,6 +308,30 @@ def test_metrics_and_the_chat_page(server):
     page = httpx.get(f"{server}/")
     assert page.status_code == 200 and "<title>mlxkv chat</title>" in page.text
     assert "innerHTML" not in page.text.split("<script>")[1].replace("never innerHTML", "")
+
+
+def test_a_speculating_server_streams_the_same_text_and_counts_its_drafts(reference):
+    demo = str(Path(mlxkv.__file__).parent / "demo_model")
+    proc, url = start_server("--max-num-seqs", "4", "--max-model-len", "256", "--draft-model", demo)
+    try:
+        prompts = ["The for statement", "The import statement", "The with statement", "The while statement"]
+
+        async def one(api, prompt: str) -> str:
+            stream = await api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+            return "".join([chunk.choices[0].text async for chunk in stream])
+
+        async def everyone() -> list[str]:
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as api:
+                return await asyncio.gather(*(one(api, p) for p in prompts))
+
+        generate, tokenizer = reference
+        assert asyncio.run(everyone()) == [generate(tokenizer.encode(p), 24) for p in prompts]
+        drafted = metric(url, "mlxkv_spec_draft_tokens_total")
+        accepted = metric(url, "mlxkv_spec_accepted_tokens_total")
+        assert 0 < accepted <= drafted
+        assert metric(url, "mlxkv_spec_acceptance_rate") == pytest.approx(accepted / drafted)
+    finally:
+        stop_server(proc)
 
 
 def test_a_long_prefill_sends_keepalive_comments_before_the_first_token():
