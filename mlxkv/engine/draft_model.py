@@ -97,11 +97,10 @@ class DraftModel:
         """Up to `lengths[i]` draft tokens for `requests[i]`; none for a request the draft's cache
         has no room for."""
         self._drop_stale()
-        held = {request: self._hold(request) for request in requests}
-        drafting = [r for r in requests if held[r] is not None]
+        rows = [(request, held) for request in requests if (held := self._hold(request)) is not None]
         try:
-            self._catch_up(drafting, [held[r] for r in drafting])  # type: ignore[misc]
-            drafts = self._decode(drafting, [held[r] for r in drafting], max(lengths, default=0))  # type: ignore[misc]
+            self._catch_up(rows)
+            drafts = self._decode(rows, max(lengths, default=0))
         except KVCacheExhausted:
             return [[] for _ in requests]
         return [drafts.get(r, [])[:most] for r, most in zip(requests, lengths)]
@@ -143,31 +142,32 @@ class DraftModel:
         self.cache.publish([held.seq_id], [tokens], [common])  # evaluated by the last proposal
         return held
 
-    def _catch_up(self, requests: list[Request], held: list[_Held]) -> None:
+    def _catch_up(self, rows: list[tuple[Request, _Held]]) -> None:
         """Compute the K/V of every token but the last of each request that its sequence lacks, in
         packed chunks of at most the step's token budget (lazily)."""
-        rest = [(h, r.all_token_ids[len(h.tokens) : -1]) for r, h in zip(requests, held)]
+        rest = [(h, r.all_token_ids[len(h.tokens) : -1]) for r, h in rows]
         while any(tokens for _, tokens in rest):
-            room, rows, ids = self.budget, [], []
+            room, chunks, ids = self.budget, [], []
             for index, (h, tokens) in enumerate(rest):
                 taken = tokens[:room]
                 if taken:
-                    rows.append((h, len(taken)))
+                    chunks.append((h, len(taken)))
                     ids += taken
                     rest[index] = (h, tokens[len(taken) :])
                     room -= len(taken)
-            kv = self.cache.append([h.seq_id for h, _ in rows], [n for _, n in rows])
-            self.runner.hidden(np.array(ids, np.int32), kv, [0] * len(rows))
-            for h, n in rows:
+            kv = self.cache.append([h.seq_id for h, _ in chunks], [n for _, n in chunks])
+            self.runner.hidden(np.array(ids, np.int32), kv, [0] * len(chunks))
+            for h, n in chunks:
                 h.tokens += ids[:n]
                 ids = ids[n:]
 
-    def _decode(self, requests: list[Request], held: list[_Held], steps: int) -> dict[Request, list[int]]:
+    def _decode(self, rows: list[tuple[Request, _Held]], steps: int) -> dict[Request, list[int]]:
         """`steps` draft tokens for each request, from its last token on: batched decode steps, each
         row drawing with its request's sampler and the key of the output it proposes."""
+        requests = [r for r, _ in rows]
         inputs = mx.array([r.all_token_ids[-1] for r in requests], mx.int32)
         drawn: list[mx.array] = []
-        seq_ids = [h.seq_id for h in held]
+        seq_ids = [h.seq_id for _, h in rows]
         for step in range(steps):
             kv = self.cache.append(seq_ids, [1] * len(seq_ids))
             logits = self.runner.head(self.runner.hidden(inputs, kv, [0] * len(seq_ids)))[:, : self.vocab_size]
@@ -177,6 +177,6 @@ class DraftModel:
             return {}
         mx.eval(drawn, self.cache.tensors)
         drafts = np.stack([np.array(d) for d in drawn], axis=1).tolist()
-        for request, h, draft in zip(requests, held, drafts):  # K/V held: the last token, and every draft but the last
+        for (request, h), draft in zip(rows, drafts):  # K/V held: the last token, and every draft but the last
             h.tokens += [request.all_token_ids[-1], *draft[:-1]]
         return dict(zip(requests, drafts))
