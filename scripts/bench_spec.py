@@ -42,7 +42,7 @@ from mlxkv.config import EngineConfig
 from mlxkv.models.loading import load
 from mlxkv.models.random_model import LLAMA_100M, make_checkpoint
 
-DEFAULTS_TAKE = 900  # seconds on progress.MACHINE (docs/benchmarks.md): an estimate, not yet measured
+DEFAULTS_TAKE = 600  # seconds on progress.MACHINE (docs/benchmarks.md), beside a training job
 EDITED = (textwrap.dedent, "lines", "rows")  # the function rewritten, and the name its rewrite changes
 FREE_TEXT = "Write a short essay on how Python evaluates the for statement and what can go wrong."
 SEPARATOR = "\n\nRewritten:\n"  # between the text and its rewrite, for a model without a chat template
