@@ -10,8 +10,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..cache.storage import PerLayer, dtype_name, per_layer
-from .kernels import PagedAttentionKernels
+from .heads import Heads
+from .kernels import PagedAttentionKernels, kernel_temporary_bytes
 from .reference import reference_attention
+from .reference import temporary_bytes as reference_temporary_bytes
 from .variant import Variant
 
 ENV_VAR = "MLXKV_ATTENTION"
@@ -19,6 +21,7 @@ BACKENDS = ("metal", "reference")
 logger = logging.getLogger("mlxkv")
 
 AttentionFn = Callable[..., mx.array]
+TemporaryBytes = Callable[[Heads, int, int], int]  # (heads, new tokens of a row, its context) -> bytes per layer
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,13 @@ class AttentionSpec:
     kv_bits: int | None
     kv_group_size: int
     variants: Sequence[Variant]
+
+    def heads(self) -> Heads:
+        """The widest layer's heads, which temporaries are sized by."""
+        layers = len(self.variants)
+        kv_heads = max(per_layer("kv_heads", self.kv_heads, layers))
+        head_dim = max(per_layer("head_dim", self.head_dim, layers))
+        return Heads(self.q_heads, kv_heads, head_dim, self.dtype.size)
 
     def geometries(self) -> dict[tuple[int, int], list[Variant]]:
         """The variants of the layers of each (KV heads, head dim) the model has."""
@@ -73,6 +83,22 @@ def choose_attention(
             )
             return reference_attention
     return kernels
+
+
+def temporary_bytes_of(attention: AttentionFn) -> TemporaryBytes:
+    """The temporary bytes `attention` states it holds per row and layer: the Metal kernels' own
+    statement, else the reference path's."""
+    stated: TemporaryBytes = getattr(attention, "temporary_bytes", reference_temporary_bytes)
+    return stated
+
+
+def planned_temporary_bytes(choice: str | None, kernels: PagedAttentionKernels | None = None) -> TemporaryBytes:
+    """The temporary bytes of the attention `choose_attention` is expected to pick (before the
+    cache it checks kernels against exists): `kernels`' if given, else the reference path's or
+    the Metal kernels', as `choice`, the environment and the machine say."""
+    if kernels is not None:
+        return kernels.temporary_bytes
+    return reference_temporary_bytes if _backend(choice) == "reference" else kernel_temporary_bytes
 
 
 def _backend(choice: str | None) -> str:

@@ -21,7 +21,9 @@ import numpy as np
 
 from ..cache.batch import KVBatch
 from ..cache.storage import Pages, QuantizedPages, arrays_of
+from .heads import FLOAT32, Heads
 from .prefill import PREFILL_FROM, with_chunks_on_sdpa
+from .prefill import temporary_bytes as sdpa_temporary_bytes
 from .reference import reference_attention
 from .variant import PLAIN, Variant
 
@@ -171,6 +173,17 @@ def _check_batch(
     return queries, stored[0], stored[1], batch
 
 
+def kernel_temporary_bytes(heads: Heads, queries: int, context: int, prefill_from: int = PREFILL_FROM) -> int:
+    """Most bytes the kernels' attention holds in one layer for a row of `queries` new tokens over
+    `context` keys: a chunk on SDPA holds what `prefill.temporary_bytes` says; the paged kernel reads
+    the pages where they are, and holds only its split-K partials (at most one partition per
+    `MIN_PARTITION` keys) and its output."""
+    if queries >= prefill_from:
+        return sdpa_temporary_bytes(heads, queries, context)
+    partitions = -(-context // MIN_PARTITION)
+    return queries * heads.q_heads * (partitions * (heads.head_dim + 2) * FLOAT32 + heads.head_dim * heads.itemsize)
+
+
 class PagedAttentionKernels:
     """Paged attention for packed batches, reading K/V through the page tables in Metal.
 
@@ -233,6 +246,10 @@ class PagedAttentionKernels:
             variant,
             self.prefill_from,
         )
+
+    def temporary_bytes(self, heads: Heads, queries: int, context: int) -> int:
+        """What `kernel_temporary_bytes` says, for this object's `prefill_from`."""
+        return kernel_temporary_bytes(heads, queries, context, self.prefill_from)
 
     def paged(
         self,

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..cache.batch import KVBatch
 from ..cache.storage import Pages
+from .heads import Heads
 from .reference import gather_kv, in_packed_order
 from .variant import PLAIN, Variant, visible
 
@@ -49,6 +50,14 @@ def chunk_attention(
         queries.swapaxes(0, 1)[None], keys, values, scale=scale, mask=mask, sinks=variant.sinks
     )
     return out[0].swapaxes(0, 1)
+
+
+def temporary_bytes(heads: Heads, queries: int, context: int) -> int:
+    """Bytes `chunk_attention` holds in one layer for a chunk of `queries` tokens over `context`
+    keys: the gathered K/V of the whole context, the queries and output transposed, and a sliding
+    window's mask. Metal's SDPA is fused: its scores never reach memory."""
+    transposed = 2 * queries * heads.q_heads * heads.head_dim * heads.itemsize
+    return heads.kv_bytes(context) + transposed + queries * context
 
 
 def with_chunks_on_sdpa(

@@ -11,9 +11,13 @@ import numpy as np
 
 from ..cache.batch import KVBatch
 from ..cache.storage import Pages, QuantizedPages
+from .heads import FLOAT32, Heads
 from .variant import PLAIN, Variant, visible
 
-QUERY_TILE = 512
+QUERY_TILE = 512  # most queries of one chunk attended at once
+KEY_TILE = 1024  # most keys attended at once: with QUERY_TILE, what bounds a step's scores
+SCORE_COPIES = 3  # score-sized float32 arrays alive at once: scores, their exponentials, and a cast
+NOTHING_SEEN = -1e30  # the running softmax's top score before a query has seen a key (finite: no inf - inf)
 LOG2_E = math.log2(math.e)
 
 
@@ -62,31 +66,44 @@ def _take(pages: mx.array, where: _Gather) -> mx.array:
     return gathered.reshape(where.rows, kv_heads, where.keys, row)
 
 
-def _softmax(scores: mx.array, sinks: mx.array | None = None) -> mx.array:
-    """`mx.softmax` over the last axis, with `exp(x)` computed as `2 ** (x * log2(e))`;
-    `sinks` (broadcast against `scores[..., :1]`) are extra logits that take their share of
-    the weight and give nothing back (GPT-OSS's attention sinks)."""
+def _exp(x: mx.array) -> mx.array:
+    """`exp(x)` as `2 ** (x * log2(e))`."""
     # why: on the CPU MLX's power(2, x) is several times as fast as its exp (docs/benchmarks.md)
+    return mx.power(2.0, x * LOG2_E)
+
+
+def _softmax(scores: mx.array, sinks: mx.array | None = None) -> mx.array:
+    """`mx.softmax` over the last axis (with `_exp`); `sinks` (broadcast against `scores[..., :1]`)
+    are extra logits that take their share of the weight and give nothing back (GPT-OSS's
+    attention sinks)."""
     top = mx.max(scores, axis=-1, keepdims=True)
     if sinks is not None:
         top = mx.maximum(top, sinks)
-    weights = mx.power(2.0, (scores - top) * LOG2_E)
+    weights = _exp(scores - top)
     total = mx.sum(weights, axis=-1, keepdims=True)
     if sinks is not None:
-        total = total + mx.power(2.0, (sinks - top) * LOG2_E)
+        total = total + _exp(sinks - top)
     return weights / total
 
 
 @dataclass(frozen=True)
+class _KeyTile:
+    """Some of a group's keys, attended together: which pages, and which of their keys each query
+    may see (None: all of them)."""
+
+    gather: _Gather
+    allowed: mx.array | None  # `[rows, 1, 1, width, keys]`
+
+
+@dataclass(frozen=True)
 class _Group:
-    """Rows of a batch attended together, `width` queries each: which queries, which pages,
-    which keys each query may see. Built once per batch, shared by every layer."""
+    """Rows of a batch attended together, `width` queries each: which queries, and their keys in
+    tiles. Built once per batch, shared by every layer."""
 
     width: int
     token_ids: np.ndarray
     queries: mx.array | None  # `token_ids` as an index; None when they are all the batch's tokens in order
-    gather: _Gather
-    allowed: mx.array  # `[rows, 1, 1, width, keys]`
+    tiles: list[_KeyTile]
 
 
 @lru_cache(maxsize=16)
@@ -95,7 +112,8 @@ def _plan(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> 
 
     Decode rows go together in buckets of similar length (page counts within a power of two),
     so a short context does not copy the batch's longest; each prefill chunk goes on its own in
-    tiles of at most `QUERY_TILE` queries, which bounds the score matrix whatever its length."""
+    tiles of at most `QUERY_TILE` queries; and every group reads its keys `KEY_TILE` at a time.
+    So the scores and gathered K/V a layer holds at once are bounded, whatever the context."""
     q_lens, ctx, tables, starts = batch.query_lens, batch.context_lens, batch.page_tables, batch.query_starts
     pieces = []
     decode = np.flatnonzero(q_lens == 1)
@@ -126,22 +144,27 @@ def _group(
     """Rows of `width` queries each, from token `starts[i]`, the last one at position `ctx[i] - 1`,
     in a batch of `total` tokens."""
     token_ids = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
-    query_pos = (ctx - width)[:, None] + np.arange(width)[None, :]
+    query_pos = ((ctx - width)[:, None] + np.arange(width)[None, :])[:, :, None]
     first_page = 0 if window is None else max(0, int(query_pos.min()) - window + 1) // page_size
-    length = int(ctx.max()) - first_page * page_size
-    gather = _Gather.of(tables[:, first_page:], length, kv_heads, page_size)
-    allowed = visible(query_pos[:, :, None], first_page * page_size + np.arange(gather.keys)[None, None, :], window)
+    per_tile = max(1, KEY_TILE // page_size)  # pages
+    tiles = []
+    for page in range(first_page, -(-int(ctx.max()) // page_size), per_tile):
+        length = min(int(ctx.max()) - page * page_size, per_tile * page_size)
+        gather = _Gather.of(tables[:, page : page + per_tile], length, kv_heads, page_size)
+        allowed = visible(query_pos, page * page_size + np.arange(gather.keys)[None, None, :], window)
+        tiles.append(_KeyTile(gather, None if allowed.all() else mx.array(allowed[:, None, None])))
     everything = token_ids.size == total and np.array_equal(token_ids, np.arange(total))
     queries = None if everything else mx.array(token_ids.astype(np.int32))
-    return _Group(width, token_ids, queries, gather, mx.array(allowed[:, None, None]))
+    return _Group(width, token_ids, queries, tiles)
 
 
 def _attend(
     queries: mx.array, k_pages: Pages, v_pages: Pages, group: _Group, scale: float, variant: Variant
 ) -> mx.array:
-    """Attention for one group of rows (its queries in packed order)."""
+    """Attention for one group of rows (its queries in packed order): a plain softmax over one key
+    tile, a running one over several."""
     # why: written out rather than through MLX's SDPA, whose exp is the slower on the CPU (docs/benchmarks.md)
-    n, width = group.gather.rows, group.width
+    n, width = group.tiles[0].gather.rows, group.width
     q_heads, head_dim = queries.shape[1], queries.shape[2]
     kv_heads = k_pages.shape[1]
     grouped = q_heads // kv_heads
@@ -149,17 +172,63 @@ def _attend(
     if width > 1:
         q = q.reshape(n, width, kv_heads, grouped, head_dim).transpose(0, 2, 3, 1, 4)
     q = q.reshape(n, kv_heads, grouped * width, head_dim)
-    keys, values = _gather_with(k_pages, group.gather), _gather_with(v_pages, group.gather)
-    scores = ((q * scale) @ keys.swapaxes(-1, -2)).reshape(n, kv_heads, grouped, width, -1)
-    if variant.softcap is not None:
-        scores = mx.tanh(scores / variant.softcap) * variant.softcap
-    scores = mx.where(group.allowed, scores, -math.inf)
     sinks = None if variant.sinks is None else variant.sinks.astype(mx.float32).reshape(1, kv_heads, grouped, 1, 1)
-    probs = _softmax(_as(scores, mx.float32), sinks)
-    out = _as(probs, values.dtype).reshape(n, kv_heads, grouped * width, -1) @ values
+    if len(group.tiles) == 1:
+        tile = group.tiles[0]
+        probs = _softmax(_scores(q * scale, k_pages, tile, variant, (n, kv_heads, grouped, width)), sinks)
+        values = _gather_with(v_pages, tile.gather)
+        out = _as(probs, values.dtype).reshape(n, kv_heads, grouped * width, -1) @ values
+    else:
+        out = _running_softmax(q * scale, k_pages, v_pages, group.tiles, variant, sinks, (n, kv_heads, grouped, width))
     if width > 1:
         out = out.reshape(n, kv_heads, grouped, width, head_dim).transpose(0, 3, 1, 2, 4)
-    return out.reshape(n * width, q_heads, head_dim)
+    return _as(out.reshape(n * width, q_heads, head_dim), queries.dtype)
+
+
+def _scores(q: mx.array, k_pages: Pages, tile: _KeyTile, variant: Variant, shape: tuple[int, ...]) -> mx.array:
+    """`[rows, kv_heads, grouped, width, keys]` float32 scores of the scaled queries `q` against
+    one tile's keys, soft-capped, the keys a query may not see at -inf."""
+    scores = (q @ _gather_with(k_pages, tile.gather).swapaxes(-1, -2)).reshape(*shape, -1)
+    if variant.softcap is not None:
+        scores = mx.tanh(scores / variant.softcap) * variant.softcap
+    if tile.allowed is not None:
+        scores = mx.where(tile.allowed, scores, -math.inf)
+    return _as(scores, mx.float32)
+
+
+def _running_softmax(
+    q: mx.array,
+    k_pages: Pages,
+    v_pages: Pages,
+    tiles: list[_KeyTile],
+    variant: Variant,
+    sinks: mx.array | None,
+    shape: tuple[int, ...],
+) -> mx.array:
+    """Softmax attention over `tiles` one after another (FlashAttention's running softmax): each
+    tile's weights are taken against the highest score so far, and what the tiles before summed is
+    scaled down when a later tile raises it."""
+    rows, kv_heads, grouped, width = shape
+    sums = (rows, kv_heads, grouped * width, 1)
+
+    def tile_sums(tile: _KeyTile, queries: mx.array, floor: mx.array | float) -> tuple[mx.array, ...]:
+        """A tile's top score (at least `floor`), and its weights' sum and weighted values against it."""
+        scores = _scores(queries, k_pages, tile, variant, shape)
+        top = mx.maximum(mx.max(scores, axis=-1, keepdims=True), floor)
+        weights = _exp(scores - top)
+        values = _gather_with(v_pages, tile.gather)
+        part = _as(weights, values.dtype).reshape(rows, kv_heads, grouped * width, -1) @ values
+        return top, mx.sum(weights, axis=-1, keepdims=True).reshape(sums), _as(part, mx.float32)
+
+    top, total, out = tile_sums(tiles[0], q, NOTHING_SEEN)
+    for tile in tiles[1:]:
+        # why: without the dependency MLX computes every tile's scores before the first is summed
+        highest, summed, part = tile_sums(tile, mx.depends(q, out), top)
+        kept = _exp(top - highest).reshape(sums)  # what the tiles before weigh against the new top
+        top, total, out = highest, total * kept + summed, out * kept + part
+    if sinks is not None:
+        total = total + _exp(sinks - top).reshape(sums)
+    return out / total
 
 
 def _as(array: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -187,6 +256,18 @@ def reference_attention(
         scale = 1.0 / math.sqrt(queries.shape[-1])
     groups, unpermute = _plan(batch, k_pages.shape[1], k_pages.shape[2], variant.window)
     return _joined([_attend(queries, k_pages, v_pages, group, scale, variant) for group in groups], unpermute)
+
+
+def temporary_bytes(heads: Heads, queries: int, context: int) -> int:
+    """Most bytes `reference_attention` holds at once, in one layer, for a row of `queries` new
+    tokens over `context` keys: a few score tiles of one query tile against one key tile, their
+    key tile's gathered K/V and the running output, and one score of every query against every key
+    besides: MLX's CPU backend allocates ahead of what it has computed, so the tiles of a row do not
+    free their scores before the next tiles allocate theirs (measured: docs/memory.md)."""
+    width, keys = min(queries, QUERY_TILE), min(context, KEY_TILE)
+    running = 2 * width * heads.q_heads * (heads.head_dim + 2) * FLOAT32
+    tiles = (SCORE_COPIES - 1) * heads.score_bytes(width, keys) + heads.kv_bytes(keys) + running
+    return heads.score_bytes(queries, context) + tiles
 
 
 def in_packed_order(parts: list[tuple[mx.array, np.ndarray]]) -> mx.array:

@@ -133,6 +133,13 @@ def test_chunk_longer_than_a_query_tile_matches_sdpa(monkeypatch):
     run_case("paged", 16, 2, 4, mx.float32, contexts=[40, 21, 3], query_lens=[30, 21, 1])
 
 
+@pytest.mark.parametrize("page_size", [4, 8, 16])
+def test_keys_read_a_tile_at_a_time_match_sdpa(monkeypatch, page_size):
+    monkeypatch.setattr("mlxkv.attention.reference.KEY_TILE", 16)  # tiles of 4, 2 and 1 pages
+    run_case("paged", page_size, 2, 4, mx.float32, contexts=[40, 21, 3, 70, 69], query_lens=[30, 21, 1, 1, 1])
+    run_case("paged", page_size, 2, 4, mx.float16, contexts=[40, 21, 70], query_lens=[30, 21, 1], kv_bits=8)
+
+
 def numpy_oracle(q, keys, values, scale, variant):
     """One sequence's attention written out: q holds the last len(q) positions of `keys`."""
     q, keys, values = (np.array(x, np.float64) for x in (q, keys, values))
@@ -167,7 +174,9 @@ def numpy_oracle(q, keys, values, scale, variant):
     ],
     ids=["window5", "window16", "softcap", "window-softcap", "sinks", "window-sinks"],
 )
-def test_attention_variants_match_the_written_out_oracle(layout, variant):
+@pytest.mark.parametrize("key_tile", [1024, 8], ids=["one-key-tile", "key-tiles-of-8"])
+def test_attention_variants_match_the_written_out_oracle(monkeypatch, layout, variant, key_tile):
+    monkeypatch.setattr("mlxkv.attention.reference.KEY_TILE", key_tile)
     rng = np.random.default_rng(7)
     cache = KVCacheManager(
         1, 2, HEAD_DIM, max_num_seqs=4, max_model_len=128, layout=layout, page_size=8, dtype=mx.float32
