@@ -14,15 +14,28 @@ from .settings import BOOLEAN, POSITIVE, TEXT, integer, number, one_of, optional
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def parse_memory(value: int | str | None) -> int | None:
-    """Bytes from an int or a string such as `2GB`, `512MiB` or `1.5GB` (at least one byte); None stays None."""
+def parse_memory(value: int | str | None, name: str = "kv_cache_memory") -> int | None:
+    """Bytes from an int or a string such as `2GB`, `512MiB` or `1.5GB` (at least one byte); None stays
+    None. A bad value is a ValueError naming the setting `name`."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         return value
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(value), re.IGNORECASE)
     size = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()]) if match else 0
     if size < 1:
-        raise ValueError(f"kv_cache_memory must be a size such as 2GB or 512MiB (at least one byte), got {value!r}")
+        raise ValueError(f"{name} must be a size such as 2GB or 512MiB (at least one byte), got {value!r}")
     return size
+
+
+def parse_limit(value: float | int | str | None) -> float | int | None:
+    """A memory limit: a share of the device's memory (a number in (0, 1], given as a float or a
+    string with a decimal point, such as 0.8) or a size in bytes (`parse_memory`)."""
+    if isinstance(value, str) and re.fullmatch(r"\s*\d*\.\d+\s*", value):
+        value = float(value)
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ValueError(f"memory_limit must be a share in (0, 1] or a size such as 16GB, got {value!r}")
+        return value
+    return parse_memory(value, "memory_limit")
 
 
 @renamed_keywords(block_size="page_size", num_blocks="num_pages", enable_prefix_caching="prefix_caching")
@@ -60,8 +73,21 @@ class EngineConfig:
         "Share of the memory left beside the weights that the KV cache takes, when no size is given.",
         number(0, 1, low_open=True),
     )
+    memory_limit: float | int | str | None = setting(
+        None,
+        "Most memory the engine may use, weights included: a share of what the device can use (0.8) or "
+        "a size (16GB) [default: what the device can use: Metal's recommended working set, else RAM].",
+        convert=parse_limit,
+        cli_type=str,
+    )
     max_num_seqs: int = setting(16, "Most sequences computed at once.", POSITIVE)
     max_num_batched_tokens: int = setting(512, "Most tokens one engine step computes.", POSITIVE)
+    max_itl_ms: float | None = setting(
+        None,
+        "Inter-token latency target, in milliseconds: prefill chunks are cut so that a step with running "
+        "decodes takes about this long at most; 0 or none: no target, for throughput [default: none; serve: 100].",
+        optional(number(0)),
+    )
     max_model_len: int | None = setting(
         None, "Most tokens one sequence may hold [default: the model's context].", optional(POSITIVE)
     )

@@ -1,4 +1,7 @@
-"""The exceptions mlxkv raises on purpose; every one derives from `MlxkvError`."""
+"""The exceptions mlxkv raises on purpose; every one derives from `MlxkvError`. And how an
+out-of-memory error from MLX is told from the others."""
+
+import re
 
 
 class MlxkvError(Exception):
@@ -46,3 +49,15 @@ class RequestFailed(MlxkvError):
     def __init__(self, request_id: str, cause: BaseException) -> None:
         super().__init__(f"request {request_id!r} failed: {cause}")
         self.request_id = request_id
+
+
+_OUT_OF_MEMORY = re.compile(
+    r"out ?of ?memory|insufficient memory|unable to allocate|attempting to allocate|bad_alloc|resource limit",
+    re.IGNORECASE,
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is MLX (or the system) failing to allocate: Metal's "Insufficient Memory"
+    command buffers, its allocator's refusals, a C++ `bad_alloc`, Python's `MemoryError`."""
+    return isinstance(error, MemoryError) or bool(_OUT_OF_MEMORY.search(str(error)))

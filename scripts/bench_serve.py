@@ -128,7 +128,7 @@ async def load(url: str, model: str, prompts: list[str], concurrency: int, outpu
     }
 
 
-def servers(model: str, port: int, max_model_len: int) -> dict[str, list[str]]:
+def servers(model: str, port: int, max_model_len: int, max_itl_ms: float | None) -> dict[str, list[str]]:
     """The two commands. mlxkv allocates its KV pool up front, sized for 16 sequences of
     `max_model_len` tokens; mlx-lm grows its caches as it goes."""
     python = sys.executable
@@ -158,6 +158,7 @@ def servers(model: str, port: int, max_model_len: int) -> dict[str, list[str]]:
             "16",
             "--max-model-len",
             str(max_model_len),
+            *(["--max-itl-ms", str(max_itl_ms)] if max_itl_ms is not None else []),
         ],
     }
 
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-words", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=2048, help="mlxkv's context per sequence")
+    parser.add_argument("--max-itl-ms", type=float, default=None, help="mlxkv's [default: its serve default]")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     print(f"server logs: {logs}")
     progress = bar(2 * sum(map(len, workloads.values())) * args.output_len, "", unit="tok")
-    for name, command in servers(model, port := free_port(), args.max_model_len).items():
+    for name, command in servers(model, port := free_port(), args.max_model_len, args.max_itl_ms).items():
         progress.set_description(f"{name}: starting")
         proc = launch(command, port, logs / f"{name}.log")
         url = f"http://127.0.0.1:{port}"

@@ -1,5 +1,6 @@
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from mlxkv.models.random_model import make_checkpoint
@@ -36,3 +37,12 @@ def checkpoint(tmp_path_factory):
         return built[name]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def mlx_memory_limits():
+    """MLX's memory and cache limits as they were before the test: an engine sets them to its budget."""
+    limit = mx.get_memory_limit()
+    yield
+    mx.set_memory_limit(limit)
+    mx.set_cache_limit(limit)

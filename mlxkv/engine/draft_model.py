@@ -28,10 +28,12 @@ from ..config import EngineConfig
 from ..errors import KVCacheExhausted, ModelLoadError
 from ..models.loading import load
 from ..models.structure import text_model
-from .kv_budget import build_kv_cache
+from .kv_budget import ModelKV, build_kv_cache, plan_kv_cache
 from .model_runner import ModelRunner, attention_for, model_kv
 from .request import Request, Status
 from .sampling import sample
+
+COUNTED = 2**62  # room for the draft's pages, which the target's KV plan has counted already
 
 
 @dataclass
@@ -54,18 +56,11 @@ class DraftModel:
         self.budget = budget
         self._held: dict[Request, _Held] = {}
 
-    @classmethod
-    def load(
-        cls,
-        config: EngineConfig,
-        target: KVCacheManager,
-        tokenizer: TokenizerWrapper,
-        vocab_size: int,
-        kernels: PagedAttentionKernels | None = None,
-    ) -> DraftModel:
-        """The draft model `config.draft_model` names, with a cache of as many tokens as `target`'s
-        (float pages, no pins); refused, naming `draft_model`, if it cannot load, its tokenizer is
-        not the target's, or it keeps recurrent state (which cannot rewind)."""
+    @staticmethod
+    def checkpoint(config: EngineConfig, tokenizer: TokenizerWrapper) -> tuple[nn.Module, ModelKV]:
+        """The text model `config.draft_model` names, loaded, and its K/V shape; refused, naming
+        `draft_model`, if it cannot load, its tokenizer is not the target's (`tokenizer`), or it
+        keeps recurrent state (which cannot rewind)."""
         assert config.draft_model is not None
         try:
             model, draft_tokenizer = load(config.draft_model)
@@ -83,13 +78,27 @@ class DraftModel:
                 f"draft_model={config.draft_model!r} has recurrent layers, whose state cannot be rewound past "
                 "rejected draft tokens; choose a draft model whose every layer keeps K/V"
             )
+        return model, shape
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        model: nn.Module,
+        target: KVCacheManager,
+        vocab_size: int,
+        kernels: PagedAttentionKernels | None = None,
+    ) -> DraftModel:
+        """The drafter for a `checkpoint`'s `model`, with a cache of as many tokens as `target`'s
+        (float pages, no pins), which the target's memory budget has counted."""
+        shape = model_kv(model)
         own = replace(config, kv_bits=None, kv_cache_memory=None, pinned_fraction=0.0)
         own = replace(own, max_model_len=target.max_model_len)
         if target.layout is KVLayout.CONTIGUOUS:
             own = replace(own, max_num_seqs=target.pool.capacity)
         else:
             own = replace(own, num_pages=target.pool.capacity)
-        cache = build_kv_cache(own, shape)
+        cache = build_kv_cache(own, shape, plan_kv_cache(own, shape, room=COUNTED))
         runner = ModelRunner(model, cache, attention_for(model, cache, config.attention, kernels))
         return cls(model, cache, runner, vocab_size, config.max_num_batched_tokens)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,15 +12,6 @@ from ..cache.manager import KVCacheManager, prefix_cached, window_pool_pages
 from ..cache.state_pool import StateShape, state_bytes
 from ..cache.storage import PerLayer, check_quantization, kv_bytes_per_token, per_layer
 from ..config import EngineConfig
-
-
-def device_memory() -> int:
-    """Bytes the device running the model can use: Metal's recommended working set on a Mac,
-    physical memory elsewhere."""
-    info = mx.device_info()
-    if "max_recommended_working_set_size" in info:
-        return int(info["max_recommended_working_set_size"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def context_length(max_model_len: int | None, model_max_len: int | None) -> int:
@@ -69,10 +59,12 @@ class KVCachePlan:
     num_pages: int | None
     layer_windows: list[int | None]
     window_pages: dict[int, int]
+    bytes: int  # of every page and recurrent state, the draft model's pages included
 
 
-def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
-    """The KV cache for `model`, checked against the memory left beside its weights.
+def plan_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelKV | None = None) -> KVCachePlan:
+    """The KV cache for `model` within `room` bytes (what the memory budget leaves it), `draft`'s
+    pages, as many as the model's, included.
 
     In the paged layout the pages of sliding-window layers (`layer_windows`) are a fixed, small
     pool (`window_pages` per window) taken from the budget first; the rest buys pages for the
@@ -91,7 +83,7 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     layer_bytes = [
         kv_bytes_per_token(1, h, d, model.dtype, config.kv_bits, config.kv_group_size) for h, d in zip(heads, dims)
     ]
-    bytes_per_token = sum(size for size, w in zip(layer_bytes, windows) if w is None)
+    bytes_per_token = sum(size for size, w in zip(layer_bytes, windows) if w is None) + draft_bytes_per_token(draft)
     grouped = {w: window_pages(config, w) for w in set(windows) if w is not None}
     window_bytes = sum(grouped[w] * config.page_size * size for size, w in zip(layer_bytes, windows) if w is not None)
     hybrid = bool(model.state_shapes)
@@ -100,8 +92,7 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     shares = prefix_cached(layout, config.prefix_caching, bool(grouped), hybrid, config.kv_bits, kept)
     state_bytes = (config.max_num_seqs + (kept if shares else 0)) * model.state_bytes_per_sequence
     fixed_bytes = window_bytes + state_bytes  # taken before the full-attention layers' pages
-    memory = device_memory()
-    available = max(0, memory - model.weights_bytes - fixed_bytes)
+    available = max(0, room - fixed_bytes)
     per_seq = max_len if contiguous else -(-max_len // config.page_size) * config.page_size
     asked_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None else None
     budget = (
@@ -116,7 +107,7 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
     if asked > available:
         raise ValueError(
             f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
-            f"({_gb(memory)} the device can use, less {_gb(model.weights_bytes)} of weights)"
+            f"in the memory budget (memory_limit) beside the weights and a step's temporaries"
         )
     if contiguous:
         sequences = min(config.max_num_seqs, budget // (max_len * bytes_per_token))
@@ -126,7 +117,8 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
                 f"(max_model_len={max_len}) but the KV budget is {budget / 2**20:.1f} MiB; "
                 "raise kv_cache_memory or lower max_model_len"
             )
-        return KVCachePlan(sequences, max_len, None, windows, grouped)
+        pool_bytes = fixed_bytes + sequences * max_len * bytes_per_token
+        return KVCachePlan(sequences, max_len, None, windows, grouped, pool_bytes)
     pages = config.num_pages or budget // (config.page_size * bytes_per_token)
     if pages <= 0:
         beside = "".join(
@@ -139,12 +131,17 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV) -> KVCachePlan:
             f"the KV budget ({source}) leaves {max(budget, 0)} bytes for the full-attention layers, "
             f"less than one page of {config.page_size} tokens{beside}"
         )
-    return KVCachePlan(config.max_num_seqs, max_len, pages, windows, grouped)
+    pool_bytes = fixed_bytes + pages * config.page_size * bytes_per_token
+    return KVCachePlan(config.max_num_seqs, max_len, pages, windows, grouped, pool_bytes)
 
 
-def build_kv_cache(config: EngineConfig, model: ModelKV) -> KVCacheManager:
-    """The KV cache `plan_kv_cache` plans for `model`, allocated."""
-    plan = plan_kv_cache(config, model)
+def draft_bytes_per_token(draft: ModelKV | None) -> int:
+    """Bytes a token takes in a draft model's pages (float, every layer attending fully)."""
+    return 0 if draft is None else kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, draft.dtype)
+
+
+def build_kv_cache(config: EngineConfig, model: ModelKV, plan: KVCachePlan) -> KVCacheManager:
+    """The KV cache `plan` (from `plan_kv_cache`) plans for `model`, allocated."""
     return KVCacheManager(
         model.num_layers,
         model.num_kv_heads,

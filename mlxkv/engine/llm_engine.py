@@ -15,18 +15,21 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from ..attention.backend import planned_temporary_bytes, temporary_bytes_of
 from ..attention.kernels import PagedAttentionKernels
 from ..attention.reference import reference_attention
 from ..cache.pins import Pin
 from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..config import EngineConfig
 from ..deprecation import warn
-from ..errors import MlxkvError, RequestTooLong, UnknownSequenceError
+from ..errors import MlxkvError, RequestTooLong, UnknownSequenceError, is_out_of_memory
 from ..models.structure import text_model
+from .chunk_sizing import ChunkSizer
 from .draft_model import DraftModel
 from .inputs import encode_prompt, request_key
 from .kv_budget import build_kv_cache
-from .model_runner import ModelRunner, attention_for, model_kv
+from .memory_budget import plan_memory
+from .model_runner import ModelRunner, attention_for, attention_heads, model_kv
 from .outputs import RequestOutput, Usage
 from .prompt_lookup import PromptLookup
 from .request import PENDING, Request, Status
@@ -35,10 +38,13 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .speculation import Speculator, accepted_prefix
 from .stats import EngineStats
+from .step_memory import StepMemory
+from .step_time import StepTime
 from .structured_output import StructuredOutput
 from .text import TextStream
 
 logger = logging.getLogger("mlxkv")
+OUT_OF_MEMORY_RETRIES = 4  # steps in a row that may run out of memory before their requests fail
 
 
 @dataclass
@@ -90,28 +96,45 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         model = text_model(model)
-        self.cache = build_kv_cache(self.config, model_kv(model))
+        shape = model_kv(model)
+        draft = DraftModel.checkpoint(self.config, tokenizer) if self.config.draft_model is not None else None
+        planned = StepMemory.of(model, attention_heads(model), planned_temporary_bytes(self.config.attention, kernels))
+        self.memory, plan = plan_memory(self.config, shape, planned, draft[1] if draft is not None else None)
+        self.cache = build_kv_cache(self.config, shape, plan)
         attention = attention_for(model, self.cache, self.config.attention, kernels)
+        self.memory.apply()
         logger.info(
-            "KV cache: %s; attention: %s",
+            "KV cache: %s; attention: %s; %s",
             self.cache.usage(),
             "reference" if attention is reference_attention else "Metal kernels",
+            self.memory,
         )
         self.runner = ModelRunner(model, self.cache, attention)
         self.vocab_size = model.args.vocab_size
-        self.speculator = self._speculator(kernels)
+        self.step_time = StepTime()
+        self.speculator = self._speculator(draft[0] if draft is not None else None, kernels)
         self.structured = StructuredOutput(tokenizer, model.args.vocab_size)
-        self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        itl = self.config.max_itl_ms
+        sizer = ChunkSizer(
+            replace(planned, attention=temporary_bytes_of(attention)),
+            self.memory.reserve,
+            self.step_time,
+            itl / 1000 if itl else None,
+        )
+        self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens, sizer)
         self.requests: dict[str, Request] = {}
         self.reset_peak_usage()
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self.last_step_wait = 0.0  # seconds the last step was blocked in MLX evaluation (the rest: host work)
         self._inflight: InFlight | None = None
+        self._last_read = 0.0  # when the last step's tokens were read: a pipelined step's time starts there
+        self._out_of_memory = 0  # steps run out of memory in a row
 
-    def _speculator(self, kernels: PagedAttentionKernels | None) -> Speculator | None:
-        """The speculative decoding `config` asks for, if any; a hybrid model's recurrent state
-        cannot be rewound past rejected draft tokens, so it cannot speculate."""
+    def _speculator(self, draft: nn.Module | None, kernels: PagedAttentionKernels | None) -> Speculator | None:
+        """The speculative decoding `config` asks for, if any (`draft`: the draft model's, loaded); a
+        hybrid model's recurrent state cannot be rewound past rejected draft tokens, so it cannot
+        speculate."""
         config = self.config
         if not config.prompt_lookup and config.draft_model is None:
             return None
@@ -121,10 +144,10 @@ class LLMEngine:
                 f"speculative decoding ({name}) needs a model whose every layer keeps K/V; this one has "
                 "recurrent layers, whose state cannot be rewound past rejected draft tokens"
             )
-        if config.draft_model is None:
-            return Speculator(PromptLookup(), config.num_draft_tokens)
-        drafter = DraftModel.load(config, self.cache, self.tokenizer, self.vocab_size, kernels)
-        return Speculator(drafter, config.num_draft_tokens)
+        if draft is None:
+            return Speculator(PromptLookup(), config.num_draft_tokens, self.step_time)
+        drafter = DraftModel.build(config, draft, self.cache, self.vocab_size, kernels)
+        return Speculator(drafter, config.num_draft_tokens, self.step_time)
 
     @property
     def max_request_tokens(self) -> int:
@@ -148,6 +171,8 @@ class LLMEngine:
                 self.cache.prefix_caching,
                 replace(self.scheduler.prefix_stats),
                 self.speculator.stats if self.speculator is not None else None,
+                self.memory,
+                mx.get_peak_memory(),
             )
 
     @property
@@ -379,8 +404,11 @@ class LLMEngine:
             raise
         now = time.perf_counter()
         with self._lock:
-            if self.speculator is not None:
-                self.speculator.cost.record(step.batch.kv.num_tokens, now - step.started)
+            kv = step.batch.kv
+            attended = int(np.dot(kv.query_lens, kv.context_lens))
+            self.step_time.record(kv.num_tokens, attended, now - max(step.started, self._last_read))
+            self._last_read = now
+            self._out_of_memory = 0
             scores = _token_logprobs(step.positions, sampled, scored)
             outputs, first = [], 0
             for request, index, draft in zip(step.sampling, step.indices, step.drafts):
@@ -444,8 +472,25 @@ class LLMEngine:
                 self.cache.reset()
             if error is None:  # interrupted, not failed
                 return []
+            if is_out_of_memory(error) and self._out_of_memory < OUT_OF_MEMORY_RETRIES:
+                self._retry_smaller(error)
+                return []
             failed = batch if culprits is None else culprits
             return [self._fail(r, error) for r in failed if r.status is not Status.FINISHED]
+
+    def _retry_smaller(self, error: Exception) -> None:
+        """After a step ran out of memory (and was undone): halve the step reserve that prefill chunks
+        are cut to and free MLX's buffer cache, so the requests retry in smaller steps."""
+        self._out_of_memory += 1
+        sizer = self.scheduler.sizer
+        self.scheduler.sizer = sizer.cut()
+        mx.clear_cache()
+        logger.warning(
+            "a step ran out of memory (%s); it was undone and its requests retry, with prefill chunks "
+            "cut to fit %s bytes of temporaries",
+            error,
+            self.scheduler.sizer.reserve,
+        )
 
     def _fail(self, request: Request, error: Exception) -> RequestOutput:
         request.error = error

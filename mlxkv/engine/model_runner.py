@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 
 from ..attention.backend import AttentionFn, AttentionSpec, choose_attention
 from ..attention.first_chunk import first_chunk_attention
+from ..attention.heads import Heads
 from ..attention.kernels import PagedAttentionKernels
 from ..attention.reference import reference_attention
 from ..attention.variant import Variant
@@ -149,6 +150,12 @@ def model_kv(model: nn.Module) -> ModelKV:
     windows = [variant.window for variant in layer_variants(model)]
     states = state_shapes(model, layer_roles(model))
     return ModelKV(layers, kv_heads, head_dims, dtype, model_context(model), weights, windows, states)
+
+
+def attention_heads(model: nn.Module) -> Heads:
+    """The widest attention layer's heads of a loaded mlx-lm text model, and its dtype's size."""
+    _, kv_heads, head_dims, dtype = kv_shape(model)
+    return Heads(model.args.num_attention_heads, max(kv_heads), max(head_dims), dtype.size)
 
 
 def attention_for(

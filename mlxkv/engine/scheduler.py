@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..cache.batch import KVBatch
 from ..cache.manager import KVCacheManager
 from ..cache.prefix_cache import PrefixCacheStats
+from .chunk_sizing import ChunkSizer, StepShape
 from .request import NO_SEQUENCE, Request, Status
 
 logger = logging.getLogger("mlxkv")
@@ -41,18 +43,22 @@ class _Plan:
     pages: dict[Request, int] = field(default_factory=dict)
     preempted: set[Request] = field(default_factory=set)
     reserved: int = 0
+    shape: StepShape = field(default_factory=StepShape)
 
-    def pick(self, requests: list[Request], counts: list[int], pages: list[int]) -> None:
+    def pick(self, requests: list[Request], counts: list[int], pages: list[int], shape: StepShape) -> None:
         self.counts.update(zip(requests, counts))
         self.pages.update(zip(requests, pages))
         self.reserved += sum(pages)
         self.budget -= sum(counts)
+        self.shape = shape
 
-    def drop(self, request: Request) -> None:
+    def drop(self, request: Request, shape: Callable[[dict[Request, int]], StepShape]) -> None:
+        """Unpick a preempted `request`; `shape` rebuilds the step's shape from what is left."""
         self.preempted.add(request)
         if request in self.counts:
             self.budget += self.counts.pop(request)
             self.reserved -= self.pages.pop(request)
+            self.shape = shape(self.counts)
 
 
 class Scheduler:
@@ -73,10 +79,17 @@ class Scheduler:
     state for later requests that share the prompt.
     """
 
-    def __init__(self, cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        sizer: ChunkSizer | None = None,
+    ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.sizer = sizer or ChunkSizer()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -205,20 +218,23 @@ class Scheduler:
         return True
 
     def _pick(self, plan: _Plan, requests: list[Request]) -> bool:
-        """Pick `requests` in order, each as many tokens as the budget leaves, if all their pages
-        are free and each takes its own-K/V span (one pass over the cache for the lot); otherwise
-        pick none."""
-        picked, counts, left = [], [], plan.budget
+        """Pick `requests` in order, each as many tokens as the budget leaves (a prompt's chunk as
+        many as `sizer` lets the step hold), if all their pages are free and each takes its
+        own-K/V span (one pass over the cache for the lot); otherwise pick none."""
+        picked, counts, left, shape = [], [], plan.budget, plan.shape.copy()
         for request in requests:
             count = min(request.num_remaining + len(request.draft), left)
             del request.draft[max(0, count - request.num_remaining) :]  # as many drafts as the budget leaves
             stop = self._snapshot_point(request)
             if request.num_computed < stop:
                 count = min(count, stop - request.num_computed)
+            if count and not request.is_decode:
+                count = min(count, max(self.sizer.chunk(shape, count, request.num_computed), self.own_kv_span(request)))
             if count:
                 picked.append(request)
                 counts.append(count)
                 left -= count
+                self._add(shape, request, count)
         pages = self.cache.pages_needed([r.seq_id for r in picked], counts)
         if sum(pages) + plan.reserved > self.cache.free_pages:
             self.cache.make_room(sum(pages) + plan.reserved)  # pins lapse before any request waits
@@ -226,8 +242,20 @@ class Scheduler:
             n < e for n, e in zip(counts, self._own_kv_spans(picked))
         ):
             return False
-        plan.pick(picked, counts, pages)
+        plan.pick(picked, counts, pages, shape)
         return True
+
+    def _add(self, shape: StepShape, request: Request, count: int) -> None:
+        """Count `count` tokens of `request` into a step's `shape`."""
+        samples = 1 + len(request.draft)
+        shape.add(count, request.num_computed + count, samples, request.is_decode, self.sizer.memory)
+
+    def _shape(self, counts: dict[Request, int]) -> StepShape:
+        """The shape of a step of `counts` tokens of each request."""
+        shape = StepShape()
+        for request, count in counts.items():
+            self._add(shape, request, count)
+        return shape
 
     def _pick_without_drafts(self, plan: _Plan, decode: list[Request], prefill: list[Request]) -> bool:
         """Pick the running requests with no draft tokens (if any had some), before anyone is
@@ -242,7 +270,7 @@ class Scheduler:
         """Pick `request`, preempting the newest running requests until it fits (maybe itself)."""
         while not self._pick(plan, [request]):
             victim = self._preempt_newest()
-            plan.drop(victim)
+            plan.drop(victim, self._shape)
             if victim is request:
                 return
 

@@ -7,10 +7,11 @@ without speculation) is compared with the drafts, and the drafts are accepted up
 that differs, whose position's draw is the correction (or, all accepted, the bonus token). The
 outputs are therefore exactly the tokens the request draws without speculation, greedy or seeded.
 
-Whether a draft token pays is measured. Step time is fitted as `fixed + per_token * tokens` on the
-steps the engine runs, and drafting's own time per draft token (a draft model's decode step; next
-to nothing for prompt lookup) is averaged. A step of n tokens makes about n tokens in
-`fixed + per_token * n` seconds; the i-th draft token of a request whose drafts are accepted at a
+Whether a draft token pays is measured. Step time is fitted on the steps the engine runs
+(`StepTime`: a fixed part, a part per token and a part per token of context attended), and
+drafting's own time per draft token (a draft model's decode step; next to nothing for prompt
+lookup) is averaged. A step of n tokens makes about n tokens in `fixed + per_token * n` seconds
+(leaving attention aside); the i-th draft token of a request whose drafts are accepted at a
 rate r adds r**i tokens (its chance of being accepted) for `per_token` seconds and its share of
 the drafting, so it is proposed only while r**i beats the cost's share of the step. While reading
 the weights dominates a step (one chat, or few), that share is small and requests draft their
@@ -26,13 +27,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from .step_time import StepTime
+
 if TYPE_CHECKING:
     from .request import Request
 
 PRIOR_RATE = 0.6  # a request's acceptance rate before any of its drafts is verified
 RATE_WEIGHT = 0.3  # weight of the latest verification in the moving average
 LONGEST_REST = 64  # most steps a request sits out before trying to draft again
-FORGET = 0.97  # weight of the fit's past per step
 
 
 class Drafter(Protocol):
@@ -96,38 +98,6 @@ def accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:
     return count
 
 
-class StepCost:
-    """Seconds per step fitted as `fixed + per_token * tokens` by least squares over the steps run,
-    older steps weighing less (each step multiplies the past's weight by `FORGET`)."""
-
-    def __init__(self) -> None:
-        self._sums = [0.0] * 5  # weight, tokens, tokens**2, seconds, tokens * seconds
-
-    def record(self, tokens: int, seconds: float) -> None:
-        for i, value in enumerate((1.0, tokens, tokens * tokens, seconds, tokens * seconds)):
-            self._sums[i] = self._sums[i] * FORGET + value
-
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed, per_token) seconds, or None until the steps seen vary enough in size."""
-        w, n, nn, t, nt = self._sums
-        spread = w * nn - n * n
-        if w < 4 or spread <= 1e-6 * w * nn:
-            return None
-        per_token = (w * nt - n * t) / spread
-        return (t - per_token * n) / w, per_token
-
-    def share(self, tokens: int, extra: float = 0.0) -> float:
-        """The share of a step of `tokens` tokens that its tokens and `extra` seconds more cost: 0
-        before anything is measured (tokens are then taken as free)."""
-        fitted = self.fit()
-        if fitted is None:
-            return 0.0
-        fixed, per_token = fitted
-        if fixed + per_token * tokens <= 0:
-            return 1.0
-        return max(0.0, per_token * tokens + extra) / (fixed + per_token * tokens)
-
-
 @dataclass(frozen=True)
 class SpeculationStats:
     """Draft tokens proposed and accepted so far, over every request."""
@@ -144,17 +114,17 @@ class Speculator:
     """The engine's speculative decoding: a drafter, at most `most` draft tokens a request and
     step, and the step-time fit that says how many pay."""
 
-    def __init__(self, drafter: Drafter, most: int) -> None:
+    def __init__(self, drafter: Drafter, most: int, step_time: StepTime) -> None:
         self.drafter = drafter
         self.most = most
-        self.cost = StepCost()
+        self.step_time = step_time
         self.draft_step = 0.0  # seconds of drafting per draft token of every request, a moving average
         self.stats = SpeculationStats()
 
     def lengths(self, requests: Sequence[Request], other_tokens: int) -> dict[Request, int]:
         """How many draft tokens each decode request (of those that would propose any) proposes in
         a step of these rows and `other_tokens` more: as many as pay, within its `max_tokens`."""
-        share = self.cost.share(len(requests) + other_tokens, self.draft_step)
+        share = self._share(len(requests) + other_tokens, sum(len(r.all_token_ids) for r in requests))
         wanted = {}
         for request in requests:
             room = request.params.max_tokens - len(request.output_ids) - 1  # k drafts make k + 1 outputs
@@ -162,6 +132,16 @@ class Speculator:
             if k > 0:
                 wanted[request] = k
         return wanted
+
+    def _share(self, tokens: int, attended: int) -> float:
+        """The share of a step of `tokens` tokens attending `attended` token pairs that its tokens
+        and a draft token's drafting cost: 0 before anything is measured (tokens are then free)."""
+        fitted = self.step_time.coefficients
+        if fitted is None:
+            return 0.0
+        fixed, per_token, per_pair = fitted
+        varying = per_token * tokens + per_pair * attended
+        return 1.0 if fixed + varying <= 0 else (varying + self.draft_step) / (fixed + varying)
 
     def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> None:
         """Set each request's `draft`: at most its length of tokens from the drafter."""

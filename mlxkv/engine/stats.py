@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..cache.prefix_cache import PrefixCacheStats
 from ..cache.usage import KVUsage
+from .memory_budget import MemoryBudget
 from .speculation import SpeculationStats
 
 
@@ -13,7 +14,8 @@ from .speculation import SpeculationStats
 class EngineStats:
     """Requests running and waiting, preemptions so far, the KV cache's use, and what the prefix cache
     reused (`prefix_caching` says whether it is on: off, or the contiguous layout, shares nothing),
-    and the draft tokens speculative decoding proposed and accepted (None when it is off)."""
+    the draft tokens speculative decoding proposed and accepted (None when it is off), the memory
+    budget's split, and the most memory MLX has held at once in this process (`peak_memory`)."""
 
     running: int
     waiting: int
@@ -22,3 +24,5 @@ class EngineStats:
     prefix_caching: bool
     prefix_cache: PrefixCacheStats
     speculation: SpeculationStats | None = None
+    memory: MemoryBudget | None = None
+    peak_memory: int = 0

@@ -57,6 +57,7 @@ VERBOSE = typer.Option(
     "--verbose/--no-verbose",
     help="Print the figures after the text; with --no-verbose only the text goes to stdout.",
 )
+SERVE_MAX_ITL_MS = 100.0  # a server's decodes should feel smooth while prompts prefill beside them
 SETTINGS = {"config": EngineConfig, "params": SamplingParams}  # a command's parameter -> the record it gets
 
 
@@ -245,6 +246,7 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
         typer.echo(f"Prompt: {len(request.prompt_ids)} tokens, {request.prompt_tps:.3f} tokens-per-sec")
         typer.echo(f"Generation: {len(request.output_ids)} tokens, {request.generation_tps:.3f} tokens-per-sec")
         typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+        typer.echo(f"Memory budget: {llm.engine.memory}")
         typer.echo(f"KV cache: {llm.engine.peak_usage}; {prefix_figures(llm, request)}{speculation_figures(request)}")
     return request
 
@@ -377,7 +379,7 @@ def chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams, 
 
 
 @app.command()
-@with_settings()
+@with_settings(defaults={"max_itl_ms": SERVE_MAX_ITL_MS})
 def serve(
     model: Optional[str] = MODEL,  # noqa: UP045
     host: str = typer.Option("127.0.0.1", help="Address to listen on; the default answers this machine only."),

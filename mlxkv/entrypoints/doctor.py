@@ -1,6 +1,7 @@
 """`mlxkv doctor`: one report a Mac user pastes into an issue: the machine, whether each Metal
 kernel variant compiled and matched the reference, the paged kernel's speed against MLX's own
-attention (decode and prefill), and greedy-token parity with mlx-lm on the demo model.
+attention (decode and prefill), the memory budget an engine gets here, and greedy-token parity with
+mlx-lm on the demo model.
 
 Off a Mac it says so, prints the cost model's table (`mlxkv.attention.cost_model`) in place of
 the timings, and still checks parity on the reference path. `report(metal_kernel=...)` runs the
@@ -196,7 +197,8 @@ def modelled(say: Say, plan: Plan) -> None:
 
 
 def parity(say: Say, plan: Plan, kernels: PagedAttentionKernels | None) -> None:
-    """Greedy tokens of the demo model through mlxkv's engine against mlx-lm's own generation."""
+    """The memory budget of an engine for the demo model, then its greedy tokens through mlxkv's
+    engine against mlx-lm's own generation."""
     from mlx_lm.generate import generate_step
 
     model, tokenizer = load(DEMO_MODEL)
@@ -206,8 +208,10 @@ def parity(say: Say, plan: Plan, kernels: PagedAttentionKernels | None) -> None:
         mx.array(prompt), model, max_tokens=plan.parity_tokens, sampler=lambda x: mx.argmax(x, axis=-1)
     ):
         theirs.append(int(token))
-    config = EngineConfig(max_num_seqs=1, attention=None if kernels else "reference")
-    engine = LLMEngine(model, tokenizer, config, kernels=kernels)
+    attention = None if kernels else "reference"
+    budget = LLMEngine(model, tokenizer, EngineConfig(attention=attention), kernels=kernels).memory
+    say(f"{budget} (the demo model, default settings; the device can use {budget.device / 1e9:.2f} GB)")
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, attention=attention), kernels=kernels)
     params = SamplingParams(max_tokens=plan.parity_tokens, temperature=0.0, ignore_eos=True)
     request = engine.add_request(prompt, params)
     while engine.has_unfinished():

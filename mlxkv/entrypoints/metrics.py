@@ -45,6 +45,13 @@ class EngineCollector(Collector):
             yield CounterMetricFamily("mlxkv_spec_accepted_tokens", "Draft tokens accepted", value=speculation.accepted)
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mlxkv_{name}", doc, value=value)
+        if stats.memory is not None:
+            yield GaugeMetricFamily("mlxkv_memory_limit_bytes", "The memory budget", value=stats.memory.limit)
+            parts = GaugeMetricFamily("mlxkv_memory_budget_bytes", "The memory budget's parts", labels=["part"])
+            for part, size in stats.memory.parts().items():
+                parts.add_metric([part], size)
+            yield parts
+        yield GaugeMetricFamily("mlxkv_memory_peak_bytes", "Most memory MLX has held at once", value=stats.peak_memory)
 
 
 class Metrics:

@@ -7,9 +7,15 @@ from mlxkv import KVLayout
 from mlxkv.config import EngineConfig
 from mlxkv.engine.kv_budget import ModelKV, build_kv_cache, plan_kv_cache
 
+ROOM = 16 * 10**9  # bytes the memory budget leaves the KV cache, unless a test says otherwise
+
+
+def built(config, shape, room=ROOM):
+    return build_kv_cache(config, shape, plan_kv_cache(config, shape, room))
+
 
 def test_paged_cache_is_sized_by_memory():
-    cache = build_kv_cache(EngineConfig(kv_cache_memory="1MiB", page_size=16), ModelKV(2, 2, 64, mx.float16, 512))
+    cache = built(EngineConfig(kv_cache_memory="1MiB", page_size=16), ModelKV(2, 2, 64, mx.float16, 512))
     assert cache.pool.capacity == 2**20 // (16 * 2 * 2 * 2 * 64 * 2)
     assert cache.max_model_len == 512
 
@@ -20,7 +26,7 @@ def test_quantized_pages_hold_more_tokens_in_the_same_memory(layout):
     sizes = {}
     for bits, row in ((None, 128), (8, 68), (4, 36)):
         config = EngineConfig(kv_layout=layout, kv_cache_memory="8MiB", max_num_seqs=64, kv_bits=bits)
-        cache = build_kv_cache(config, ModelKV(2, 2, 64, mx.float16, 512))
+        cache = built(config, ModelKV(2, 2, 64, mx.float16, 512))
         assert (cache.kv_bits, cache.storage.bytes_per_token) == (bits, 2 * 2 * 2 * row)
         sizes[bits] = cache.pool.capacity * cache.page_size
     assert sizes[None] == 8 * 2**20 // 1024 // 512 * 512 if layout == "contiguous" else 8 * 2**20 // 1024
@@ -29,13 +35,13 @@ def test_quantized_pages_hold_more_tokens_in_the_same_memory(layout):
 
 def test_contiguous_cache_buys_whole_pages_up_to_the_sequence_cap():
     config = EngineConfig(kv_layout="contiguous", kv_cache_memory=10 * 2**20, max_num_seqs=4)
-    cache = build_kv_cache(config, ModelKV(2, 2, 64, mx.float16, 2048))
+    cache = built(config, ModelKV(2, 2, 64, mx.float16, 2048))
     assert (cache.layout, cache.pool.capacity, cache.page_size) == (KVLayout.CONTIGUOUS, 4, 2048)
 
 
 def test_a_contiguous_page_larger_than_the_budget_names_the_fix():
     with pytest.raises(ValueError, match="raise kv_cache_memory or lower max_model_len"):
-        build_kv_cache(EngineConfig(kv_layout="contiguous", kv_cache_memory="1MB"), ModelKV(2, 2, 64, mx.float16, 4096))
+        built(EngineConfig(kv_layout="contiguous", kv_cache_memory="1MB"), ModelKV(2, 2, 64, mx.float16, 4096))
 
 
 @pytest.mark.parametrize(
@@ -45,29 +51,25 @@ def test_a_contiguous_page_larger_than_the_budget_names_the_fix():
         (dict(num_pages=100_000_000), "num_pages=100000000 asks for 183500.8 GB"),
     ],
 )
-def test_a_cache_larger_than_the_memory_left_beside_the_weights_is_refused(sizing, asked, monkeypatch):
-    monkeypatch.setattr("mlxkv.engine.kv_budget.device_memory", lambda: 16 * 10**9)
+def test_a_cache_larger_than_the_room_the_budget_leaves_is_refused(sizing, asked):
     with pytest.raises(
         ValueError,
         match=re.escape(
-            f"{asked} of KV cache, but at most 14.8 GB fits (16.0 GB the device can use, less 1.2 GB of weights)"
+            f"{asked} of KV cache, but at most 14.8 GB fits in the memory budget (memory_limit) "
+            "beside the weights and a step's temporaries"
         ),
     ):
-        build_kv_cache(EngineConfig(**sizing), ModelKV(28, 8, 128, mx.bfloat16, 40960, weights_bytes=12 * 10**8))
+        built(EngineConfig(**sizing), ModelKV(28, 8, 128, mx.bfloat16, 40960), room=148 * 10**8)
 
 
-def test_the_default_budget_is_a_fraction_of_the_memory_left_and_no_more_than_the_sequences_need(monkeypatch):
-    monkeypatch.setattr("mlxkv.engine.kv_budget.device_memory", lambda: 16 * 10**9)
+def test_the_default_budget_is_a_fraction_of_the_room_and_no_more_than_the_sequences_need():
     per_token = 2 * 28 * 8 * 128 * 2
-    plan = plan_kv_cache(
-        EngineConfig(max_num_seqs=16), ModelKV(28, 8, 128, mx.bfloat16, 40960, weights_bytes=12 * 10**8)
-    )
-    assert plan.num_pages == int(0.5 * (16 * 10**9 - 12 * 10**8)) // (16 * per_token)
-    small = build_kv_cache(EngineConfig(max_num_seqs=1, max_model_len=30), ModelKV(28, 8, 128, mx.bfloat16, 40960))
+    plan = plan_kv_cache(EngineConfig(max_num_seqs=16), ModelKV(28, 8, 128, mx.bfloat16, 40960), 148 * 10**8)
+    assert plan.num_pages == int(0.5 * 148 * 10**8) // (16 * per_token)
+    assert plan.bytes == plan.num_pages * 16 * per_token
+    small = built(EngineConfig(max_num_seqs=1, max_model_len=30), ModelKV(28, 8, 128, mx.bfloat16, 40960))
     assert small.pool.capacity == 2  # 30 tokens in pages of 16
-    frugal = plan_kv_cache(
-        EngineConfig(kv_cache_fraction=0.1), ModelKV(28, 8, 128, mx.bfloat16, 40960, weights_bytes=0)
-    )
+    frugal = plan_kv_cache(EngineConfig(kv_cache_fraction=0.1), ModelKV(28, 8, 128, mx.bfloat16, 40960), ROOM)
     assert frugal.num_pages == int(0.1 * 16 * 10**9) // (16 * per_token)
 
 
@@ -80,7 +82,7 @@ def test_a_hybrids_running_and_kept_states_come_out_of_the_budget_before_the_pag
 
     shape = ModelKV(2, 2, 64, mx.float16, 512, state_shapes=[[StateShape((16, 16, 64), mx.float32)]])
     config = EngineConfig(kv_cache_memory="2MiB", max_num_seqs=4, prefix_states=prefix_states)
-    cache = build_kv_cache(config, shape)
+    cache = built(config, shape)
     assert cache.pool.capacity == (2**21 - (4 + kept) * 2**16) // (16 * 1024)
     assert cache.prefix_caching == bool(kept) and (cache.snapshots.capacity if kept else 0) == kept
 
@@ -95,7 +97,7 @@ def test_layers_of_different_head_shapes_are_sized_each_by_its_own():
     the window layers' pool is taken first, the full layer's bytes per token buy the pages."""
     shape = ModelKV(3, [2, 2, 1], [64, 64, 128], mx.float16, 512, layer_windows=[8, 8, None])
     config = EngineConfig(kv_cache_memory="1MiB", page_size=16, max_num_seqs=2, max_num_batched_tokens=32)
-    cache = build_kv_cache(config, shape)
+    cache = built(config, shape)
     window_bytes = cache.windowed[8].pool.capacity * 16 * 2 * (2 * 2 * 64 * 2)
     assert cache.storage.bytes_per_token == 2 * 128 * 2
     assert cache.pool.capacity == (2**20 - window_bytes) // (16 * 2 * 128 * 2)

@@ -309,15 +309,70 @@ def test_a_forward_pass_failure_fails_its_batch_and_nothing_else(model, solo, mo
 
     def fail_on_the_second_call(batch, token_ids):
         if next(calls) == 1:
-            raise RuntimeError("[metal::malloc] Resource limit exceeded")
+            raise RuntimeError("[metal] Command buffer execution failed: Internal Error")
         return forward(batch, token_ids)
 
     monkeypatch.setattr(engine.runner, "forward", fail_on_the_second_call)
     while engine.has_unfinished():
         engine.step()
     assert [r.finish_reason for r in requests] == ["error", "error", "length", "length"]
-    assert str(requests[0].error) == "[metal::malloc] Resource limit exceeded"
+    assert str(requests[0].error) == "[metal] Command buffer execution failed: Internal Error"
     assert [r.output_ids for r in requests[2:]] == solo[0][2:]
+    assert engine.cache.free_pages == engine.cache.pool.capacity
+
+
+OUT_OF_MEMORY = RuntimeError(
+    "[METAL] Command buffer execution failed: "
+    "Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"
+)
+
+
+@pytest.mark.parametrize("where", ["forward", "evaluation"])
+def test_a_step_out_of_memory_is_undone_and_retried_in_smaller_chunks(model, solo, monkeypatch, where):
+    """No request fails or changes: the step is rolled back, the reserve halved, and its requests
+    recompute to the tokens they would have drawn."""
+    engine = LLMEngine(*model, EngineConfig(page_size=4, max_num_seqs=4))
+    requests = [engine.add_request(p, SamplingParams(max_tokens=8)) for p in FAILURE_PROMPTS]
+    engine.step()
+    reserve, calls = engine.scheduler.sizer.reserve, iter(range(10**6))
+    if where == "forward":
+        forward = engine.runner.forward
+
+        def failing(batch, token_ids):
+            if next(calls) == 1:
+                raise OUT_OF_MEMORY
+            return forward(batch, token_ids)
+
+        monkeypatch.setattr(engine.runner, "forward", failing)
+    else:
+        real_eval = mx.eval
+
+        def failing(*args):
+            if next(calls) == 1:
+                raise OUT_OF_MEMORY
+            return real_eval(*args)
+
+        monkeypatch.setattr(mx, "eval", failing)
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.finish_reason for r in requests] == ["length"] * 4
+    assert [r.output_ids for r in requests] == solo[0]
+    assert engine.scheduler.sizer.reserve == reserve // 2
+    assert engine.cache.free_pages == engine.cache.pool.capacity
+
+
+def test_steps_out_of_memory_again_and_again_fail_their_requests(model, monkeypatch):
+    engine = LLMEngine(*model, EngineConfig(page_size=4, max_num_seqs=2))
+    requests = [engine.add_request(p, SamplingParams(max_tokens=8)) for p in FAILURE_PROMPTS[:2]]
+
+    def failing(batch, token_ids):
+        raise OUT_OF_MEMORY
+
+    monkeypatch.setattr(engine.runner, "forward", failing)
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.finish_reason for r in requests] == ["error", "error"]
+    assert requests[0].error is OUT_OF_MEMORY
     assert engine.cache.free_pages == engine.cache.pool.capacity
 
 

@@ -1,8 +1,11 @@
 import mlx.core as mx
 
 from mlxkv import KVCacheManager, SamplingParams
+from mlxkv.engine.chunk_sizing import LEAST_CHUNK, ChunkSizer
 from mlxkv.engine.request import Request, Status
 from mlxkv.engine.scheduler import Scheduler
+from mlxkv.engine.step_memory import StepMemory
+from mlxkv.engine.step_time import StepTime
 
 
 def make(num_pages=32, page_size=4, max_num_seqs=8, budget=16, layout="paged", prefix_caching=True, kv_bits=None):
@@ -154,3 +157,47 @@ def test_float_pages_and_prefix_hits_have_no_own_kv_span():
     q.add(request("b", 9))
     batch = q.schedule()
     assert (batch.requests[0].num_computed, batch.own_kv) == (8, [0])
+
+
+def sized(sizer, budget=64):
+    scheduler = make(num_pages=64, budget=budget)
+    scheduler.sizer = sizer
+    return scheduler
+
+
+def fitted(fixed, per_token, per_pair=0.0):
+    """A step-time fit of exactly these costs."""
+    step_time = StepTime()
+    for tokens, attended in [(1, 10), (8, 100), (2, 5), (32, 900), (4, 40), (16, 300)]:
+        step_time.record(tokens, attended, fixed + per_token * tokens + per_pair * attended)
+    return step_time
+
+
+def decoding(scheduler, names="acd"):
+    """`scheduler` with a request decoding for each of `names`."""
+    for i, name in enumerate(names):
+        scheduler.add(request(name, 3, max_tokens=20, first=100 + 10 * i))
+    assert run_step(scheduler) == [(name, 3) for name in names]  # nobody decodes yet: whole prompts
+    return scheduler
+
+
+def test_while_others_decode_a_chunk_is_cut_to_the_latency_target():
+    s = decoding(sized(ChunkSizer(step_time=fitted(0.010, 0.001), max_itl_s=0.0405)))
+    s.add(request("b", 60))
+    assert run_step(s) == [("a", 1), ("c", 1), ("d", 1), ("b", 27)]  # 10 ms + 30 tokens of 1 ms: 40 ms
+    assert run_step(s) == [("a", 1), ("c", 1), ("d", 1), ("b", 27)]
+
+
+def test_a_chunk_never_falls_below_the_least_chunk():
+    s = decoding(sized(ChunkSizer(step_time=fitted(0.050, 0.001), max_itl_s=0.040)))  # decodes alone miss it
+    s.add(request("b", 60))
+    s.add(request("e", 60, first=200))
+    assert run_step(s) == [("a", 1), ("c", 1), ("d", 1), ("b", LEAST_CHUNK)]  # one chunk progresses
+
+
+def test_chunks_are_cut_to_the_memory_reserve_more_as_the_context_grows():
+    memory = StepMemory(per_token=10, per_sample=0, heads=None, attention=lambda heads, q, c: q * c)
+    s = sized(ChunkSizer(memory=memory, reserve=1000))
+    s.add(request("a", 60))
+    counts = [run_step(s)[0][1] for _ in range(4)]
+    assert counts == [27, 18, 14, 1]  # the most n with 10 * n + n * (computed + n) <= 1000

@@ -4,7 +4,7 @@ import pytest
 from helpers import BASE, GEMMA4, HYBRIDS, perturbed_copy
 
 from mlxkv import LLM, EngineConfig, LLMEngine, SamplingParams
-from mlxkv.engine.speculation import Speculation, StepCost, accepted_prefix
+from mlxkv.engine.speculation import Speculation, accepted_prefix
 from mlxkv.models.loading import load
 from mlxkv.models.random_model import make_checkpoint
 
@@ -223,14 +223,3 @@ def test_a_request_whose_drafts_do_not_pay_rests_twice_as_long_each_time():
     speculation.record(drafted=4, accepted=2)
     speculation.length(most=4, share=0.9)
     assert speculation.rest == 1  # a success starts the rests afresh
-
-
-def test_step_cost_is_fitted_to_the_steps_run():
-    cost = StepCost()
-    assert cost.share(10) == 0.0  # nothing measured: tokens are taken as free
-    for tokens in [1, 4, 2, 8, 1, 16]:
-        cost.record(tokens, 0.010 + 0.001 * tokens)
-    fixed, per_token = cost.fit()
-    assert fixed == pytest.approx(0.010) and per_token == pytest.approx(0.001)
-    assert cost.share(10) == pytest.approx(0.5)
-    assert cost.share(10, extra=0.005) == pytest.approx(0.75)  # and a drafter's 5 ms a draft token

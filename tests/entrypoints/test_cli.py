@@ -20,6 +20,8 @@ STATS = [
     r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$",
     r"^Generation: \d+ tokens, [\d.]+ tokens-per-sec$",
     r"^Peak memory: [\d.]+ GB$",
+    r"^Memory budget: memory: [\d.]+ [MG]B of a [\d.]+ [MG]B budget: weights [\d.]+ [MG]B, KV [\d.]+ [MG]B, "
+    r"step reserve [\d.]+ [MG]B, buffer cache [\d.]+ [MG]B$",
     r"^KV cache: (paged|contiguous)(, [48]-bit)?, \d+/\d+ pages of \d+ tokens in use(, \d+ more cached)? "
     r"\(pool [\d.]+ [MG]iB\), [\d.]+ of [\d.]+ MiB in use holding tokens; "
     r"prefix cache: (\d+ of \d+ prompt tokens reused|none \(the contiguous layout .*\)|off)$",
@@ -54,9 +56,9 @@ def test_generate_prints_mlx_lm_greedy_text_and_the_figures(checkpoint, name, la
     )
     assert result.exit_code == 0, result.output
     assert generated_text(result.stdout) == expected
-    lines = result.stdout.strip().splitlines()[-4:]
+    lines = result.stdout.strip().splitlines()[-5:]
     assert all(re.match(pattern, line) for pattern, line in zip(STATS, lines)), lines
-    assert lines[3].startswith(f"KV cache: {layout}, ")
+    assert lines[4].startswith(f"KV cache: {layout}, ")
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -84,7 +86,7 @@ def test_generate_with_quantized_pages_prints_mlx_lm_quantized_kv_text(checkpoin
     )
     assert result.exit_code == 0, result.output
     assert generated_text(result.stdout) == mlx_lm_text(tokenizer, tokens)
-    assert re.match(STATS[3], result.stdout.strip().splitlines()[-1])
+    assert re.match(STATS[4], result.stdout.strip().splitlines()[-1])
     assert f"KV cache: paged, {bits}-bit, " in result.stdout
 
 

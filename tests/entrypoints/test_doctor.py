@@ -25,6 +25,12 @@ SMALL = Plan(
 )
 
 
+BUDGET = (
+    r"memory: [\d.]+ [MG]B of a [\d.]+ GB budget: weights [\d.]+ MB, KV [\d.]+ MB, step reserve [\d.]+ MB, "
+    r"buffer cache [\d.]+ MB \(the demo model, default settings; the device can use [\d.]+ GB\)"
+)
+
+
 @pytest.mark.skipif(mx.metal.is_available(), reason="the Mac branch runs on a Mac")
 def test_off_a_mac_it_says_so_and_prints_the_modelled_table(capsys):
     report(plan=SMALL)
@@ -38,8 +44,9 @@ def test_off_a_mac_it_says_so_and_prints_the_modelled_table(capsys):
     rows = [line.split() for line in lines[7:9]]
     assert [row[:3] for row in rows] == [["1", "512", "4"], ["8", "512", "4"]]
     assert all(re.fullmatch(r"\d+%", row[4]) and row[5] in ("dram", "issue", "l1", "latency", "chain") for row in rows)
-    assert lines[9] == "greedy parity with mlx-lm on the demo model (8 tokens, reference path): identical"
-    assert len(lines) == 10
+    assert re.fullmatch(BUDGET, lines[9])
+    assert lines[10] == "greedy parity with mlx-lm on the demo model (8 tokens, reference path): identical"
+    assert len(lines) == 11
 
 
 def test_with_the_simulator_standing_in_for_metal_it_runs_the_mac_report(capsys):
@@ -59,7 +66,8 @@ def test_with_the_simulator_standing_in_for_metal_it_runs_the_mac_report(capsys)
     assert lines[8].split()[:3] == ["1", "64", "2"] and len(lines[8].split()) == 6
     assert lines[9] == "prefill chunks at context 64 (float16, GQA 4), ms:"
     assert lines[11].split()[0] == "2" and len(lines[11].split()) == 4
-    assert lines[12] == "greedy parity with mlx-lm on the demo model (8 tokens, Metal kernels): identical"
+    assert re.fullmatch(BUDGET, lines[12])
+    assert lines[13] == "greedy parity with mlx-lm on the demo model (8 tokens, Metal kernels): identical"
 
 
 def test_a_kernel_that_fails_its_check_is_named_with_the_reason(capsys):

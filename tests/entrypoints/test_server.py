@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -479,5 +480,35 @@ def test_a_hybrid_model_serves_its_text_reuses_a_prefix_and_reports_its_states(t
             assert done.choices[0].text == llm.generate(prompt, SamplingParams(max_tokens=6))[0].text
             assert done.usage.prompt_tokens_details.cached_tokens == cached
         assert metric(url, "mlxkv_states_total") == 4 and metric(url, "mlxkv_states_used") == 0
+    finally:
+        stop_server(proc)
+
+
+def test_long_prompts_under_a_tight_budget_get_200_or_503_and_memory_stays_within_it():
+    """32 clients at once, each with a prompt of about 1,500 tokens, against 40 MB for everything: a few
+    requests run, a few wait, the rest are told to retry; none fails, and MLX never held more than
+    the budget."""
+    flags = ["--memory-limit", "40MB", "--max-num-seqs", "4", "--max-model-len", "2048", "--max-queue", "6"]
+    proc, url = start_server(*flags)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        words = ["paged", "attention", "keeps", "keys", "and", "values", "in", "pages", "of", "tokens"]
+
+        def ask(seed: int) -> int:
+            prompt = " ".join(random.Random(seed).choices(words, k=700))
+            try:
+                reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+            except openai.APIStatusError as error:
+                assert error.response.headers.get("retry-after") == "1"
+                return error.status_code
+            assert reply.usage.completion_tokens == 8
+            return 200
+
+        with ThreadPoolExecutor(32) as pool:
+            codes = list(pool.map(ask, range(32)))
+        assert set(codes) == {200, 503} and codes.count(200) >= 4
+        assert metric(url, "mlxkv_memory_limit_bytes") == 40e6
+        assert 0 < metric(url, "mlxkv_memory_peak_bytes") <= 40e6
+        assert settled(url) > 0
     finally:
         stop_server(proc)
