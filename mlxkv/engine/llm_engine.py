@@ -104,7 +104,7 @@ class LLMEngine:
         attention = attention_for(model, self.cache, self.config.attention, kernels)
         self.memory.apply()
         logger.info(
-            "KV cache: %s; attention: %s; %s",
+            "KV cache: %s; attention: %s; memory: %s",
             self.cache.usage(),
             "reference" if attention is reference_attention else "Metal kernels",
             self.memory,

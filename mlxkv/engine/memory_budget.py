@@ -51,8 +51,11 @@ def memory_limit(config: EngineConfig, device: int) -> int:
 
 
 def _gb(size: int) -> str:
-    """A size for people: GB from one GB up, else MB."""
-    return f"{size / 1e9:.2f} GB" if abs(size) >= 1e9 else f"{size / 1e6:.1f} MB"
+    """A size for people: GB from one GB up, MB from one MB up, else kB."""
+    for unit, scale, digits in (("GB", 1e9, 2), ("MB", 1e6, 1)):
+        if abs(size) >= scale:
+            return f"{size / scale:.{digits}f} {unit}"
+    return f"{size / 1e3:.1f} kB"
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class MemoryBudget:
     def __str__(self) -> str:
         draft = f", draft model {_gb(self.draft_weights)}" if self.draft_weights else ""
         return (
-            f"memory: {_gb(self.planned)} of a {_gb(self.limit)} budget: weights {_gb(self.weights)}{draft}, "
+            f"{_gb(self.planned)} of a {_gb(self.limit)} budget: weights {_gb(self.weights)}{draft}, "
             f"KV {_gb(self.kv)}, step reserve {_gb(self.reserve)}, buffer cache {_gb(self.cache)}"
         )
 

@@ -246,7 +246,7 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
         typer.echo(f"Prompt: {len(request.prompt_ids)} tokens, {request.prompt_tps:.3f} tokens-per-sec")
         typer.echo(f"Generation: {len(request.output_ids)} tokens, {request.generation_tps:.3f} tokens-per-sec")
         typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-        typer.echo(f"Memory budget: {llm.engine.memory}")
+        typer.echo(f"Memory: {llm.engine.memory}")
         typer.echo(f"KV cache: {llm.engine.peak_usage}; {prefix_figures(llm, request)}{speculation_figures(request)}")
     return request
 

@@ -210,7 +210,7 @@ def parity(say: Say, plan: Plan, kernels: PagedAttentionKernels | None) -> None:
         theirs.append(int(token))
     attention = None if kernels else "reference"
     budget = LLMEngine(model, tokenizer, EngineConfig(attention=attention), kernels=kernels).memory
-    say(f"{budget} (the demo model, default settings; the device can use {budget.device / 1e9:.2f} GB)")
+    say(f"memory: {budget} (the demo model, default settings; the device can use {budget.device / 1e9:.2f} GB)")
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, attention=attention), kernels=kernels)
     params = SamplingParams(max_tokens=plan.parity_tokens, temperature=0.0, ignore_eos=True)
     request = engine.add_request(prompt, params)

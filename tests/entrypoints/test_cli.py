@@ -20,8 +20,8 @@ STATS = [
     r"^Prompt: \d+ tokens, [\d.]+ tokens-per-sec$",
     r"^Generation: \d+ tokens, [\d.]+ tokens-per-sec$",
     r"^Peak memory: [\d.]+ GB$",
-    r"^Memory budget: memory: [\d.]+ [MG]B of a [\d.]+ [MG]B budget: weights [\d.]+ [MG]B, KV [\d.]+ [MG]B, "
-    r"step reserve [\d.]+ [MG]B, buffer cache [\d.]+ [MG]B$",
+    r"^Memory: [\d.]+ [kMG]B of a [\d.]+ [MG]B budget: weights [\d.]+ [kMG]B, KV [\d.]+ [kMG]B, "
+    r"step reserve [\d.]+ [kMG]B, buffer cache [\d.]+ [kMG]B$",
     r"^KV cache: (paged|contiguous)(, [48]-bit)?, \d+/\d+ pages of \d+ tokens in use(, \d+ more cached)? "
     r"\(pool [\d.]+ [MG]iB\), [\d.]+ of [\d.]+ MiB in use holding tokens; "
     r"prefix cache: (\d+ of \d+ prompt tokens reused|none \(the contiguous layout .*\)|off)$",

@@ -26,7 +26,7 @@ SMALL = Plan(
 
 
 BUDGET = (
-    r"memory: [\d.]+ [MG]B of a [\d.]+ GB budget: weights [\d.]+ MB, KV [\d.]+ MB, step reserve [\d.]+ MB, "
+    r"memory: [\d.]+ [MG]B of a [\d.]+ GB budget: weights [\d.]+ MB, KV [\d.]+ [kM]B, step reserve [\d.]+ MB, "
     r"buffer cache [\d.]+ MB \(the demo model, default settings; the device can use [\d.]+ GB\)"
 )
 
