@@ -118,3 +118,14 @@ def test_a_32k_prompt_under_a_budget_a_single_chunk_would_exceed_gives_the_same_
     assert greedy(tight, [prompt]) == expected
     assert mx.get_peak_memory() - before + tight.memory.weights <= tight.memory.limit
     assert tight.cache.pool.free_count == tight.cache.pool.capacity
+
+
+def test_a_draft_model_s_weights_and_pages_are_in_the_budget(checkpoint):
+    model, tokenizer = load(checkpoint("llama-fp32"))
+    alone = LLMEngine(model, tokenizer, EngineConfig(num_pages=64, page_size=8)).memory
+    drafting = LLMEngine(
+        model, tokenizer, EngineConfig(num_pages=64, page_size=8, draft_model=str(checkpoint("llama-fp32")))
+    ).memory
+    assert drafting.draft_weights == alone.weights  # the model drafting for itself
+    assert drafting.kv == 2 * alone.kv  # as many pages again, of the same shape
+    assert drafting.planned <= drafting.limit
