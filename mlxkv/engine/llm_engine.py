@@ -60,7 +60,7 @@ class InFlight:
     drafts: list[list[int]]
     tokens: mx.array
     scored: tuple[mx.array, ...]
-    started: float
+    launched: float  # seconds from the step's start (drafting included) until its evaluation was started
 
     @property
     def positions(self) -> list[Request]:
@@ -128,7 +128,6 @@ class LLMEngine:
         self._lock = threading.RLock()
         self.last_step_wait = 0.0  # seconds the last step was blocked in MLX evaluation (the rest: host work)
         self._inflight: InFlight | None = None
-        self._last_read = 0.0  # when the last step's tokens were read: a pipelined step's time starts there
         self._out_of_memory = 0  # steps run out of memory in a row
 
     def _speculator(self, draft: nn.Module | None, kernels: PagedAttentionKernels | None) -> Speculator | None:
@@ -362,7 +361,8 @@ class LLMEngine:
             for request in sampling:
                 if request.status is not Status.FINISHED:  # not aborted since it was scheduled
                     request.append_output(PENDING)
-            self._inflight = InFlight(batch, sampling, indices, drafts, tokens, scored, started)
+            launched = time.perf_counter() - started
+            self._inflight = InFlight(batch, sampling, indices, drafts, tokens, scored, launched)
         return [], read
 
     @staticmethod
@@ -394,7 +394,8 @@ class LLMEngine:
         try:
             started = time.perf_counter()
             mx.eval(step.tokens, *step.scored)
-            self.last_step_wait += time.perf_counter() - started
+            waited = time.perf_counter() - started
+            self.last_step_wait += waited
             sampled = cast("list[int]", step.tokens.tolist())
             scored = [cast("list[list[Any]]", a.tolist()) for a in step.scored]
         except Exception as exc:
@@ -406,8 +407,7 @@ class LLMEngine:
         with self._lock:
             kv = step.batch.kv
             attended = int(np.dot(kv.query_lens, kv.context_lens))
-            self.step_time.record(kv.num_tokens, attended, now - max(step.started, self._last_read))
-            self._last_read = now
+            self.step_time.record(kv.num_tokens, attended, step.launched + waited)  # why: see `StepTime`
             self._out_of_memory = 0
             scores = _token_logprobs(step.positions, sampled, scored)
             outputs, first = [], 0

@@ -4,8 +4,13 @@
 they attend (a decode row over 4,000 tokens attends 4,000; a chunk of 512 over 8,000, about 4M), which
 is what grows a step's attention. The fit is weighted least squares over the steps run, each step
 multiplying the past's weight by `FORGET`, so it follows the machine as it warms, throttles or is
-shared. The scheduler sizes prefill chunks by it (`--max-itl-ms`) and speculative decoding weighs a
-draft token's cost by it.
+shared; where the part per attended pair comes out negative (the two grow together in the steps
+seen), it is fitted without it. The scheduler sizes prefill chunks by it (`--max-itl-ms`) and
+speculative decoding weighs a draft token's cost by it.
+
+A step's time is what the host spent starting it (building the graph; on a CPU build, where
+starting the evaluation computes most of it, nearly all) plus what reading its tokens waited:
+the time between two reads would charge a pipelined step with its successor's work.
 """
 
 from __future__ import annotations
@@ -40,10 +45,17 @@ class StepTime:
         if weight < 4 or weight * squares - tokens**2 <= 1e-6 * weight * squares:
             return None
         if self._coefficients is None:
-            gram = self._gram + RIDGE * self._gram[0, 0] * np.eye(3)
-            self._coefficients = np.maximum(np.linalg.solve(gram, self._moment), 0.0)
+            self._coefficients = self._solve()
         fixed, per_token, per_unit = self._coefficients
         return float(fixed), float(per_token), float(per_unit) / ATTENDED_UNIT
+
+    def _solve(self) -> np.ndarray:
+        """The three coefficients, non-negative: without the attended feature if it fits below zero."""
+        ridge = RIDGE * self._gram[0, 0]
+        solution = np.linalg.solve(self._gram + ridge * np.eye(3), self._moment)
+        if solution[2] < 0:
+            solution = np.append(np.linalg.solve(self._gram[:2, :2] + ridge * np.eye(2), self._moment[:2]), 0.0)
+        return np.maximum(solution, 0.0)
 
     def seconds(self, tokens: int, attended: int) -> float | None:
         """The fitted time of a step, or None before there is a fit."""
