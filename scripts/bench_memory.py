@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         (theirs, their_s), (ours, our_s) = rows[length, "mlx-lm"], rows[length, "mlxkv"]
         print(f"{length:>8} {theirs / MIB:>11.1f} {ours / MIB:>10.1f} {their_s:>9.1f} {our_s:>8.1f}")
     shortest, longest = min(args.prompt_tokens), max(args.prompt_tokens)
-    growth = rows[longest, "mlxkv"][0] / rows[shortest, "mlxkv"][0]
-    versus = rows[longest, "mlxkv"][0] / rows[longest, "mlx-lm"][0]
+    growth = rows[longest, "mlxkv"][0] / max(rows[shortest, "mlxkv"][0], 1)  # a byte at least: never a 0 divisor
+    versus = rows[longest, "mlxkv"][0] / max(rows[longest, "mlx-lm"][0], 1)
     print(f"transient_growth_1k_to_64k={growth:.3f} transient_vs_mlx_lm_64k={versus:.3f}")
 
 
