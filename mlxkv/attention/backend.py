@@ -38,13 +38,6 @@ class AttentionSpec:
     kv_group_size: int
     variants: Sequence[Variant]
 
-    def heads(self) -> Heads:
-        """The widest layer's heads, which temporaries are sized by."""
-        layers = len(self.variants)
-        kv_heads = max(per_layer("kv_heads", self.kv_heads, layers))
-        head_dim = max(per_layer("head_dim", self.head_dim, layers))
-        return Heads(self.q_heads, kv_heads, head_dim, self.dtype.size)
-
     def geometries(self) -> dict[tuple[int, int], list[Variant]]:
         """The variants of the layers of each (KV heads, head dim) the model has."""
         layers = len(self.variants)

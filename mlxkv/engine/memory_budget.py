@@ -62,7 +62,7 @@ def _gb(size: int) -> str:
 class MemoryBudget:
     """How the budget (`limit` bytes, of the `device`'s) is split. `kv` holds every KV page and
     recurrent state of the model and of its draft model; `reserve` bounds one step's temporaries and
-    `cache` MLX's buffer cache of freed ones; what is left is `spare`."""
+    `cache` MLX's buffer cache of freed ones."""
 
     device: int
     limit: int
@@ -75,10 +75,6 @@ class MemoryBudget:
     @property
     def planned(self) -> int:
         return self.weights + self.draft_weights + self.kv + self.reserve + self.cache
-
-    @property
-    def spare(self) -> int:
-        return self.limit - self.planned
 
     def parts(self) -> dict[str, int]:
         """Each part's bytes, by the name `/metrics` and the chat page give it."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..cache.batch import KVBatch
@@ -52,13 +51,11 @@ class _Plan:
         self.budget -= sum(counts)
         self.shape = shape
 
-    def drop(self, request: Request, shape: Callable[[dict[Request, int]], StepShape]) -> None:
-        """Unpick a preempted `request`; `shape` rebuilds the step's shape from what is left."""
+    def drop(self, request: Request) -> None:
         self.preempted.add(request)
         if request in self.counts:
             self.budget += self.counts.pop(request)
             self.reserved -= self.pages.pop(request)
-            self.shape = shape(self.counts)
 
 
 class Scheduler:
@@ -270,7 +267,8 @@ class Scheduler:
         """Pick `request`, preempting the newest running requests until it fits (maybe itself)."""
         while not self._pick(plan, [request]):
             victim = self._preempt_newest()
-            plan.drop(victim, self._shape)
+            plan.drop(victim)
+            plan.shape = self._shape(plan.counts)
             if victim is request:
                 return
 

@@ -124,7 +124,7 @@ class Speculator:
     def lengths(self, requests: Sequence[Request], other_tokens: int) -> dict[Request, int]:
         """How many draft tokens each decode request (of those that would propose any) proposes in
         a step of these rows and `other_tokens` more: as many as pay, within its `max_tokens`."""
-        share = self._share(len(requests) + other_tokens, sum(len(r.all_token_ids) for r in requests))
+        share = self._share(len(requests) + other_tokens, sum(r.num_tokens for r in requests))
         wanted = {}
         for request in requests:
             room = request.params.max_tokens - len(request.output_ids) - 1  # k drafts make k + 1 outputs
