@@ -134,6 +134,12 @@ class EngineConfig:
     num_draft_tokens: int = setting(
         3, "Most draft tokens a speculating request proposes per step (fewer while fewer are accepted).", POSITIVE
     )
+    rank_timeout_s: float = setting(
+        60.0,
+        "Under tensor parallel (mlx.launch): seconds one step may wait on the other processes before the "
+        "group is declared failed and this process ends.",
+        number(0, low_open=True),
+    )
 
     block_size = RenamedAttribute("page_size")
     num_blocks = RenamedAttribute("num_pages")

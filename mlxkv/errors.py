@@ -43,6 +43,10 @@ class RequestTooLong(MlxkvError, ValueError):
     """A request whose prompt plus max_tokens can never fit the KV cache."""
 
 
+class TensorParallelError(MlxkvError):
+    """The tensor-parallel group cannot go on (a rank died or stopped answering): every request fails."""
+
+
 class RequestFailed(MlxkvError):
     """A request ended by an error in the step that ran it; the other requests went on."""
 

@@ -1,10 +1,13 @@
 """Helpers the test modules share: caches filled as an engine would fill them."""
 
 import importlib
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -142,17 +145,47 @@ class ExplodingSampler(TokenSampler):
         raise RuntimeError("sampler exploded")
 
 
-def start_server(*flags: str, port: int | None = None, cwd=None) -> tuple[subprocess.Popen, str]:
+def launched(ranks: int, *command: str) -> list[str]:
+    """`command` run by `mlx.launch` as `ranks` processes on 127.0.0.1 over the ring backend, on
+    ports of their own (its default ports would join two launches running at once)."""
+    launcher = str(Path(sys.executable).parent / "mlx.launch")
+    return [launcher, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)), "--", *command]
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive ports free on 127.0.0.1 (now)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + count > 65535:
+            continue
+        sockets = [socket.socket() for _ in range(count - 1)]
+        try:
+            for offset, other in enumerate(sockets, 1):
+                other.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for other in sockets:
+                other.close()
+
+
+def start_server(*flags: str, port: int | None = None, cwd=None, ranks: int = 1) -> tuple[subprocess.Popen, str]:
     """`mlxkv serve` with the demo model on 127.0.0.1 (a free port unless `port`), once /health
-    answers; run in `cwd` if given."""
+    answers; run in `cwd` if given, as `ranks` tensor-parallel processes under `mlx.launch` if more
+    than one."""
     import httpx
 
     if port is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+    command = [sys.executable, "-m", "mlxkv", "serve", "--port", str(port), *flags]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxkv", "serve", "--port", str(port), *flags],
+        launched(ranks, *command) if ranks > 1 else command,
+        start_new_session=ranks > 1,  # so that stopping it stops every rank
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -171,8 +204,11 @@ def start_server(*flags: str, port: int | None = None, cwd=None) -> tuple[subpro
 
 
 def stop_server(proc: subprocess.Popen) -> str:
-    """Stop the server; returns what it wrote to stderr."""
-    proc.terminate()
+    """Stop the server (every rank of a launched one); returns what it wrote to stderr."""
+    if os.getpgid(proc.pid) == proc.pid:  # a launcher in a session of its own
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.terminate()
     return proc.communicate(timeout=30)[1]
 
 

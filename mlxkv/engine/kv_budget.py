@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache.layout import KVLayout
 from ..cache.manager import KVCacheManager, prefix_cached, window_pool_pages
@@ -161,3 +162,14 @@ def build_kv_cache(config: EngineConfig, model: ModelKV, plan: KVCachePlan) -> K
         window_pages=plan.window_pages,
         state_shapes=model.state_shapes,
     )
+
+
+def agreed(plan: KVCachePlan, group: mx.distributed.Group) -> KVCachePlan:
+    """`plan` cut to what every rank of a tensor-parallel `group` can hold (the fewest sequences and
+    pages any planned), so that one page table addresses the same pages everywhere."""
+    mine = mx.array([plan.max_num_seqs, plan.num_pages or 0])
+    seqs, pages = np.array(mx.distributed.all_min(mine, group=group, stream=mx.cpu)).tolist()
+    if (seqs, pages or None) == (plan.max_num_seqs, plan.num_pages):
+        return plan
+    scale = (pages or seqs) / (plan.num_pages or plan.max_num_seqs)  # about: the fixed pools scale too
+    return replace(plan, max_num_seqs=seqs, num_pages=pages or None, bytes=int(plan.bytes * scale))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
@@ -22,16 +23,18 @@ from ..cache.pins import Pin
 from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..config import EngineConfig
 from ..deprecation import warn
-from ..errors import MlxkvError, RequestTooLong, UnknownSequenceError, is_out_of_memory
+from ..errors import MlxkvError, RequestTooLong, TensorParallelError, UnknownSequenceError, is_out_of_memory
 from ..models.structure import text_model
 from .chunk_sizing import ChunkSizer
 from .draft_model import DraftModel
+from .follower import check_tensor_parallel, follow
 from .inputs import encode_prompt, request_key
-from .kv_budget import build_kv_cache
+from .kv_budget import agreed, build_kv_cache
 from .memory_budget import plan_memory
 from .model_runner import ModelRunner, attention_for, attention_heads, model_kv
 from .outputs import RequestOutput, Usage
 from .prompt_lookup import PromptLookup
+from .rank_watchdog import RankWatchdog
 from .request import PENDING, Request, Status
 from .sampling import SamplingFailed, TokenLogprob, logprobs, sample
 from .sampling_params import SamplingParams
@@ -39,6 +42,7 @@ from .scheduler import ScheduledBatch, Scheduler
 from .speculation import Speculator, accepted_prefix
 from .stats import EngineStats
 from .step_memory import StepMemory
+from .step_plan import PlanChannel, StepPlan
 from .step_time import StepTime
 from .structured_output import StructuredOutput
 from .text import TextStream
@@ -90,16 +94,24 @@ class LLMEngine:
         tokenizer: TokenizerWrapper,
         config: EngineConfig | None = None,
         kernels: PagedAttentionKernels | None = None,
+        group: mx.distributed.Group | None = None,
     ) -> None:
         """`kernels` replaces MLX's Metal kernels, whatever `config.attention` says (the tests pass
-        the kernels running in the CPU simulator)."""
+        the kernels running in the CPU simulator). `group`: the tensor-parallel group `model` was
+        sharded over (see `models.sharding`); on its rank 0 this engine schedules and sends each
+        step's plan, on the others `follow` runs the plans."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
+        self.group = group if group is not None and group.size() > 1 else None
         model = text_model(model)
         shape = model_kv(model)
+        if self.group is not None:
+            check_tensor_parallel(self.config, shape)
         draft = DraftModel.checkpoint(self.config, tokenizer) if self.config.draft_model is not None else None
         planned = StepMemory.of(model, attention_heads(model), planned_temporary_bytes(self.config.attention, kernels))
         self.memory, plan = plan_memory(self.config, shape, planned, draft[1] if draft is not None else None)
+        if self.group is not None:
+            plan = agreed(plan, self.group)
         self.cache = build_kv_cache(self.config, shape, plan)
         attention = attention_for(model, self.cache, self.config.attention, kernels)
         self.memory.apply()
@@ -110,6 +122,13 @@ class LLMEngine:
             self.memory,
         )
         self.runner = ModelRunner(model, self.cache, attention)
+        self.channel = PlanChannel(self.group) if self.group is not None else None
+        self.watchdog: RankWatchdog | None = None
+        if self.channel is not None and self.rank == 0:
+            atexit.register(self.stop_followers)
+            self.watchdog = RankWatchdog(self.config.rank_timeout_s, self._lose)
+        self.pipeline = self.config.pipeline and self.group is None  # a plan carries every input token
+        self.lost: TensorParallelError | None = None
         self.vocab_size = model.args.vocab_size
         self.step_time = StepTime()
         self.speculator = self._speculator(draft[0] if draft is not None else None, kernels)
@@ -208,6 +227,8 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if pin is not None and not isinstance(pin, Pin):
             raise TypeError(f"pin must be a Pin or None, got {type(pin).__name__}")
+        if self.lost is not None:
+            raise self.lost
         request = Request(
             self.new_request_id() if request_id is None else request_key(request_id),
             self.encode(prompt),
@@ -251,6 +272,15 @@ class LLMEngine:
         A step that fails (in the forward pass, sampling or evaluation) changes nothing for
         the requests that did not cause it: see `_recover`.
         """
+        if self.watchdog is not None:
+            self.watchdog.started = time.monotonic()
+            try:
+                return self._step()
+            finally:
+                self.watchdog.started = None
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         self.last_step_wait = 0.0
         with self._lock:
             previous, self._inflight = self._inflight, None
@@ -273,9 +303,9 @@ class LLMEngine:
             current = self._inflight
             if current is not None:  # its K/V are queued, and its input tokens now all known
                 self.scheduler.commit(current.batch)
-            if not self.config.pipeline:
+            if not self.pipeline:
                 self._inflight = None
-        if current is not None and not self.config.pipeline:
+        if current is not None and not self.pipeline:
             outputs += self._resolve(current)[0]
         return outputs + failed
 
@@ -323,7 +353,8 @@ class LLMEngine:
         firsts = np.cumsum(widths) - widths  # each row's first row of logits
         read: list[RequestOutput] | None = None
         try:
-            logits = self.runner.forward(batch, self._token_ids(batch, previous))  # None when no row samples
+            hidden = self._forward(batch, self._token_ids(batch, previous))
+            logits = self.runner.logits(batch, hidden)  # None when no row samples
             if batch.snapshots:
                 self.cache.capture(batch.snapshots)
             constrained = [row for row, request in enumerate(sampling) if request.matcher is not None]
@@ -352,6 +383,8 @@ class LLMEngine:
             self.last_step_wait += time.perf_counter() - waiting
         except SamplingFailed as exc:
             return self._recover(batch.requests, [sampling[exc.row]], exc.cause), read
+        except TensorParallelError:
+            raise
         except Exception as exc:
             return self._recover(batch.requests, None, exc), read
         except BaseException:  # e.g. Ctrl-C: undo the step, fail no request, let it through
@@ -364,6 +397,45 @@ class LLMEngine:
             launched = time.perf_counter() - started
             self._inflight = InFlight(batch, sampling, indices, drafts, tokens, scored, launched)
         return [], read
+
+    def _forward(self, batch: ScheduledBatch, token_ids: mx.array) -> mx.array:
+        """The batch's final hidden states (lazy). Under tensor parallel the step's plan goes to the
+        other ranks first, and the forward pass is started at once, so that every rank runs the same
+        all-reduces in the same order whatever rank 0 does next (sampling may fail a request)."""
+        if self.channel is None:
+            return self.runner.hidden(token_ids, batch.kv, batch.own_kv)
+        try:
+            self.channel.send(StepPlan(np.array(token_ids), batch.kv, np.asarray(batch.own_kv, np.int32)))
+            hidden = self.runner.hidden(token_ids, batch.kv, batch.own_kv)
+            mx.async_eval(hidden, self.cache.tensors)
+            return hidden
+        except Exception as exc:
+            error = TensorParallelError(f"the tensor-parallel group of {self.group_size} processes failed: {exc}")
+            self._lose(error)
+            raise error from exc
+
+    def _lose(self, error: TensorParallelError) -> None:
+        """The group failed: no request can be run any more, nor admitted."""
+        self.lost = error
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in its tensor-parallel group (0 when alone)."""
+        return self.group.rank() if self.group is not None else 0
+
+    @property
+    def group_size(self) -> int:
+        return self.group.size() if self.group is not None else 1
+
+    def follow(self) -> None:
+        """Run the plans rank 0 sends until it stops (on every rank but 0)."""
+        assert self.channel is not None and self.rank != 0
+        follow(self.runner, self.channel)
+
+    def stop_followers(self) -> None:
+        """Tell the other ranks that rank 0 is done (they return from `follow`)."""
+        if self.channel is not None and self.lost is None:
+            self.channel.send(None)
 
     @staticmethod
     def _token_ids(batch: ScheduledBatch, previous: InFlight | None) -> mx.array:

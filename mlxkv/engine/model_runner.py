@@ -135,7 +135,9 @@ def kv_shape(model: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ...], m
     model = text_model(model)
     adapters, args = _adapters(model), model.args
     head_dims = tuple(
-        getattr(a.attn, "head_dim", None) or getattr(args, "head_dim", None) or args.hidden_size // a.heads
+        getattr(a.attn, "head_dim", None)
+        or getattr(args, "head_dim", None)
+        or args.hidden_size // args.num_attention_heads
         for a in adapters
     )
     return len(adapters), tuple(a.kv_heads for a in adapters), head_dims, activation_dtype(model)
@@ -153,9 +155,15 @@ def model_kv(model: nn.Module) -> ModelKV:
 
 
 def attention_heads(model: nn.Module) -> Heads:
-    """The widest attention layer's heads of a loaded mlx-lm text model, and its dtype's size."""
+    """The widest attention layer's heads of a loaded mlx-lm text model (this process's share, under
+    tensor parallel), and its dtype's size."""
     _, kv_heads, head_dims, dtype = kv_shape(model)
-    return Heads(model.args.num_attention_heads, max(kv_heads), max(head_dims), dtype.size)
+    return Heads(query_heads(model), max(kv_heads), max(head_dims), dtype.size)
+
+
+def query_heads(model: nn.Module) -> int:
+    """The most query heads an attention layer of `model` computes in this process."""
+    return max(int(adapter.heads) for adapter in _adapters(text_model(model)))
 
 
 def attention_for(
@@ -165,7 +173,7 @@ def attention_for(
     _, kv_heads, head_dims, dtype = kv_shape(model)
     spec = AttentionSpec(
         dtype,
-        model.args.num_attention_heads,
+        query_heads(model),
         kv_heads,
         head_dims,
         cache.page_size,
@@ -201,18 +209,16 @@ class ModelRunner:
             name = roles.recurrent_module(layers[index])
             setattr(layers[index], name, RecurrentLayer(mlx_lm_module(layers[index], name), number))
 
-    def forward(self, step: ScheduledBatch, token_ids: mx.array) -> mx.array | None:
-        """Logits for `step`, whose packed input tokens are `token_ids`: a row for each row that
-        samples, and one more for each of its draft tokens (`[rows, vocab]`); None if no row
-        samples (lazy either way)."""
-        hidden = self.hidden(token_ids, step.kv, step.own_kv)
+    def logits(self, step: ScheduledBatch, hidden: mx.array) -> mx.array | None:
+        """Logits for `step` from its final hidden states: a row for each row that samples, and one
+        more for each of its draft tokens (`[rows, vocab]`); None if no row samples (lazy either way)."""
         if len(step.samples) == hidden.shape[0] and all(step.samples):  # all decode rows: every token samples
             return self.head(hidden)
         ends = np.cumsum(step.counts)
         rows = [np.arange(end - len(draft) - 1, end) for end, draft, s in zip(ends, step.drafts, step.samples) if s]
         return self.head(hidden[mx.array(np.concatenate(rows).astype(np.int32))]) if rows else None
 
-    def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, own_kv: Sequence[int]) -> mx.array:
+    def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, own_kv: Sequence[int] | np.ndarray) -> mx.array:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
         the first `own_kv[b]` tokens of row b attending their own K/V as computed (lazy)."""
         spans = np.asarray(own_kv, np.int32) if any(own_kv) else None  # a scan, not an array, in the common case

@@ -13,6 +13,7 @@ import logging
 import re
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import Field, fields, replace
@@ -32,6 +33,7 @@ from ..engine.request import Request
 from ..engine.sampling_params import SamplingParams
 from ..errors import MlxkvError
 from ..models.loading import load, model_context
+from ..models.sharding import world
 from .llm import LLM, Stream
 from .prompts import prompt_ids
 
@@ -297,14 +299,15 @@ def generate(
     --kv-cache-memory or --num-pages says otherwise."""
     try:
         text = utf8(sys.stdin.buffer.read(), "the prompt on stdin") if prompt == "-" else utf8(prompt, "--prompt")
-        loaded = load(model)
+        group = world()
+        loaded = load(model, group)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": text}
         ]
         ids = prompt_ids(loaded[1], messages, ignore_chat_template)
         context = context_length(config.max_model_len, model_context(loaded[0]))
         config = replace(config, max_model_len=min(context, len(ids) + params.max_tokens))
-        run_and_report(LLM(loaded, config=config), ids, params, verbose)
+        run_and_report(LLM(loaded, config=config, group=group), ids, params, verbose)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
 
@@ -325,7 +328,8 @@ def chat(
     """A multi-turn chat in the terminal. The KV cache holds one conversation of --max-model-len
     tokens; with prefix caching each turn computes only what the turn before did not."""
     try:
-        llm = LLM(load(model), config=config)
+        group = world()
+        llm = LLM(load(model, group), config=config, group=group)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
     typer.echo(BANNER)
@@ -403,17 +407,39 @@ def serve(
     try:
         logger.info("loading %s ...", model or "the demo model")
         started = time.perf_counter()
-        engine = LLMEngine(*load(model), config)
+        group = world()
+        engine = LLMEngine(*load(model, group), config, group=group)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
+    if engine.rank != 0:  # rank 0 serves; the others run the steps it plans
+        listener.close()
+        engine.follow()
+        return
     logger.info("loaded in %.1f s", time.perf_counter() - started)
     llm = AsyncLLM(engine)
     app_ = build_app(llm, model or "mlxkv-demo", api_key=api_key, allowed_origins=allowed_origins, max_queue=max_queue)
     logger.info("serving on http://%s:%d (chat page at /)", host, listener.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app_, log_level="warning"))
+    threading.Thread(target=end_when_lost, args=(engine, server), daemon=True).start()
     try:
-        uvicorn.Server(uvicorn.Config(app_, log_level="warning")).run(sockets=[listener])
+        server.run(sockets=[listener])
     finally:
         llm.shutdown()
+    if engine.lost is not None:
+        fail(engine.lost)
+
+
+GROUP_LOST_GRACE_S = 2.0  # how long /health reports a failed tensor-parallel group before the server ends
+
+
+def end_when_lost(engine: LLMEngine, server: Any) -> None:
+    """End `server` soon after the engine's tensor-parallel group fails (a rank died or stopped answering)."""
+    while not server.should_exit:
+        if engine.lost is not None:
+            logger.error("%s; the server is ending", engine.lost)
+            time.sleep(GROUP_LOST_GRACE_S)
+            server.should_exit = True
+        time.sleep(0.1)
 
 
 @app.command()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -20,6 +21,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.stats import EngineStats
 from ..errors import RequestFailed
 from ..models.loading import load
+from ..models.sharding import world
 from ..settings import keywords_of
 
 Prompt = str | Sequence[int]
@@ -83,6 +85,11 @@ class LLM:
     `(model, tokenizer)` pair already loaded, or None for the shipped demo model. The engine's
     settings are `EngineConfig`'s fields as keywords (`LLM(kv_bits=8, max_num_seqs=32)`), or one
     `config`.
+
+    Under `mlx.launch` the model loaded here is split across the processes (tensor parallel; a
+    pair already loaded must have been loaded over `group`): on rank 0 this returns, and on every
+    other rank it runs the steps rank 0 plans and then ends the process, so that only rank 0 runs
+    the rest of the script.
     """
 
     @keywords_of(EngineConfig)
@@ -91,13 +98,19 @@ class LLM:
         model: str | Path | tuple[nn.Module, TokenizerWrapper] | None = None,
         *,
         config: EngineConfig | None = None,
+        group: mx.distributed.Group | None = None,
         **settings: Any,
     ) -> None:
         if config is not None and settings:
             raise TypeError(f"LLM takes either config or settings as keywords, not both (got {', '.join(settings)})")
         config = config or EngineConfig(**settings)
-        self.model, self.tokenizer = model if isinstance(model, tuple) else load(model)
-        self.engine = LLMEngine(self.model, self.tokenizer, config)
+        if not isinstance(model, tuple):
+            group = group or world()
+        self.model, self.tokenizer = model if isinstance(model, tuple) else load(model, group)
+        self.engine = LLMEngine(self.model, self.tokenizer, config, group=group)
+        if self.engine.rank != 0:
+            self.engine.follow()
+            raise SystemExit(0)
         self._deltas: dict[str, deque[str]] = {}  # text waiting for each live request's consumer
 
     def generate(

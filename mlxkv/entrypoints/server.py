@@ -123,9 +123,10 @@ def build_app(
     async def failed(request: HTTPRequest, exc: RequestFailed) -> JSONResponse:
         return render(request, ServingError(500, str(exc), kind="server_error"))
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, str] | JSONResponse:
+        lost = llm.engine.lost  # a tensor-parallel group that failed: the server is ending
+        return {"status": "ok"} if lost is None else JSONResponse({"status": "error", "error": str(lost)}, 503)
 
     @app.get("/metrics")
     def prometheus() -> Response:  # a plain def: FastAPI runs it off the event loop, as stats() takes the engine lock

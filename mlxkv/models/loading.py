@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 from huggingface_hub import snapshot_download
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -13,6 +14,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from ..errors import ModelLoadError
 from .adapters import FAMILIES
+from .sharding import shard
 
 SUPPORTED_MODEL_TYPES = FAMILIES
 # Families mlx-lm runs and mlxkv does not yet, by the layers that stop them.
@@ -89,18 +91,27 @@ def rope_overrides(config: dict) -> dict:
     return lifted
 
 
-def load(path_or_repo: str | Path | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+def load(
+    path_or_repo: str | Path | None = None, group: mx.distributed.Group | None = None
+) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a model and its tokenizer as mlx-lm does (quantized checkpoints included).
 
-    `None` loads the small demo model shipped inside the package.
+    `None` loads the small demo model shipped inside the package. With a `group` of more than one
+    process, each keeps only its share of the weights (see `sharding`): they are read lazily, split,
+    and only then evaluated.
     """
     path = resolve_model_path(DEMO_MODEL if path_or_repo is None else path_or_repo)
     config = check_config(path)
+    sharded = group is not None and group.size() > 1
     try:
-        model, tokenizer = mlx_lm_load(str(path), model_config=rope_overrides(config))[:2]
-        return model, tokenizer
+        model, tokenizer = mlx_lm_load(str(path), model_config=rope_overrides(config), lazy=sharded)[:2]
     except Exception as exc:
         raise ModelLoadError(f"could not load the checkpoint in {str(path)!r}: {exc}") from None
+    if sharded:
+        assert group is not None
+        shard(model, config["model_type"], group)
+        mx.eval(model.parameters())
+    return model, tokenizer
 
 
 def model_context(model: nn.Module) -> int | None:

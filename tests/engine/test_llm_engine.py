@@ -304,7 +304,7 @@ def test_a_forward_pass_failure_fails_its_batch_and_nothing_else(model, solo, mo
     engine = LLMEngine(*model, EngineConfig(page_size=4, max_num_seqs=2))
     requests = [engine.add_request(p, SamplingParams(max_tokens=8)) for p in FAILURE_PROMPTS]
     engine.step()
-    forward = engine.runner.forward
+    forward = engine.runner.logits
     calls = iter(range(10**6))
 
     def fail_on_the_second_call(batch, token_ids):
@@ -312,7 +312,7 @@ def test_a_forward_pass_failure_fails_its_batch_and_nothing_else(model, solo, mo
             raise RuntimeError("[metal] Command buffer execution failed: Internal Error")
         return forward(batch, token_ids)
 
-    monkeypatch.setattr(engine.runner, "forward", fail_on_the_second_call)
+    monkeypatch.setattr(engine.runner, "logits", fail_on_the_second_call)
     while engine.has_unfinished():
         engine.step()
     assert [r.finish_reason for r in requests] == ["error", "error", "length", "length"]
@@ -336,14 +336,14 @@ def test_a_step_out_of_memory_is_undone_and_retried_in_smaller_chunks(model, sol
     engine.step()
     reserve, calls = engine.scheduler.sizer.reserve, iter(range(10**6))
     if where == "forward":
-        forward = engine.runner.forward
+        forward = engine.runner.logits
 
         def failing(batch, token_ids):
             if next(calls) == 1:
                 raise OUT_OF_MEMORY
             return forward(batch, token_ids)
 
-        monkeypatch.setattr(engine.runner, "forward", failing)
+        monkeypatch.setattr(engine.runner, "logits", failing)
     else:
         real_eval = mx.eval
 
@@ -368,7 +368,7 @@ def test_steps_out_of_memory_again_and_again_fail_their_requests(model, monkeypa
     def failing(batch, token_ids):
         raise OUT_OF_MEMORY
 
-    monkeypatch.setattr(engine.runner, "forward", failing)
+    monkeypatch.setattr(engine.runner, "logits", failing)
     while engine.has_unfinished():
         engine.step()
     assert [r.finish_reason for r in requests] == ["error", "error"]
@@ -504,14 +504,14 @@ def test_an_abort_while_a_hybrids_step_is_built_drops_that_request_alone(tmp_pat
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for name, prompt in prompts.items():
         engine.add_request(prompt, params, request_id=name)
-    build = engine.runner.forward
+    build = engine.runner.logits
 
     def aborting_forward(batch, token_ids):
         if batch.snapshots and "A" in engine.requests:  # both rows reach their snapshot point
             engine.abort("A")
         return build(batch, token_ids)
 
-    engine.runner.forward = aborting_forward
+    engine.runner.logits = aborting_forward
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()

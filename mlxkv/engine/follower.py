@@ -1,0 +1,33 @@
+"""What every rank but 0 of a tensor-parallel group runs: the forward pass of each step rank 0 plans,
+over its own share of the weights and KV heads. It keeps no requests: rank 0 schedules, samples
+and sends the tokens it sampled in the next step's plan."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..config import EngineConfig
+from .kv_budget import ModelKV
+from .model_runner import ModelRunner
+from .step_plan import PlanChannel
+
+
+def check_tensor_parallel(config: EngineConfig, model: ModelKV) -> None:
+    """Raise ValueError for what tensor parallel does not run yet: a draft model (it would run on
+    rank 0 alone, beside pages every rank holds) and recurrent layers (their state is not in the plan)."""
+    if config.draft_model is not None:
+        raise ValueError(
+            "draft_model is not supported under tensor parallel yet; use prompt_lookup, or run in one process"
+        )
+    if model.state_shapes:
+        raise ValueError(
+            "this model has recurrent layers, which tensor parallel does not run yet; run it in one process"
+        )
+
+
+def follow(runner: ModelRunner, channel: PlanChannel) -> None:
+    """Run each plan rank 0 sends until it sends the stop: the same all-reduces as rank 0's, in the
+    same order (rank 0 evaluates its forward pass at once too), writing this rank's K/V heads."""
+    while (plan := channel.receive()) is not None:
+        hidden = runner.hidden(plan.token_ids, plan.kv, plan.own_kv)
+        mx.async_eval(hidden, runner.cache.tensors)

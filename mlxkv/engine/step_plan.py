@@ -1,0 +1,89 @@
+"""The step plan: what rank 0 of a tensor-parallel group sends the other ranks each step (the packed
+token ids, the page tables and lengths attention reads, each row's own-K/V span), so that every rank
+runs the same forward pass over identical page tables, and only rank 0 keeps requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache.batch import KVBatch
+
+STOP = -1  # the plan that ends the followers
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's forward pass: `token_ids` packed row after row as `kv` says, the first `own_kv[b]`
+    tokens of row b attending their own K/V as computed."""
+
+    token_ids: np.ndarray
+    kv: KVBatch
+    own_kv: np.ndarray
+
+    def encode(self) -> np.ndarray:
+        """The plan as one int32 vector: a run of arrays, each after its length."""
+        kv = self.kv
+        windows = kv.by_window or {}
+        parts = [
+            np.array([kv.page_size, len(windows)]),
+            np.array(kv.seq_ids),
+            kv.query_lens,
+            self.own_kv,
+            self.token_ids,
+            *_pages(kv),
+        ]
+        for window, batch in windows.items():
+            parts += [np.array([window]), *_pages(batch)]
+        return np.concatenate([np.concatenate([[np.size(p)], np.ravel(p)]) for p in parts]).astype(np.int32)
+
+    @staticmethod
+    def decode(message: np.ndarray) -> StepPlan:
+        arrays, at = [], 0
+        while at < len(message):
+            size = int(message[at])
+            arrays.append(message[at + 1 : at + 1 + size])
+            at += 1 + size
+        (page_size, num_windows), seq_ids, query_lens, own_kv, token_ids = arrays[:5]
+        rows = len(seq_ids)
+
+        def batch(context_lens: np.ndarray, tables: np.ndarray, by_window: dict[int, KVBatch] | None = None) -> KVBatch:
+            ids = tuple(seq_ids.tolist())
+            return KVBatch(ids, query_lens, context_lens, tables.reshape(rows, -1), int(page_size), by_window)
+
+        windows = {int(arrays[i][0]): batch(arrays[i + 1], arrays[i + 2]) for i in range(7, 7 + 3 * num_windows, 3)}
+        return StepPlan(token_ids, batch(arrays[5], arrays[6], windows or None), own_kv)
+
+
+def _pages(batch: KVBatch) -> list[np.ndarray]:
+    return [batch.context_lens, batch.page_tables]
+
+
+class PlanChannel:
+    """Rank 0's step plans to the other ranks of `group`, each as two all-sums (its length, then
+    itself: the others add zeros), on the CPU stream (the plan is host data). `sent_bytes`: the
+    last plan's size on the wire."""
+
+    def __init__(self, group: mx.distributed.Group) -> None:
+        self.group = group
+        self.sent_bytes = 0
+
+    def send(self, plan: StepPlan | None) -> None:
+        """Send `plan` (None: the followers stop)."""
+        message = plan.encode() if plan is not None else np.array([STOP], np.int32)
+        self._share(np.array([len(message)], np.int32))
+        self._share(message)
+        self.sent_bytes = 4 * (1 + len(message))
+
+    def receive(self) -> StepPlan | None:
+        """The next plan rank 0 sends (None: stop)."""
+        size = int(self._share(np.zeros(1, np.int32))[0])
+        message = self._share(np.zeros(size, np.int32))
+        return None if size == 1 and message[0] == STOP else StepPlan.decode(message)
+
+    def _share(self, host: np.ndarray) -> np.ndarray:
+        total = mx.distributed.all_sum(mx.array(host), group=self.group, stream=mx.cpu)
+        mx.eval(total)
+        return np.array(total)

@@ -1,0 +1,22 @@
+"""`StepPlan`'s wire format: what rank 0 encodes, the other ranks decode unchanged."""
+
+import numpy as np
+
+from mlxkv.cache.batch import KVBatch
+from mlxkv.engine.step_plan import StepPlan
+
+
+def test_a_plan_with_window_groups_decodes_to_the_same_batch():
+    query_lens, seq_ids = np.array([5, 1], np.int32), (7, 9)
+    window = KVBatch(seq_ids, query_lens, np.array([5, 40], np.int32), np.array([[3, 0, 0], [4, 8, 9]], np.int32), 16)
+    kv = KVBatch(
+        seq_ids, query_lens, np.array([5, 40], np.int32), np.array([[1, 0, 0], [2, 5, 6]], np.int32), 16, {512: window}
+    )
+    plan = StepPlan(np.arange(6, dtype=np.int32), kv, np.array([5, 0], np.int32))
+    got = StepPlan.decode(plan.encode())
+    assert got.token_ids.tolist() == list(range(6)) and got.own_kv.tolist() == [5, 0]
+    for mine, theirs in [(got.kv, kv), (got.kv.by_window[512], window)]:
+        assert theirs.seq_ids == mine.seq_ids and mine.page_size == 16
+        for name in ("query_lens", "context_lens", "page_tables", "slot_mapping"):
+            assert getattr(mine, name).tolist() == getattr(theirs, name).tolist()
+    assert list(got.kv.by_window) == [512] and plan.encode().nbytes == 4 * 41

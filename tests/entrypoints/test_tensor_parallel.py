@@ -1,0 +1,201 @@
+"""Tensor parallel over `mlx.launch -n 2 --backend ring` on 127.0.0.1: the same greedy tokens as one
+process through `LLM`, `mlxkv generate` and `mlxkv serve`, and a killed rank ends the server."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from helpers import launched, start_server, stop_server
+
+from mlxkv import LLM, SamplingParams
+
+PROMPTS = [[1 + (i * 7 + j) % 300 for j in range(20 + 13 * i)] for i in range(16)]  # 20 to 215 tokens
+SETTINGS = dict(max_num_batched_tokens=64, max_model_len=256)  # the longest prompt prefills in 4 chunks
+SCRIPT = """
+import json, sys
+from mlxkv import LLM, SamplingParams
+llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))  # every rank but 0 ends in here
+outputs = llm.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=24))
+engine = llm.engine
+print(json.dumps({"tokens": [o.token_ids for o in outputs], "pages": engine.cache.pool.capacity,
+                  "preemptions": engine.scheduler.num_preemptions, "ranks": engine.group_size}))
+"""
+
+
+def run_launched(tmp_path, *command: str, env: dict | None = None) -> str:
+    done = subprocess.run(
+        launched(2, *command), capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def generate_launched(tmp_path, path, settings: dict, layout: str) -> dict:
+    script = tmp_path / "generate.py"
+    script.write_text(SCRIPT)
+    out = run_launched(
+        tmp_path,
+        sys.executable,
+        str(script),
+        str(path),
+        json.dumps(settings),
+        json.dumps(PROMPTS),
+        env={"MLXKV_KV_LAYOUT": layout},
+    )
+    [line] = out.splitlines()  # rank 0 alone prints
+    return json.loads(line)
+
+
+@pytest.mark.parametrize(
+    "layout, settings",
+    [
+        ("paged", dict(num_pages=40)),  # 16 prompts of up to 15 pages each: preemption is forced
+        ("paged", dict(kv_cache_memory="256KB")),
+        ("contiguous", dict(max_num_seqs=4)),
+    ],
+)
+def test_a_batch_of_16_gives_the_one_process_tokens(checkpoint, tmp_path, monkeypatch, layout, settings):
+    path = checkpoint("llama-fp32")
+    monkeypatch.setenv("MLXKV_KV_LAYOUT", layout)
+    alone = LLM(str(path), **SETTINGS, **settings)
+    expected = [o.token_ids for o in alone.generate(PROMPTS, SamplingParams(max_tokens=24))]
+    got = generate_launched(tmp_path, path, {**SETTINGS, **settings}, layout)
+    assert got["ranks"] == 2 and got["tokens"] == expected
+    if "num_pages" in settings:
+        assert got["preemptions"] > 0 and got["pages"] == alone.engine.cache.pool.capacity
+    if "kv_cache_memory" in settings:  # each rank holds half the KV heads: twice the pages
+        assert got["pages"] == 2 * alone.engine.cache.pool.capacity
+
+
+def test_mlxkv_generate_prints_the_one_process_text_once(checkpoint, tmp_path):
+    command = [sys.executable, "-m", "mlxkv", "generate", "--model", str(checkpoint("llama-fp32"))]
+    command += ["--prompt", "the quick brown fox", "--max-tokens", "30"]
+    alone = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
+    out = run_launched(tmp_path, *command)
+    assert out.count("==========") == 2 and out.split("Prompt:")[0] == alone.split("Prompt:")[0]
+
+
+def test_a_family_mlx_lm_cannot_shard_or_heads_that_do_not_divide_are_named(checkpoint, tmp_path):
+    command = [sys.executable, "-m", "mlxkv", "generate", "--model", str(checkpoint("llama-fp32")), "--max-tokens", "2"]
+    done = subprocess.run(launched(4, *command), capture_output=True, text=True, timeout=120)
+    assert "has 2 KV heads, which do not divide by the 4 processes" in done.stderr
+
+
+def serve_launched(path: str, *flags: str) -> tuple[subprocess.Popen, str, int]:
+    """`mlxkv serve` over two ranks: the launcher, its URL, and rank 1's process id."""
+    proc, url = start_server("--model", path, "--max-num-seqs", "16", "--max-model-len", "256", *flags, ranks=2)
+    [follower] = [pid for pid in ranks_of(url.rsplit(":", 1)[1]) if rank_of(pid) == "1"]
+    return proc, url, follower
+
+
+async def streams(url: str, model: str, prompts: list[str]) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+
+    async def one(prompt: str) -> str:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def test_serve_answers_16_concurrent_openai_streams_as_one_process(checkpoint):
+    path = str(checkpoint("llama-fp32"))
+    proc, url, _ = serve_launched(path)
+    try:
+        prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(16)]
+        alone = LLM(path, max_num_seqs=16, max_model_len=256)
+        expected = [c.text for c in alone.generate(prompts, SamplingParams(max_tokens=20))]
+        assert asyncio.run(streams(url, path, prompts)) == expected
+    finally:
+        stop_server(proc)
+
+
+LOSING = """
+import os, sys
+import mlx.core as mx
+from mlxkv import SamplingParams
+from mlxkv.engine.llm_engine import LLMEngine
+from mlxkv.errors import TensorParallelError
+from mlxkv.models.loading import load
+from mlxkv.models.sharding import world
+group = world()
+engine = LLMEngine(*load(sys.argv[1], group), group=group)
+if engine.rank == 1:
+    for _ in range(3):  # three steps, then this rank is gone
+        plan = engine.channel.receive()
+        mx.eval(engine.runner.hidden(plan.token_ids, plan.kv, plan.own_kv), engine.cache.tensors)
+    os._exit(0)
+engine.add_request([1, 2, 3], SamplingParams(max_tokens=50))
+try:
+    while engine.has_unfinished():
+        engine.step()
+except TensorParallelError as exc:
+    print(exc)
+try:
+    engine.add_request([1, 2, 3])
+except TensorParallelError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_rank_that_dies_fails_rank_0_s_step_with_a_clear_error(checkpoint, tmp_path):
+    script = tmp_path / "losing.py"
+    script.write_text(LOSING)
+    out = run_launched(tmp_path, sys.executable, str(script), str(checkpoint("llama-fp32")))
+    lost = "the tensor-parallel group of 2 processes failed: [ring] connection to a peer was lost"
+    assert out.splitlines() == [lost, f"refused: {lost}"]
+
+
+def test_a_killed_rank_ends_the_server(checkpoint):
+    """mlx.launch ends the other ranks when one dies (rank 0's own check is the test above)."""
+    proc, url, follower = serve_launched(str(checkpoint("llama-fp32")))
+    os.kill(follower, signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    assert "Node with rank 1 exited with code -9" in err
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_a_rank_that_stops_answering_ends_the_server_with_a_clear_error(checkpoint):
+    path = str(checkpoint("llama-fp32"))
+    proc, url, follower = serve_launched(path, "--rank-timeout-s", "2")
+    [leader] = [pid for pid in ranks_of(url.rsplit(":", 1)[1]) if rank_of(pid) == "0"]
+    os.kill(follower, signal.SIGSTOP)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIError):
+            client.completions.create(model=path, prompt="hello", max_tokens=4)
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{leader}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        os.kill(follower, signal.SIGKILL)  # the launcher cannot end a stopped process
+    _, err = proc.communicate(timeout=30)
+    assert "error: the tensor-parallel group failed: a step waited more than 2 s (rank_timeout_s)" in err
+    assert "Node with rank 0 exited with code 1" in err
+
+
+def ranks_of(port: str) -> list[int]:
+    """The processes serving on `port` (mlx.launch's ranks)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"mlxkv" in argv and b"serve" in argv and port.encode() in argv:
+            found.append(int(pid))
+    return found
+
+
+def rank_of(pid: int) -> str | None:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"MLX_RANK=")), None)
