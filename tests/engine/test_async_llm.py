@@ -119,7 +119,7 @@ def test_a_failed_request_fails_in_its_own_consumer_while_others_finish(setup, m
 
 def test_aborts_racing_a_failing_step_leave_the_engine_serving(setup, monkeypatch):
     llm, expected = setup
-    forward, calls = llm.engine.runner.forward, iter(range(10**6))
+    forward, calls = llm.engine.runner.logits, iter(range(10**6))
 
     def slow_then_failing(batch, token_ids):
         time.sleep(0.05)
@@ -127,7 +127,7 @@ def test_aborts_racing_a_failing_step_leave_the_engine_serving(setup, monkeypatc
             raise RuntimeError("forward failed")
         return forward(batch, token_ids)
 
-    monkeypatch.setattr(llm.engine.runner, "forward", slow_then_failing)
+    monkeypatch.setattr(llm.engine.runner, "logits", slow_then_failing)
 
     async def main():
         tasks = [asyncio.ensure_future(collect(llm, p, SamplingParams(max_tokens=40))) for p in PROMPTS * 3]
@@ -138,6 +138,6 @@ def test_aborts_racing_a_failing_step_leave_the_engine_serving(setup, monkeypatc
 
     results = asyncio.run(main())
     assert all(isinstance(r, (str, RequestFailed, asyncio.CancelledError)) for r in results)
-    monkeypatch.setattr(llm.engine.runner, "forward", forward)
+    monkeypatch.setattr(llm.engine.runner, "logits", forward)
     assert asyncio.run(collect(llm, PROMPTS[0])) == expected[0]
     assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
