@@ -7,6 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..config import EngineConfig
+from ..errors import TensorParallelError
 from .kv_budget import ModelKV
 from .model_runner import ModelRunner
 from .step_plan import PlanChannel
@@ -28,6 +29,9 @@ def check_tensor_parallel(config: EngineConfig, model: ModelKV) -> None:
 def follow(runner: ModelRunner, channel: PlanChannel) -> None:
     """Run each plan rank 0 sends until it sends the stop: the same all-reduces as rank 0's, in the
     same order (rank 0 evaluates its forward pass at once too), writing this rank's K/V heads."""
-    while (plan := channel.receive()) is not None:
-        hidden = runner.hidden(plan.token_ids, plan.kv, plan.own_kv)
-        mx.async_eval(hidden, runner.cache.tensors)
+    try:
+        while (plan := channel.receive()) is not None:
+            hidden = runner.hidden(plan.token_ids, plan.kv, plan.own_kv)
+            mx.async_eval(hidden, runner.cache.tensors)
+    except RuntimeError as exc:  # MLX's backends raise it for a lost peer
+        raise TensorParallelError(f"rank 0 of the tensor-parallel group is gone: {exc}") from None

@@ -433,9 +433,12 @@ class LLMEngine:
         follow(self.runner, self.channel)
 
     def stop_followers(self) -> None:
-        """Tell the other ranks that rank 0 is done (they return from `follow`)."""
+        """Tell the other ranks that rank 0 is done (they return from `follow`); called at exit if
+        not before. The engine runs no more steps."""
+        atexit.unregister(self.stop_followers)
         if self.channel is not None and self.lost is None:
             self.channel.send(None)
+            self._lose(TensorParallelError("the tensor-parallel group was stopped (stop_followers)"))
 
     @staticmethod
     def _token_ids(batch: ScheduledBatch, previous: InFlight | None) -> mx.array:

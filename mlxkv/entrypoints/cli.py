@@ -402,19 +402,18 @@ def serve(
 
     from .server import build_app
 
+    group = world()
+    if group.rank() != 0:  # rank 0 serves; the others run the steps it plans
+        follow_rank_0(model, config, group)
+        return
     logger.setLevel(logging.INFO)
     listener = listen(host, port)  # first: a port in use is one line, before a model is loaded
     try:
         logger.info("loading %s ...", model or "the demo model")
         started = time.perf_counter()
-        group = world()
         engine = LLMEngine(*load(model, group), config, group=group)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
-    if engine.rank != 0:  # rank 0 serves; the others run the steps it plans
-        listener.close()
-        engine.follow()
-        return
     logger.info("loaded in %.1f s", time.perf_counter() - started)
     llm = AsyncLLM(engine)
     app_ = build_app(llm, model or "mlxkv-demo", api_key=api_key, allowed_origins=allowed_origins, max_queue=max_queue)
@@ -427,6 +426,14 @@ def serve(
         llm.shutdown()
     if engine.lost is not None:
         fail(engine.lost)
+
+
+def follow_rank_0(model: str | None, config: EngineConfig, group: mx.distributed.Group) -> None:
+    """What `serve` runs on every rank but 0: its share of the model, and the steps rank 0 plans."""
+    try:
+        LLMEngine(*load(model, group), config, group=group).follow()
+    except (MlxkvError, ValueError, TypeError) as exc:
+        fail(exc)
 
 
 GROUP_LOST_GRACE_S = 2.0  # how long /health reports a failed tensor-parallel group before the server ends

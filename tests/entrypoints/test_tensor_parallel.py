@@ -8,24 +8,30 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from helpers import launched, start_server, stop_server
+from helpers import BASE, launched, start_server, stop_server
 
 from mlxkv import LLM, SamplingParams
+from mlxkv.models.random_model import make_checkpoint
 
-PROMPTS = [[1 + (i * 7 + j) % 300 for j in range(20 + 13 * i)] for i in range(16)]  # 20 to 215 tokens
-SETTINGS = dict(max_num_batched_tokens=64, max_model_len=256)  # the longest prompt prefills in 4 chunks
+PROMPTS = [[1 + (i * 7 + j) % 300 for j in range(20 + 9 * i)] for i in range(16)]  # 20 to 155 tokens
+SETTINGS = dict(max_num_batched_tokens=64, max_model_len=256)  # the longest prompt prefills in 3 chunks
+PARAMS = SamplingParams(max_tokens=12)
 SCRIPT = """
 import json, sys
 from mlxkv import LLM, SamplingParams
 llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))  # every rank but 0 ends in here
-outputs = llm.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=24))
+prompts, params = json.loads(sys.argv[3]), SamplingParams(max_tokens=12)
+outputs = llm.generate(prompts, params)
+again = llm.generate(prompts, params) if sys.argv[4] == "again" else []  # from the prefix cache
 engine = llm.engine
-print(json.dumps({"tokens": [o.token_ids for o in outputs], "pages": engine.cache.pool.capacity,
+print(json.dumps({"tokens": [o.token_ids for o in outputs], "again": [o.token_ids for o in again],
+                  "cached": sum(o.num_cached_tokens for o in again), "pages": engine.cache.pool.capacity,
                   "preemptions": engine.scheduler.num_preemptions, "ranks": engine.group_size}))
 """
 
@@ -38,7 +44,7 @@ def run_launched(tmp_path, *command: str, env: dict | None = None) -> str:
     return done.stdout
 
 
-def generate_launched(tmp_path, path, settings: dict, layout: str) -> dict:
+def generate_launched(tmp_path, path, settings: dict, layout: str, again: bool = False) -> dict:
     script = tmp_path / "generate.py"
     script.write_text(SCRIPT)
     out = run_launched(
@@ -48,6 +54,7 @@ def generate_launched(tmp_path, path, settings: dict, layout: str) -> dict:
         str(path),
         json.dumps(settings),
         json.dumps(PROMPTS),
+        "again" if again else "once",
         env={"MLXKV_KV_LAYOUT": layout},
     )
     [line] = out.splitlines()  # rank 0 alone prints
@@ -57,22 +64,56 @@ def generate_launched(tmp_path, path, settings: dict, layout: str) -> dict:
 @pytest.mark.parametrize(
     "layout, settings",
     [
-        ("paged", dict(num_pages=40)),  # 16 prompts of up to 15 pages each: preemption is forced
+        ("paged", {}),  # run twice: the second time from the prefix cache
+        ("paged", dict(num_pages=30)),  # 16 prompts of up to 11 pages each: preemption is forced
         ("paged", dict(kv_cache_memory="256KB")),
+        ("paged", dict(kv_bits=8, prompt_lookup=True)),
         ("contiguous", dict(max_num_seqs=4)),
     ],
 )
 def test_a_batch_of_16_gives_the_one_process_tokens(checkpoint, tmp_path, monkeypatch, layout, settings):
-    path = checkpoint("llama-fp32")
+    path = checkpoint("llama-fp32-d64" if "kv_bits" in settings else "llama-fp32")  # quantized: head_dim 64
     monkeypatch.setenv("MLXKV_KV_LAYOUT", layout)
     alone = LLM(str(path), **SETTINGS, **settings)
-    expected = [o.token_ids for o in alone.generate(PROMPTS, SamplingParams(max_tokens=24))]
-    got = generate_launched(tmp_path, path, {**SETTINGS, **settings}, layout)
+    expected = [o.token_ids for o in alone.generate(PROMPTS, PARAMS)]
+    got = generate_launched(tmp_path, path, {**SETTINGS, **settings}, layout, again=not settings)
     assert got["ranks"] == 2 and got["tokens"] == expected
+    if not settings:
+        again = alone.generate(PROMPTS, PARAMS)
+        assert got["again"] == expected and got["cached"] == sum(o.num_cached_tokens for o in again) > 0
     if "num_pages" in settings:
         assert got["preemptions"] > 0 and got["pages"] == alone.engine.cache.pool.capacity
     if "kv_cache_memory" in settings:  # each rank holds half the KV heads: twice the pages
         assert got["pages"] == 2 * alone.engine.cache.pool.capacity
+
+
+FAMILIES = {
+    "gpt_oss": dict(  # sliding-window layers in pages of their own, sinks, experts
+        intermediate_size=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=32,
+        rope_theta=150000,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "qwen3_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        rope_theta=1e6,
+    ),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_mlx_lm_shards_give_the_one_process_tokens(tmp_path, family):
+    path = make_checkpoint(tmp_path / family, family, shape={**BASE, **FAMILIES[family]})
+    alone = LLM(str(path), **SETTINGS)
+    expected = [o.token_ids for o in alone.generate(PROMPTS, PARAMS)]
+    assert generate_launched(tmp_path, path, SETTINGS, "paged")["tokens"] == expected
 
 
 def test_mlxkv_generate_prints_the_one_process_text_once(checkpoint, tmp_path):
@@ -97,13 +138,21 @@ def serve_launched(path: str, *flags: str) -> tuple[subprocess.Popen, str, int]:
 
 
 async def streams(url: str, model: str, prompts: list[str]) -> list[str]:
+    """Each prompt's streamed text, beside one more stream that leaves after its first chunk."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
 
-    async def one(prompt: str) -> str:
+    async def one(prompt: str, leave: bool = False) -> str:
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=20, temperature=0, stream=True)
-        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+        text = ""
+        async for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+            if leave:
+                await stream.close()  # the server aborts it: its rows are gone from the next plan
+                break
+        return text
 
-    return await asyncio.gather(*(one(p) for p in prompts))
+    texts = await asyncio.gather(one(prompts[0] * 3, leave=True), *(one(p) for p in prompts))
+    return texts[1:]
 
 
 def test_serve_answers_16_concurrent_openai_streams_as_one_process(checkpoint):
@@ -114,6 +163,8 @@ def test_serve_answers_16_concurrent_openai_streams_as_one_process(checkpoint):
         alone = LLM(path, max_num_seqs=16, max_model_len=256)
         expected = [c.text for c in alone.generate(prompts, SamplingParams(max_tokens=20))]
         assert asyncio.run(streams(url, path, prompts)) == expected
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "mlxkv_kv_pages_used 0.0" in metrics and "mlxkv_running_requests 0.0" in metrics
     finally:
         stop_server(proc)
 
@@ -171,8 +222,11 @@ def test_a_rank_that_stops_answering_ends_the_server_with_a_clear_error(checkpoi
     os.kill(follower, signal.SIGSTOP)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        with pytest.raises(openai.APIError):
-            client.completions.create(model=path, prompt="hello", max_tokens=4)
+        with ThreadPoolExecutor(1) as pool:
+            request = pool.submit(client.completions.create, model=path, prompt="hello", max_tokens=4)
+            assert "a step waited more than 2 s" in health_once_failed(url)["error"]
+            with pytest.raises(openai.APIError):
+                request.result()
         deadline = time.monotonic() + 30
         while os.path.exists(f"/proc/{leader}") and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -181,6 +235,17 @@ def test_a_rank_that_stops_answering_ends_the_server_with_a_clear_error(checkpoi
     _, err = proc.communicate(timeout=30)
     assert "error: the tensor-parallel group failed: a step waited more than 2 s (rank_timeout_s)" in err
     assert "Node with rank 0 exited with code 1" in err
+
+
+def health_once_failed(url: str) -> dict:
+    """/health's body once it answers 503 (within 30 s)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health", timeout=5)
+        if health.status_code == 503:
+            return health.json()
+        time.sleep(0.1)
+    raise TimeoutError("/health never reported the failure")
 
 
 def ranks_of(port: str) -> list[int]:
