@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace) -> None:
     while engine.has_unfinished():
         engine.step()
         steps += 1
-        plan_bytes += engine.channel.sent_bytes if engine.channel is not None else 0
+        plan_bytes += engine.rank_zero.channel.sent_bytes if engine.rank_zero is not None else 0
     seconds = time.perf_counter() - started
     figures = {
         "tok_s": 16 * args.output_len / seconds,

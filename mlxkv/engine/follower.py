@@ -6,24 +6,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..config import EngineConfig
 from ..errors import TensorParallelError
-from .kv_budget import ModelKV
 from .model_runner import ModelRunner
 from .step_plan import PlanChannel
-
-
-def check_tensor_parallel(config: EngineConfig, model: ModelKV) -> None:
-    """Raise ValueError for what tensor parallel does not run yet: a draft model (it would run on
-    rank 0 alone, beside pages every rank holds) and recurrent layers (their state is not in the plan)."""
-    if config.draft_model is not None:
-        raise ValueError(
-            "draft_model is not supported under tensor parallel yet; use prompt_lookup, or run in one process"
-        )
-    if model.state_shapes:
-        raise ValueError(
-            "this model has recurrent layers, which tensor parallel does not run yet; run it in one process"
-        )
 
 
 def follow(runner: ModelRunner, channel: PlanChannel) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import threading
@@ -27,14 +26,14 @@ from ..errors import MlxkvError, RequestTooLong, TensorParallelError, UnknownSeq
 from ..models.structure import text_model
 from .chunk_sizing import ChunkSizer
 from .draft_model import DraftModel
-from .follower import check_tensor_parallel, follow
+from .follower import follow
 from .inputs import encode_prompt, request_key
 from .kv_budget import agreed, build_kv_cache
 from .memory_budget import plan_memory
 from .model_runner import ModelRunner, attention_for, attention_heads, model_kv
 from .outputs import RequestOutput, Usage
 from .prompt_lookup import PromptLookup
-from .rank_watchdog import RankWatchdog
+from .rank_zero import RankZero
 from .request import PENDING, Request, Status
 from .sampling import SamplingFailed, TokenLogprob, logprobs, sample
 from .sampling_params import SamplingParams
@@ -42,7 +41,7 @@ from .scheduler import ScheduledBatch, Scheduler
 from .speculation import Speculator, accepted_prefix
 from .stats import EngineStats
 from .step_memory import StepMemory
-from .step_plan import PlanChannel, StepPlan
+from .step_plan import PlanChannel, check_tensor_parallel
 from .step_time import StepTime
 from .structured_output import StructuredOutput
 from .text import TextStream
@@ -122,13 +121,11 @@ class LLMEngine:
             self.memory,
         )
         self.runner = ModelRunner(model, self.cache, attention)
-        self.channel = PlanChannel(self.group) if self.group is not None else None
-        self.watchdog: RankWatchdog | None = None
-        if self.channel is not None and self.rank == 0:
-            atexit.register(self.stop_followers)
-            self.watchdog = RankWatchdog(self.config.rank_timeout_s, self._lose)
+        group = self.group
+        self.rank_zero = (
+            RankZero(group, self.config.rank_timeout_s) if group is not None and group.rank() == 0 else None
+        )
         self.pipeline = self.config.pipeline and self.group is None  # a plan carries every input token
-        self.lost: TensorParallelError | None = None
         self.vocab_size = model.args.vocab_size
         self.step_time = StepTime()
         self.speculator = self._speculator(draft[0] if draft is not None else None, kernels)
@@ -272,13 +269,10 @@ class LLMEngine:
         A step that fails (in the forward pass, sampling or evaluation) changes nothing for
         the requests that did not cause it: see `_recover`.
         """
-        if self.watchdog is not None:
-            self.watchdog.started = time.monotonic()
-            try:
-                return self._step()
-            finally:
-                self.watchdog.started = None
-        return self._step()
+        if self.rank_zero is None:
+            return self._step()
+        with self.rank_zero.step():
+            return self._step()
 
     def _step(self) -> list[RequestOutput]:
         self.last_step_wait = 0.0
@@ -399,24 +393,15 @@ class LLMEngine:
         return [], read
 
     def _forward(self, batch: ScheduledBatch, token_ids: mx.array) -> mx.array:
-        """The batch's final hidden states (lazy). Under tensor parallel the step's plan goes to the
-        other ranks first, and the forward pass is started at once, so that every rank runs the same
-        all-reduces in the same order whatever rank 0 does next (sampling may fail a request)."""
-        if self.channel is None:
+        """The batch's final hidden states (lazy; under tensor parallel, see `RankZero.forward`)."""
+        if self.rank_zero is None:
             return self.runner.hidden(token_ids, batch.kv, batch.own_kv)
-        try:
-            self.channel.send(StepPlan(np.array(token_ids), batch.kv, np.asarray(batch.own_kv, np.int32)))
-            hidden = self.runner.hidden(token_ids, batch.kv, batch.own_kv)
-            mx.async_eval(hidden, self.cache.tensors)
-            return hidden
-        except Exception as exc:
-            error = TensorParallelError(f"the tensor-parallel group of {self.group_size} processes failed: {exc}")
-            self._lose(error)
-            raise error from exc
+        return self.rank_zero.forward(self.runner, batch, token_ids)
 
-    def _lose(self, error: TensorParallelError) -> None:
-        """The group failed: no request can be run any more, nor admitted."""
-        self.lost = error
+    @property
+    def lost(self) -> TensorParallelError | None:
+        """Why this engine's tensor-parallel group cannot go on, once it cannot (rank 0)."""
+        return self.rank_zero.lost if self.rank_zero is not None else None
 
     @property
     def rank(self) -> int:
@@ -429,16 +414,14 @@ class LLMEngine:
 
     def follow(self) -> None:
         """Run the plans rank 0 sends until it stops (on every rank but 0)."""
-        assert self.channel is not None and self.rank != 0
-        follow(self.runner, self.channel)
+        assert self.group is not None and self.rank != 0
+        follow(self.runner, PlanChannel(self.group))
 
     def stop_followers(self) -> None:
         """Tell the other ranks that rank 0 is done (they return from `follow`); called at exit if
         not before. The engine runs no more steps."""
-        atexit.unregister(self.stop_followers)
-        if self.channel is not None and self.lost is None:
-            self.channel.send(None)
-            self._lose(TensorParallelError("the tensor-parallel group was stopped (stop_followers)"))
+        if self.rank_zero is not None:
+            self.rank_zero.stop()
 
     @staticmethod
     def _token_ids(batch: ScheduledBatch, previous: InFlight | None) -> mx.array:

@@ -174,14 +174,16 @@ import os, sys
 import mlx.core as mx
 from mlxkv import SamplingParams
 from mlxkv.engine.llm_engine import LLMEngine
+from mlxkv.engine.step_plan import PlanChannel
 from mlxkv.errors import TensorParallelError
 from mlxkv.models.loading import load
 from mlxkv.models.sharding import world
 group = world()
 engine = LLMEngine(*load(sys.argv[1], group), group=group)
 if engine.rank == 1:
+    channel = PlanChannel(group)
     for _ in range(3):  # three steps, then this rank is gone
-        plan = engine.channel.receive()
+        plan = channel.receive()
         mx.eval(engine.runner.hidden(plan.token_ids, plan.kv, plan.own_kv), engine.cache.tensors)
     os._exit(0)
 engine.add_request([1, 2, 3], SamplingParams(max_tokens=50))
