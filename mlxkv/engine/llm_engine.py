@@ -41,7 +41,7 @@ from .scheduler import ScheduledBatch, Scheduler
 from .speculation import Speculator, accepted_prefix
 from .stats import EngineStats
 from .step_memory import StepMemory
-from .step_plan import PlanChannel, check_tensor_parallel
+from .step_plan import PlanChannel, StepPlan, check_tensor_parallel
 from .step_time import StepTime
 from .structured_output import StructuredOutput
 from .text import TextStream
@@ -125,7 +125,6 @@ class LLMEngine:
         self.rank_zero = (
             RankZero(group, self.config.rank_timeout_s) if group is not None and group.rank() == 0 else None
         )
-        self.pipeline = self.config.pipeline and self.group is None  # a plan carries every input token
         self.vocab_size = model.args.vocab_size
         self.step_time = StepTime()
         self.speculator = self._speculator(draft[0] if draft is not None else None, kernels)
@@ -297,9 +296,9 @@ class LLMEngine:
             current = self._inflight
             if current is not None:  # its K/V are queued, and its input tokens now all known
                 self.scheduler.commit(current.batch)
-            if not self.pipeline:
+            if not self.config.pipeline:
                 self._inflight = None
-        if current is not None and not self.pipeline:
+        if current is not None and not self.config.pipeline:
             outputs += self._resolve(current)[0]
         return outputs + failed
 
@@ -347,7 +346,7 @@ class LLMEngine:
         firsts = np.cumsum(widths) - widths  # each row's first row of logits
         read: list[RequestOutput] | None = None
         try:
-            hidden = self._forward(batch, self._token_ids(batch, previous))
+            hidden = self._forward(self._plan(batch, previous, sum(widths)), previous)
             logits = self.runner.logits(batch, hidden)  # None when no row samples
             if batch.snapshots:
                 self.cache.capture(batch.snapshots)
@@ -357,6 +356,7 @@ class LLMEngine:
                     mx.async_eval(logits, self.cache.tensors)
                     read, ok = self._resolve(previous, batch.requests)
                     if not ok:  # `previous` failed, and this batch, which read its tokens, is undone
+                        self._settle()
                         return [], read
                 logits = self.structured.masked(
                     logits, [(sampling[row].matcher, int(firsts[row]), drafts[row]) for row in constrained]
@@ -370,18 +370,23 @@ class LLMEngine:
                 if logits is not None
                 else mx.array([], mx.uint32)
             )
+            if self.rank_zero is not None and logits is not None:
+                tokens = self.rank_zero.share(tokens)
             wanted = [r.params.logprobs for r in sampling if r.params.logprobs is not None]
             scored = logprobs(logits, tokens, max(wanted)) if logits is not None and wanted else ()
             waiting = time.perf_counter()
             mx.async_eval(tokens, *scored, self.cache.tensors)  # on a CPU build this runs most of the graph
             self.last_step_wait += time.perf_counter() - waiting
         except SamplingFailed as exc:
+            self._settle()
             return self._recover(batch.requests, [sampling[exc.row]], exc.cause), read
         except TensorParallelError:
             raise
         except Exception as exc:
+            self._settle()
             return self._recover(batch.requests, None, exc), read
         except BaseException:  # e.g. Ctrl-C: undo the step, fail no request, let it through
+            self._settle()
             self._recover(batch.requests, [], None)
             raise
         with self._lock:
@@ -392,11 +397,17 @@ class LLMEngine:
             self._inflight = InFlight(batch, sampling, indices, drafts, tokens, scored, launched)
         return [], read
 
-    def _forward(self, batch: ScheduledBatch, token_ids: mx.array) -> mx.array:
-        """The batch's final hidden states (lazy; under tensor parallel, see `RankZero.forward`)."""
+    def _forward(self, plan: StepPlan, previous: InFlight | None) -> mx.array:
+        """The final hidden states of `plan`'s batch (lazy; under tensor parallel, see `RankZero.forward`)."""
+        tokens = previous.tokens if previous is not None else None
         if self.rank_zero is None:
-            return self.runner.hidden(token_ids, batch.kv, batch.own_kv)
-        return self.rank_zero.forward(self.runner, batch, token_ids)
+            return self.runner.hidden(plan.inputs(tokens), plan.kv, plan.own_kv)
+        return self.rank_zero.forward(self.runner, plan, tokens)
+
+    def _settle(self) -> None:
+        """A step failed on rank 0: the other ranks still get its tokens (see `RankZero.settle`)."""
+        if self.rank_zero is not None:
+            self.rank_zero.settle()
 
     @property
     def lost(self) -> TensorParallelError | None:
@@ -424,26 +435,24 @@ class LLMEngine:
             self.rank_zero.stop()
 
     @staticmethod
-    def _token_ids(batch: ScheduledBatch, previous: InFlight | None) -> mx.array:
-        """The batch's input tokens, packed; a token still `PENDING` comes lazily from the step
-        before, which sampled it."""
+    def _plan(batch: ScheduledBatch, previous: InFlight | None, samples: int) -> StepPlan:
+        """The batch's forward pass as a plan: its input tokens packed, those still `PENDING` to be
+        taken from the step before, which sampled them."""
         host = np.fromiter(
             itertools.chain.from_iterable(
                 r.pending(n - len(d)) + d for r, n, d in zip(batch.requests, batch.counts, batch.drafts)
             ),
             np.int32,
         )
-        waiting = np.flatnonzero(host == PENDING)
-        if not waiting.size:
-            return mx.array(host)
-        assert previous is not None  # only the step before samples a token its successor reads
-        rows = {id(r): i for i, r in enumerate(previous.sampling)}
-        owners = np.repeat(np.arange(len(batch.requests)), batch.counts)[waiting]
-        source = mx.array(np.array([rows[id(batch.requests[o])] for o in owners], np.int32))
-        host[waiting] = 0
-        ids = mx.array(host)
-        ids[mx.array(waiting.astype(np.int32))] = previous.tokens[source].astype(mx.int32)
-        return ids
+        pending = np.flatnonzero(host == PENDING).astype(np.int32)
+        sources = np.zeros(0, np.int32)
+        if pending.size:
+            assert previous is not None  # only the step before samples a token its successor reads
+            rows = {id(r): i for i, r in enumerate(previous.sampling)}
+            owners = np.repeat(np.arange(len(batch.requests)), batch.counts)[pending]
+            sources = np.array([rows[id(batch.requests[o])] for o in owners], np.int32)
+            host[pending] = 0
+        return StepPlan(host, batch.kv, np.asarray(batch.own_kv, np.int32), pending, sources, samples)
 
     def _resolve(self, step: InFlight, later: list[Request] | None = None) -> tuple[list[RequestOutput], bool]:
         """Read `step`'s tokens (waiting for the device) and accept them; False if they could not

@@ -1,6 +1,6 @@
 """Rank 0's side of a tensor-parallel group: each step's plan sent before its forward pass starts,
-and the group's failure kept, whether a rank died (its sockets close, the step fails) or stopped
-answering (`RankWatchdog`)."""
+its sampled tokens shared at its end, and the group's failure kept, whether a rank died (its
+sockets close, the step fails) or stopped answering (`RankWatchdog`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import mlx.core as mx
-import numpy as np
 
 from ..errors import TensorParallelError
 from .model_runner import ModelRunner
 from .rank_watchdog import RankWatchdog
-from .scheduler import ScheduledBatch
 from .step_plan import PlanChannel, StepPlan
 
 
@@ -26,6 +24,7 @@ class RankZero:
         self.channel = PlanChannel(group)
         self.size = group.size()
         self.lost: TensorParallelError | None = None  # set once the group cannot go on
+        self.owed = 0  # tokens the step being built samples, not shared yet
         self.watchdog = RankWatchdog(timeout_s, self.lose)
         atexit.register(self.stop)
 
@@ -38,19 +37,32 @@ class RankZero:
         finally:
             self.watchdog.started = None
 
-    def forward(self, runner: ModelRunner, batch: ScheduledBatch, token_ids: mx.array) -> mx.array:
-        """The batch's final hidden states, the step's plan sent first. The forward pass is started
-        at once, so that every rank runs the same all-reduces in the same order whatever rank 0
-        does next (sampling may fail a request)."""
+    def forward(self, runner: ModelRunner, plan: StepPlan, previous: mx.array | None) -> mx.array:
+        """The final hidden states of `plan`'s batch, the plan sent first (`previous`: the tokens of
+        the step before, which its pending ids name). The forward pass is started at once, so that
+        every rank runs the same all-reduces in the same order whatever rank 0 does next."""
         try:
-            self.channel.send(StepPlan(np.array(token_ids), batch.kv, np.asarray(batch.own_kv, np.int32)))
-            hidden = runner.hidden(token_ids, batch.kv, batch.own_kv)
+            self.channel.send(plan)
+            hidden = runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv)
             mx.async_eval(hidden, runner.cache.tensors)
+            self.owed = plan.samples
             return hidden
         except Exception as exc:
             error = TensorParallelError(f"the tensor-parallel group of {self.size} processes failed: {exc}")
             self.lose(error)
             raise error from exc
+
+    def share(self, tokens: mx.array) -> mx.array:
+        """The step's sampled `tokens`, shared with the other ranks (lazily: in the step's graph)."""
+        self.owed = 0
+        return self.channel.share_tokens(tokens)
+
+    def settle(self) -> None:
+        """Share zeros for a step that failed after its forward pass started and before its tokens
+        were shared: the other ranks wait for them (the next plan names none of them)."""
+        if self.owed and self.lost is None:
+            mx.eval(self.channel.share_tokens(mx.zeros(self.owed, mx.int32)))
+            self.owed = 0
 
     def lose(self, error: TensorParallelError) -> None:
         """The group failed: no request can run any more, nor be admitted."""

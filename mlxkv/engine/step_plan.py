@@ -1,6 +1,7 @@
-"""The step plan: what rank 0 of a tensor-parallel group sends the other ranks each step (the packed
-token ids, the page tables and lengths attention reads, each row's own-K/V span), so that every rank
-runs the same forward pass over identical page tables, and only rank 0 keeps requests."""
+"""The step plan: one step's forward pass as host arrays (the packed token ids, the page tables and
+lengths attention reads, each row's own-K/V span). Rank 0 of a tensor-parallel group sends it to
+the other ranks each step, so that every rank runs the same forward pass over identical page
+tables, and only rank 0 keeps requests."""
 
 from __future__ import annotations
 
@@ -19,22 +20,37 @@ STOP = -1  # the plan that ends the followers
 @dataclass(frozen=True)
 class StepPlan:
     """One step's forward pass: `token_ids` packed row after row as `kv` says, the first `own_kv[b]`
-    tokens of row b attending their own K/V as computed."""
+    tokens of row b attending their own K/V as computed. The ids at `pending` are not known yet: the
+    step before samples them, as its tokens' rows `sources`. The step samples `samples` tokens."""
 
     token_ids: np.ndarray
     kv: KVBatch
     own_kv: np.ndarray
+    pending: np.ndarray
+    sources: np.ndarray
+    samples: int
+
+    def inputs(self, previous: mx.array | None) -> mx.array:
+        """The packed token ids, the pending ones taken lazily from `previous` (the tokens the step
+        before sampled), so that a step can start before the one before is read."""
+        ids = mx.array(self.token_ids)
+        if self.pending.size:
+            assert previous is not None, "only the step before samples a token its successor reads"
+            ids[mx.array(self.pending)] = previous[mx.array(self.sources)].astype(mx.int32)
+        return ids
 
     def encode(self) -> np.ndarray:
         """The plan as one int32 vector: a run of arrays, each after its length."""
         kv = self.kv
         windows = kv.by_window or {}
         parts = [
-            np.array([kv.page_size, len(windows)]),
+            np.array([kv.page_size, len(windows), self.samples]),
             np.array(kv.seq_ids),
             kv.query_lens,
             self.own_kv,
             self.token_ids,
+            self.pending,
+            self.sources,
             *_pages(kv),
         ]
         for window, batch in windows.items():
@@ -48,15 +64,16 @@ class StepPlan:
             size = int(message[at])
             arrays.append(message[at + 1 : at + 1 + size])
             at += 1 + size
-        (page_size, num_windows), seq_ids, query_lens, own_kv, token_ids = arrays[:5]
+        (page_size, num_windows, samples), seq_ids, query_lens, own_kv, token_ids, pending, sources = arrays[:7]
         rows = len(seq_ids)
 
         def batch(context_lens: np.ndarray, tables: np.ndarray, by_window: dict[int, KVBatch] | None = None) -> KVBatch:
             ids = tuple(seq_ids.tolist())
             return KVBatch(ids, query_lens, context_lens, tables.reshape(rows, -1), int(page_size), by_window)
 
-        windows = {int(arrays[i][0]): batch(arrays[i + 1], arrays[i + 2]) for i in range(7, 7 + 3 * num_windows, 3)}
-        return StepPlan(token_ids, batch(arrays[5], arrays[6], windows or None), own_kv)
+        windows = {int(arrays[i][0]): batch(arrays[i + 1], arrays[i + 2]) for i in range(9, 9 + 3 * num_windows, 3)}
+        kv = batch(arrays[7], arrays[8], windows or None)
+        return StepPlan(token_ids, kv, own_kv, pending, sources, int(samples))
 
 
 def _pages(batch: KVBatch) -> list[np.ndarray]:
@@ -91,6 +108,11 @@ class PlanChannel:
         self._share(np.array([len(message)], np.int32))
         self._share(message)
         self.sent_bytes = 4 * (1 + len(message))
+
+    def share_tokens(self, tokens: mx.array) -> mx.array:
+        """Rank 0's sampled `tokens` on every rank, lazily, within the step's graph (the other ranks
+        pass zeros of the plan's `samples`), so that the next step may start before they are read."""
+        return mx.distributed.all_sum(tokens.astype(mx.int32), group=self.group).astype(mx.uint32)
 
     def receive(self) -> StepPlan | None:
         """The next plan rank 0 sends (None: stop)."""

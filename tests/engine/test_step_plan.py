@@ -1,5 +1,6 @@
 """`StepPlan`'s wire format: what rank 0 encodes, the other ranks decode unchanged."""
 
+import mlx.core as mx
 import numpy as np
 
 from mlxkv.cache.batch import KVBatch
@@ -12,11 +13,13 @@ def test_a_plan_with_window_groups_decodes_to_the_same_batch():
     kv = KVBatch(
         seq_ids, query_lens, np.array([5, 40], np.int32), np.array([[1, 0, 0], [2, 5, 6]], np.int32), 16, {512: window}
     )
-    plan = StepPlan(np.arange(6, dtype=np.int32), kv, np.array([5, 0], np.int32))
+    pending, sources = np.array([5], np.int32), np.array([1], np.int32)  # the last id: the step before's row 1
+    plan = StepPlan(np.arange(6, dtype=np.int32), kv, np.array([5, 0], np.int32), pending, sources, 2)
     got = StepPlan.decode(plan.encode())
-    assert got.token_ids.tolist() == list(range(6)) and got.own_kv.tolist() == [5, 0]
+    assert got.token_ids.tolist() == list(range(6)) and got.own_kv.tolist() == [5, 0] and got.samples == 2
+    assert got.inputs(mx.array([40, 41], mx.uint32)).tolist() == [0, 1, 2, 3, 4, 41]
     for mine, theirs in [(got.kv, kv), (got.kv.by_window[512], window)]:
         assert theirs.seq_ids == mine.seq_ids and mine.page_size == 16
         for name in ("query_lens", "context_lens", "page_tables", "slot_mapping"):
             assert getattr(mine, name).tolist() == getattr(theirs, name).tolist()
-    assert list(got.kv.by_window) == [512] and plan.encode().nbytes == 4 * 41
+    assert list(got.kv.by_window) == [512] and plan.encode().nbytes == 4 * 46

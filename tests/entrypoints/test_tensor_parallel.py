@@ -68,7 +68,7 @@ def generate_launched(tmp_path, path, settings: dict, layout: str, again: bool =
         ("paged", dict(num_pages=30)),  # 16 prompts of up to 11 pages each: preemption is forced
         ("paged", dict(kv_cache_memory="256KB")),
         ("paged", dict(kv_bits=8, prompt_lookup=True)),
-        ("contiguous", dict(max_num_seqs=4)),
+        ("contiguous", dict(max_num_seqs=4, pipeline=False)),
     ],
 )
 def test_a_batch_of_16_gives_the_one_process_tokens(checkpoint, tmp_path, monkeypatch, layout, settings):
@@ -114,6 +114,39 @@ def test_families_mlx_lm_shards_give_the_one_process_tokens(tmp_path, family):
     alone = LLM(str(path), **SETTINGS)
     expected = [o.token_ids for o in alone.generate(PROMPTS, PARAMS)]
     assert generate_launched(tmp_path, path, SETTINGS, "paged")["tokens"] == expected
+
+
+FAILING = """
+import json, sys
+from mlxkv import SamplingParams
+from mlxkv.engine.llm_engine import LLMEngine
+from mlxkv.engine.sampling import TokenSampler
+from mlxkv.models.loading import load
+from mlxkv.models.sharding import world
+original = TokenSampler.key
+TokenSampler.key = lambda self, i: (1 / 0) if self.params.seed == 13 else original(self, i)
+group = world()
+engine = LLMEngine(*load(sys.argv[1], group), group=group)
+if engine.rank != 0:
+    engine.follow()
+    sys.exit(0)
+requests = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=1.0, seed=s))
+            for p, s in zip(json.loads(sys.argv[2]), (5, 13, 7))]
+while engine.has_unfinished():
+    engine.step()
+print(json.dumps([[r.output_ids, str(r.error)] for r in requests]))
+"""
+
+
+def test_a_request_whose_sampling_fails_fails_alone_and_the_others_sample_as_one_process(checkpoint, tmp_path):
+    script, path = tmp_path / "failing.py", str(checkpoint("llama-fp32"))
+    script.write_text(FAILING)
+    prompts = json.dumps(PROMPTS[:3])
+    alone = subprocess.run([sys.executable, str(script), path, prompts], capture_output=True, text=True, check=True)
+    launched_out = run_launched(tmp_path, sys.executable, str(script), path, prompts)
+    expected = json.loads(alone.stdout)
+    assert json.loads(launched_out) == expected
+    assert expected[1] == [[], "division by zero"] and len(expected[0][0]) == len(expected[2][0]) == 12
 
 
 def test_mlxkv_generate_prints_the_one_process_text_once(checkpoint, tmp_path):
@@ -181,10 +214,12 @@ from mlxkv.models.sharding import world
 group = world()
 engine = LLMEngine(*load(sys.argv[1], group), group=group)
 if engine.rank == 1:
-    channel = PlanChannel(group)
+    channel, previous = PlanChannel(group), None
     for _ in range(3):  # three steps, then this rank is gone
         plan = channel.receive()
-        mx.eval(engine.runner.hidden(plan.token_ids, plan.kv, plan.own_kv), engine.cache.tensors)
+        mx.eval(engine.runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv), engine.cache.tensors)
+        previous = channel.share_tokens(mx.zeros(plan.samples, mx.int32))
+        mx.eval(previous)
     os._exit(0)
 engine.add_request([1, 2, 3], SamplingParams(max_tokens=50))
 try:
