@@ -105,7 +105,7 @@ class LLMEngine:
         model = text_model(model)
         shape = model_kv(model)
         if self.group is not None:
-            check_tensor_parallel(self.config, shape)
+            check_tensor_parallel(shape)
         draft = DraftModel.checkpoint(self.config, tokenizer) if self.config.draft_model is not None else None
         planned = StepMemory.of(model, attention_heads(model), planned_temporary_bytes(self.config.attention, kernels))
         self.memory, plan = plan_memory(self.config, shape, planned, draft[1] if draft is not None else None)

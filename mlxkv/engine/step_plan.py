@@ -11,7 +11,6 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache.batch import KVBatch
-from ..config import EngineConfig
 from .kv_budget import ModelKV
 
 STOP = -1  # the plan that ends the followers
@@ -80,13 +79,9 @@ def _pages(batch: KVBatch) -> list[np.ndarray]:
     return [batch.context_lens, batch.page_tables]
 
 
-def check_tensor_parallel(config: EngineConfig, model: ModelKV) -> None:
-    """Raise ValueError for what a plan cannot run yet: a draft model's steps (it would run on rank 0
-    alone, beside pages every rank holds) and recurrent layers (their state indices are not in it)."""
-    if config.draft_model is not None:
-        raise ValueError(
-            "draft_model is not supported under tensor parallel yet; use prompt_lookup, or run in one process"
-        )
+def check_tensor_parallel(model: ModelKV) -> None:
+    """Raise ValueError for what a plan cannot run yet: recurrent layers (their state indices, and
+    the snapshots the prefix cache keeps of them, are not in it)."""
     if model.state_shapes:
         raise ValueError(
             "this model has recurrent layers, which tensor parallel does not run yet; run it in one process"

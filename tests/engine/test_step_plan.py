@@ -1,10 +1,14 @@
-"""`StepPlan`'s wire format: what rank 0 encodes, the other ranks decode unchanged."""
+"""`StepPlan`'s wire format (what rank 0 encodes, the other ranks decode unchanged), and what a plan
+cannot carry yet."""
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from mlxkv.cache.batch import KVBatch
-from mlxkv.engine.step_plan import StepPlan
+from mlxkv.cache.state_pool import StateShape
+from mlxkv.engine.kv_budget import ModelKV
+from mlxkv.engine.step_plan import StepPlan, check_tensor_parallel
 
 
 def test_a_plan_with_window_groups_decodes_to_the_same_batch():
@@ -23,3 +27,11 @@ def test_a_plan_with_window_groups_decodes_to_the_same_batch():
         for name in ("query_lens", "context_lens", "page_tables", "slot_mapping"):
             assert getattr(mine, name).tolist() == getattr(theirs, name).tolist()
     assert list(got.kv.by_window) == [512] and plan.encode().nbytes == 4 * 46
+
+
+def test_recurrent_layers_are_refused_by_name_and_attention_alone_passes():
+    attention = ModelKV(2, 2, 64, mx.float16)
+    check_tensor_parallel(attention)
+    hybrid = ModelKV(2, 2, 64, mx.float16, state_shapes=[[StateShape((4, 64), mx.float32)]])
+    with pytest.raises(ValueError, match="this model has recurrent layers, which tensor parallel does not run yet"):
+        check_tensor_parallel(hybrid)

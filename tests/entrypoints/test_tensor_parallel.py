@@ -87,6 +87,13 @@ def test_a_batch_of_16_gives_the_one_process_tokens(checkpoint, tmp_path, monkey
         assert got["pages"] == 2 * alone.engine.cache.pool.capacity
 
 
+def test_a_draft_model_drafts_on_rank_0_and_the_tokens_are_the_one_process_ones(checkpoint, tmp_path):
+    path, draft = checkpoint("llama-fp32"), make_checkpoint(tmp_path / "draft", seed=1)  # rejects most drafts
+    settings = dict(SETTINGS, draft_model=str(draft))
+    expected = [o.token_ids for o in LLM(str(path), **settings).generate(PROMPTS, PARAMS)]
+    assert generate_launched(tmp_path, path, settings, "paged")["tokens"] == expected
+
+
 FAMILIES = {
     "gpt_oss": dict(  # sliding-window layers in pages of their own, sinks, experts
         intermediate_size=128,
