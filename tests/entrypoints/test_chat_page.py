@@ -142,7 +142,8 @@ def test_stop_ends_the_reply_and_the_server_frees_its_pages_at_once(page, served
     reload(page, served)
     set_field(page, "max-tokens", "480")
     send(page, "The import statement")
-    WebDriverWait(page, 60).until(lambda b: len(turns(b)) == 2 and len(turns(b)[1][1]) > 10)
+    # Polled often: the demo model writes 480 tokens in about a second, and the stop must come first.
+    WebDriverWait(page, 60, poll_frequency=0.01).until(lambda b: len(turns(b)) == 2 and len(turns(b)[1][1]) > 10)
     page.find_element(By.ID, "stop").click()
     WebDriverWait(page, 30).until(lambda b: b.find_element(By.ID, "figures").text.startswith("stopped after"))
     generated = int(re.match(r"stopped after (\d+) tokens", page.find_element(By.ID, "figures").text).group(1))
