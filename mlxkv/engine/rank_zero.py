@@ -69,8 +69,13 @@ class RankZero:
         self.lost = error
 
     def stop(self) -> None:
-        """Tell the other ranks that rank 0 is done (they return from `follow`); no step runs after."""
+        """Tell the other ranks that rank 0 is done (they return from `follow`); no step runs after.
+        Watched like a step (a stopped rank would block it); ranks already gone need no telling."""
         atexit.unregister(self.stop)
         if self.lost is None:
-            self.channel.send(None)
+            try:
+                with self.step():
+                    self.channel.send(None)
+            except RuntimeError:  # MLX's backends raise it for a lost peer
+                pass
             self.lose(TensorParallelError("the tensor-parallel group was stopped (stop_followers)"))
