@@ -233,6 +233,23 @@ GATED_DELTA = dict(
 )
 QWEN3_5_ROPE = {"type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+WINDOW = 8  # the sliding window of the windowed families' tiny checkpoints
+QWEN3_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    moe_intermediate_size=64,
+    norm_topk_prob=True,
+    rope_theta=1e6,
+)
+GPT_OSS = dict(  # sliding-window layers beside full ones (the model alternates them itself), sinks, experts
+    intermediate_size=128,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=WINDOW,
+    rope_theta=150000,
+)
 LFM2 = dict(num_hidden_layers=4, conv_bias=False, conv_L_cache=3, full_attn_idxs=[1, 3], norm_eps=1e-5)
 HYBRIDS = {  # attention layers beside recurrent ones: a recurrent state per sequence beside the pages
     "qwen3_5": dict(GATED_DELTA, rope_parameters=QWEN3_5_ROPE),

@@ -121,10 +121,9 @@ class LLMEngine:
             self.memory,
         )
         self.runner = ModelRunner(model, self.cache, attention)
-        group = self.group
-        self.rank_zero = (
-            RankZero(group, self.config.rank_timeout_s) if group is not None and group.rank() == 0 else None
-        )
+        self.rank_zero: RankZero | None = None  # this process schedules a tensor-parallel group
+        if self.group is not None and self.group.rank() == 0:
+            self.rank_zero = RankZero(self.group, self.config.rank_timeout_s)
         self.vocab_size = model.args.vocab_size
         self.step_time = StepTime()
         self.speculator = self._speculator(draft[0] if draft is not None else None, kernels)

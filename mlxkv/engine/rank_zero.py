@@ -22,7 +22,6 @@ class RankZero:
 
     def __init__(self, group: mx.distributed.Group, timeout_s: float) -> None:
         self.channel = PlanChannel(group)
-        self.size = group.size()
         self.lost: TensorParallelError | None = None  # set once the group cannot go on
         self.owed = 0  # tokens the step being built samples, not shared yet
         self.watchdog = RankWatchdog(timeout_s, self.lose)
@@ -48,7 +47,9 @@ class RankZero:
             self.owed = plan.samples
             return hidden
         except Exception as exc:
-            error = TensorParallelError(f"the tensor-parallel group of {self.size} processes failed: {exc}")
+            error = TensorParallelError(
+                f"the tensor-parallel group of {self.channel.group.size()} processes failed: {exc}"
+            )
             self.lose(error)
             raise error from exc
 

@@ -29,6 +29,7 @@ from ..config import EngineConfig
 from ..engine.async_llm import AsyncLLM
 from ..engine.kv_budget import context_length
 from ..engine.llm_engine import LLMEngine
+from ..engine.rank_watchdog import GRACE_S
 from ..engine.request import Request
 from ..engine.sampling_params import SamplingParams
 from ..errors import MlxkvError
@@ -436,15 +437,12 @@ def follow_rank_0(model: str | None, config: EngineConfig, group: mx.distributed
         fail(exc)
 
 
-GROUP_LOST_GRACE_S = 2.0  # how long /health reports a failed tensor-parallel group before the server ends
-
-
 def end_when_lost(engine: LLMEngine, server: Any) -> None:
     """End `server` soon after the engine's tensor-parallel group fails (a rank died or stopped answering)."""
     while not server.should_exit:
         if engine.lost is not None:
             logger.error("%s; the server is ending", engine.lost)
-            time.sleep(GROUP_LOST_GRACE_S)
+            time.sleep(GRACE_S)
             server.should_exit = True
         time.sleep(0.1)
 

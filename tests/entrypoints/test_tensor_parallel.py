@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import BASE, launched, start_server, stop_server
+from helpers import BASE, GPT_OSS, QWEN3_MOE, launched, start_server, stop_server
 
 from mlxkv import LLM, SamplingParams
 from mlxkv.models.random_model import make_checkpoint
@@ -94,25 +94,7 @@ def test_a_draft_model_drafts_on_rank_0_and_the_tokens_are_the_one_process_ones(
     assert generate_launched(tmp_path, path, settings, "paged")["tokens"] == expected
 
 
-FAMILIES = {
-    "gpt_oss": dict(  # sliding-window layers in pages of their own, sinks, experts
-        intermediate_size=128,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=32,
-        rope_theta=150000,
-        layer_types=["sliding_attention", "full_attention"],
-    ),
-    "qwen3_moe": dict(
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        moe_intermediate_size=64,
-        norm_topk_prob=True,
-        rope_theta=1e6,
-    ),
-}
+FAMILIES = {"gpt_oss": dict(GPT_OSS, layer_types=["sliding_attention", "full_attention"]), "qwen3_moe": QWEN3_MOE}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -211,23 +193,29 @@ def test_serve_answers_16_concurrent_openai_streams_as_one_process(checkpoint):
 
 LOSING = """
 import os, sys
-import mlx.core as mx
 from mlxkv import SamplingParams
+from mlxkv.engine.follower import follow
 from mlxkv.engine.llm_engine import LLMEngine
 from mlxkv.engine.step_plan import PlanChannel
 from mlxkv.errors import TensorParallelError
 from mlxkv.models.loading import load
 from mlxkv.models.sharding import world
+
+
+class Dying(PlanChannel):  # three steps, then this rank is gone
+    received = 0
+
+    def receive(self):
+        if self.received == 3:
+            os._exit(0)
+        self.received += 1
+        return super().receive()
+
+
 group = world()
 engine = LLMEngine(*load(sys.argv[1], group), group=group)
 if engine.rank == 1:
-    channel, previous = PlanChannel(group), None
-    for _ in range(3):  # three steps, then this rank is gone
-        plan = channel.receive()
-        mx.eval(engine.runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv), engine.cache.tensors)
-        previous = channel.share_tokens(mx.zeros(plan.samples, mx.int32))
-        mx.eval(previous)
-    os._exit(0)
+    follow(engine.runner, Dying(group))
 engine.add_request([1, 2, 3], SamplingParams(max_tokens=50))
 try:
     while engine.has_unfinished():

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import BASE, GEMMA4, GEMMA4_K_EQ_V, HYBRIDS, mlx_lm_greedy
+from helpers import BASE, GEMMA4, GEMMA4_K_EQ_V, GPT_OSS, HYBRIDS, QWEN3_MOE, WINDOW, mlx_lm_greedy
 
 from mlxkv import LLM, LLMEngine, SamplingParams
 from mlxkv.attention.kernels import PagedAttentionKernels
@@ -13,7 +13,6 @@ from mlxkv.engine.request import NO_SEQUENCE
 from mlxkv.models.loading import SUPPORTED_MODEL_TYPES, load
 from mlxkv.models.random_model import make_checkpoint
 
-WINDOW = 8
 FAMILIES = {
     "llama": {},
     "llama-windowed": dict(
@@ -38,15 +37,7 @@ FAMILIES = {
         shared_expert_intermediate_size=128,
     ),
     "qwen3": dict(rope_theta=1e6),
-    "qwen3_moe": dict(
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        moe_intermediate_size=64,
-        norm_topk_prob=True,
-        rope_theta=1e6,
-    ),
+    "qwen3_moe": QWEN3_MOE,
     "mixtral": dict(num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2),
     "phi3": dict(num_attention_heads=2, num_key_value_heads=1),
     "gemma2": dict(query_pre_attn_scalar=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
@@ -72,23 +63,8 @@ FAMILIES = {
     "smollm3": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]),
     "olmo2": dict(num_key_value_heads=4),
     "glm4": dict(attention_bias=True, partial_rotary_factor=0.5, rope_theta=1e4),
-    "gpt_oss": dict(
-        intermediate_size=128,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=WINDOW,
-        rope_theta=150000,
-        layer_types=["sliding_attention", "full_attention"],
-    ),
-    "gpt_oss-default-layers": dict(
-        model_type="gpt_oss",
-        num_hidden_layers=4,
-        intermediate_size=128,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=WINDOW,
-        rope_theta=150000,
-    ),  # the model alternates sliding and full itself
+    "gpt_oss": dict(GPT_OSS, layer_types=["sliding_attention", "full_attention"]),
+    "gpt_oss-default-layers": dict(GPT_OSS, model_type="gpt_oss", num_hidden_layers=4),
     "gemma4_text": GEMMA4,
     "gemma4_text-k-eq-v": dict(GEMMA4_K_EQ_V, model_type="gemma4_text"),
     "gemma4": dict(  # the multimodal checkpoint: its text model inside
