@@ -465,6 +465,8 @@ class LLMEngine:
             sampled = cast("list[int]", step.tokens.tolist())
             scored = [cast("list[list[Any]]", a.tolist()) for a in step.scored]
         except Exception as exc:
+            if self.rank_zero is not None:  # the other ranks ran this step: it cannot be undone alone
+                raise self.rank_zero.failed(exc) from exc
             return self._recover_pipeline(step, exc, later or []), False
         except BaseException:
             self._recover_pipeline(step, None, later or [])

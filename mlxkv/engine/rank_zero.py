@@ -47,11 +47,15 @@ class RankZero:
             self.owed = plan.samples
             return hidden
         except Exception as exc:
-            error = TensorParallelError(
-                f"the tensor-parallel group of {self.channel.group.size()} processes failed: {exc}"
-            )
-            self.lose(error)
-            raise error from exc
+            raise self.failed(exc) from exc
+
+    def failed(self, cause: Exception) -> TensorParallelError:
+        """The group's failure, kept, for a step that failed on rank 0 once its plan was sent (the
+        ranks could not agree to undo it: a lost peer, or an evaluation that failed)."""
+        size = self.channel.group.size()
+        error = TensorParallelError(f"the tensor-parallel group of {size} processes failed: {cause}")
+        self.lose(error)
+        return error
 
     def share(self, tokens: mx.array) -> mx.array:
         """The step's sampled `tokens`, shared with the other ranks (lazily: in the step's graph)."""
