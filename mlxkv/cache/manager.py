@@ -110,9 +110,10 @@ class KVCacheManager:
     Thread safety: one re-entrant lock serialises every public method, so `claim`, `append`,
     `fetch` and `release` may be called from any thread. The tensors are different: MLX
     evaluates a lazy graph only on the thread that built it (another thread gets "There is
-    no Stream(cpu, N) in current thread"), so the first thread that calls `write` owns the
-    tensors and a `write` from any other thread is refused with `MlxkvError`. Evaluating
-    (`mx.eval`) is the owning thread's business, once per step.
+    no Stream(cpu, N) in current thread"), so a thread that calls `write` owns the tensors
+    until it calls `evaluate` (once per step), and a `write` from any other thread meanwhile is
+    refused with `MlxkvError`. After `evaluate` any thread may write: an engine may move
+    between threads from one step to the next.
     """
 
     def __init__(
@@ -371,12 +372,20 @@ class KVCacheManager:
             if self._tensor_thread not in (None, thread):
                 raise MlxkvError(
                     "KVCacheManager.write called from a thread other than the one that owns the "
-                    "KV tensors; MLX evaluates a lazy graph only on the thread that built it"
+                    "KV tensors until it calls evaluate; MLX evaluates a lazy graph only on the thread that built it"
                 )
             window, index = self._layer(layer)
             storage = self._storage(window)
             storage.write(index, batch.for_window(window).write_rows(storage.kv_heads[index]), keys, values)
             self._tensor_thread = thread
+
+    def evaluate(self, *outputs: mx.array, wait: bool = True) -> None:
+        """Evaluate every K/V and state array, and `outputs` with them (a step's one evaluation);
+        with `wait=False` only start it, as a pipelined step does. Either way the writes so far
+        are no longer a graph of this thread's, so the next may come from any thread."""
+        with self._lock:
+            (mx.eval if wait else mx.async_eval)(*outputs, self.tensors)
+            self._tensor_thread = None
 
     def fetch(self, seq_ids: Sequence[int]) -> KVBatch:
         """Page tables and context lengths of live sequences, for attention."""

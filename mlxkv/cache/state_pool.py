@@ -75,4 +75,7 @@ class StatePool:
         self.arrays = self._zeros()
 
     def _zeros(self) -> list[list[mx.array]]:
-        return [[mx.zeros((self.size, *s.shape), s.dtype) for s in layer] for layer in self.shapes]
+        """Zeroed arrays, evaluated: a lazy one could be evaluated only on the thread that made it."""
+        arrays = [[mx.zeros((self.size, *s.shape), s.dtype) for s in layer] for layer in self.shapes]
+        mx.eval(arrays)
+        return arrays

@@ -66,10 +66,10 @@ class DraftModel:
             model, draft_tokenizer = load(config.draft_model)
         except ModelLoadError as exc:
             raise ValueError(f"draft_model={config.draft_model!r}: {exc}") from None
-        if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+        if len(draft_tokenizer) != len(tokenizer):  # added tokens included: they are where vocabularies part
             raise ValueError(
-                f"draft_model={config.draft_model!r} has a tokenizer of {draft_tokenizer.vocab_size} tokens, "
-                f"the model's has {tokenizer.vocab_size}: a draft model must share the model's tokenizer"
+                f"draft_model={config.draft_model!r} has a tokenizer of {len(draft_tokenizer)} tokens, "
+                f"the model's has {len(tokenizer)}: a draft model must share the model's tokenizer"
             )
         model = text_model(model)
         shape = model_kv(model)
@@ -184,7 +184,7 @@ class DraftModel:
             drawn.append(inputs)
         if not drawn:
             return {}
-        mx.eval(drawn, self.cache.tensors)
+        self.cache.evaluate(*drawn)
         drafts = np.stack([np.array(d) for d in drawn], axis=1).tolist()
         for (request, h), draft in zip(rows, drafts):  # K/V held: the last token, and every draft but the last
             h.tokens += [request.all_token_ids[-1], *draft[:-1]]

@@ -18,7 +18,7 @@ def follow(runner: ModelRunner, channel: PlanChannel) -> None:
     try:
         while (plan := channel.receive()) is not None:
             hidden = runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv)
-            mx.async_eval(hidden, runner.cache.tensors)
+            runner.cache.evaluate(hidden, wait=False)
             if plan.samples:
                 previous = channel.share_tokens(mx.zeros(plan.samples, mx.int32))
                 mx.async_eval(previous)

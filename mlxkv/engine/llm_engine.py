@@ -23,7 +23,7 @@ from ..cache.prefix_cache import PrefixCacheStats, check_salt
 from ..config import EngineConfig
 from ..deprecation import warn
 from ..errors import MlxkvError, RequestTooLong, TensorParallelError, UnknownSequenceError, is_out_of_memory
-from ..models.structure import text_model
+from ..models.structure import held_arrays, text_model
 from .chunk_sizing import ChunkSizer
 from .draft_model import DraftModel
 from .follower import follow
@@ -121,6 +121,8 @@ class LLMEngine:
             self.memory,
         )
         self.runner = ModelRunner(model, self.cache, attention)
+        # Whichever thread steps the engine: nothing it was built with is a lazy graph of this one's.
+        mx.eval(held_arrays(model), held_arrays(draft[0]) if draft is not None else [])
         self.rank_zero: RankZero | None = None  # this process schedules a tensor-parallel group
         if self.group is not None and self.group.rank() == 0:
             self.rank_zero = RankZero(self.group, self.config.rank_timeout_s)
@@ -352,7 +354,7 @@ class LLMEngine:
             constrained = [row for row, request in enumerate(sampling) if request.matcher is not None]
             if constrained and logits is not None:
                 if previous is not None and any(sampling[row].num_pending for row in constrained):
-                    mx.async_eval(logits, self.cache.tensors)
+                    self.cache.evaluate(logits, wait=False)
                     read, ok = self._resolve(previous, batch.requests)
                     if not ok:  # `previous` failed, and this batch, which read its tokens, is undone
                         self._settle()
@@ -374,7 +376,7 @@ class LLMEngine:
             wanted = [r.params.logprobs for r in sampling if r.params.logprobs is not None]
             scored = logprobs(logits, tokens, max(wanted)) if logits is not None and wanted else ()
             waiting = time.perf_counter()
-            mx.async_eval(tokens, *scored, self.cache.tensors)  # on a CPU build this runs most of the graph
+            self.cache.evaluate(tokens, *scored, wait=False)  # on a CPU build this runs most of the graph
             self.last_step_wait += time.perf_counter() - waiting
         except SamplingFailed as exc:
             self._settle()
@@ -534,7 +536,7 @@ class LLMEngine:
         with self._lock:
             self.scheduler.roll_back(batch)
             try:
-                mx.eval(self.cache.tensors)
+                self.cache.evaluate()
             except Exception:
                 self.scheduler.roll_back(list(self.scheduler.running))
                 self.cache.reset()

@@ -43,7 +43,7 @@ class RankZero:
         try:
             self.channel.send(plan)
             hidden = runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv)
-            mx.async_eval(hidden, runner.cache.tensors)
+            runner.cache.evaluate(hidden, wait=False)
             self.owed = plan.samples
             return hidden
         except Exception as exc:

@@ -47,6 +47,7 @@ class Rotation:
             return None
         leads = partner >= np.arange(head_dim)
         probes = mx.array(np.stack([leads, ~leads]).astype(np.float32)).astype(dtype)
+        mx.eval(probes)  # kept across steps, which may run on other threads
         rotation = cls(rope, mx.array(partner.astype(np.int32)), mx.array(leads), probes, b"")
         positions = mx.array(CHECK_POSITIONS, mx.int32)
         x = mx.random.normal((len(CHECK_POSITIONS), 2, head_dim), key=mx.random.key(0)).astype(dtype)

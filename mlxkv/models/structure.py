@@ -11,10 +11,11 @@ few ways.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
 
 from ..cache.state_pool import StateShape
@@ -52,6 +53,14 @@ def logits(model: nn.Module, hidden: mx.array) -> mx.array:
         out = out / model.logits_scaling
     cap = getattr(model, "final_logit_softcapping", None)
     return mx.tanh(out / cap) * cap if cap else out
+
+
+def held_arrays(model: nn.Module) -> list[mx.array]:
+    """Every array `model`'s modules hold: the parameters and the private tables mlx-lm builds
+    lazily at load (RoPE frequencies, ...). MLX evaluates a lazy array only on the thread that made
+    it, so an engine evaluates these before another thread may run the model."""
+    held = model.filter_and_map(lambda _, __, value: isinstance(value, (mx.array, nn.Module, dict, list)))
+    return [value for _, value in cast("list[tuple[str, Any]]", tree_flatten(held)) if isinstance(value, mx.array)]
 
 
 def activation_dtype(model: nn.Module) -> mx.Dtype:

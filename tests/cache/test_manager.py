@@ -318,14 +318,24 @@ def test_bookkeeping_is_safe_from_many_threads():
     assert (cache.pool.free_count, cache.num_sequences) == (64, 0)
 
 
-def test_write_from_a_second_thread_is_refused_clearly():
+def test_write_from_a_second_thread_is_refused_clearly_until_the_first_evaluates():
     cache = make()
     (a,) = cache.claim(1)
     cache.write(0, cache.append([a], [1]), kv(1), kv(1))
     batch = cache.append([a], [1])
     errors = run_threads(lambda _: cache.write(0, batch, kv(1), kv(1)), 1)
     assert len(errors) == 1 and "thread other than the one that owns the KV tensors" in str(errors[0])
-    mx.eval(cache.storage.tensors)
+    cache.evaluate(wait=False)  # a pipelined step's evaluation, started: the next step may run anywhere
+
+    def write_and_evaluate(_):
+        cache.write(0, batch, kv(1, start=100.0), kv(1, start=200.0))
+        cache.evaluate()
+        mx.clear_streams()
+
+    assert run_threads(write_and_evaluate, 1) == []
+    keys, values = cache.as_tensor(a, 0)
+    assert mx.array_equal(keys, mx.concatenate([kv(1), kv(1, start=100.0)])).item()
+    assert mx.array_equal(values[1:], kv(1, start=200.0)).item()
 
 
 class CacheMachine(RuleBasedStateMachine):
