@@ -9,7 +9,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # The tokenizers' training text: changing it changes every test checkpoint's tokens.
 TEXT = (
@@ -50,24 +50,50 @@ TOOLS_CHAT_TEMPLATE = """\
 {% endif %}"""
 
 
-def write_tokenizer(path: Path, vocab_size: int, chat_template: str | None = None) -> None:
-    """A byte-level BPE tokenizer (EOS `<eos>`) with at most `vocab_size` tokens, and `chat_template`
-    if given."""
+# Tokens real tokenizers add beside their learned vocabulary: special ones that text never spells
+# (turn, image and channel markers), and Qwen's markers for tool calls and thinking, which are
+# added but not special: each is one token, which the model writes as a whole and never byte by byte.
+SPECIAL_TOKENS = (
+    "<eos>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|image_pad|>",
+    "<|vision_end|>",
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+)
+MARKERS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+
+def write_tokenizer(
+    path: Path,
+    vocab_size: int,
+    chat_template: str | None = None,
+    markers: tuple[str, ...] = MARKERS,
+    config: dict[str, Any] | None = None,
+) -> None:
+    """A byte-level BPE tokenizer of at most `vocab_size` tokens (EOS `<eos>`): `SPECIAL_TOKENS`,
+    the learned ones, then `markers` as added tokens that are not special; `chat_template` and
+    `config` (more tokenizer_config.json fields, such as `tool_parser_type`) if given."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<eos>"],
+        vocab_size=vocab_size - len(markers),
+        special_tokens=list(SPECIAL_TOKENS),
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator([TEXT], trainer)
+    tokenizer.add_tokens([AddedToken(marker, special=False, normalized=False) for marker in markers])
     tokenizer.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": None}
+    settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": None}
     if chat_template is not None:
-        config["chat_template"] = chat_template
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+        settings["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps({**settings, **(config or {})}))
 
 
 TINY = dict(
@@ -98,9 +124,11 @@ def make_checkpoint(
     tied: bool = False,
     shape: dict[str, Any] | None = None,
     chat_template: str | None = None,
+    markers: tuple[str, ...] = MARKERS,
+    tokenizer_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random `model_type` model (default: `TINY`, GQA 4:2) with peaky logits to `path`,
-    its tokenizer with `chat_template` if given."""
+    its tokenizer with `chat_template`, `markers` and `tokenizer_config` (see `write_tokenizer`)."""
     config: dict[str, Any] = dict(
         model_type=model_type,
         rms_norm_eps=1e-5,
@@ -127,5 +155,5 @@ def make_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     save_model(path, model)
     save_config(config, path / "config.json")
-    write_tokenizer(path, min(config["vocab_size"], 1000), chat_template)
+    write_tokenizer(path, min(config["vocab_size"], 1000), chat_template, markers, tokenizer_config)
     return path

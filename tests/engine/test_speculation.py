@@ -169,7 +169,7 @@ def test_a_drafter_that_fails_costs_its_drafts_and_no_request(model, prompts, dr
 
 
 def test_structured_output_holds_draft_tokens_to_its_grammar(model, prompts, drafter):
-    params = SamplingParams(max_tokens=24, regex="(ab|cd){4,12}[0-9]{3}")
+    params = SamplingParams(max_tokens=24, regex="(ab|cd){8,12}[0-9]{3}")  # long enough to draft
     expected, _ = generate(model, prompts[:4], params)
     got, stats = generate(model, prompts[:4], params, **drafter)
     assert got == expected

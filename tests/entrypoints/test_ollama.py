@@ -52,7 +52,7 @@ def test_chat_streams_json_lines_by_default_and_they_add_up_to_the_whole_reply(s
 
 
 def test_generate_honours_format_json_and_a_schema(server):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]}
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
     for fmt, check in (("json", lambda v: isinstance(v, dict)), (schema, lambda v: jsonschema.validate(v, schema))):
         body = {"model": MODEL, "prompt": "Say", "format": fmt, "stream": False, "options": {"seed": 1}}
         reply = httpx.post(f"{server}/api/generate", json=body | {"options": {"seed": 1, "num_predict": 80}}).json()

@@ -110,7 +110,7 @@ def test_a_named_tool_choice_is_echoed_as_given(client):
 
 
 def test_text_format_holds_the_output_to_a_schema(client):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]}
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
     reply = create(
         client, text={"format": {"type": "json_schema", "name": "n", "schema": schema}}, max_output_tokens=60
     )

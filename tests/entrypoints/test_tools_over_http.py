@@ -34,14 +34,20 @@ CLOCK = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
     },
 }
 TOOLS = [WEATHER, CLOCK]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ANSWER = {
     "type": "object",
-    "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "maximum": 9}},
+    "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "additionalProperties": False,
 }
 ANSWER["required"] = ["answer", "score"]
 MODEL = "tiny-tools"  # the checkpoint's folder, which the server names its model by
@@ -237,7 +243,8 @@ def test_langchain_binds_tools_and_gets_structured_output(server):
         age: int = Field(ge=0, le=120)
 
     chat = ChatOpenAI(base_url=f"{server}/v1", api_key="unused", model=MODEL, max_tokens=300, seed=3)
-    message = chat.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False).invoke("Paris?")
+    bound = chat.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False, strict=True)
+    message = bound.invoke("Paris?")  # strict: no properties beyond the schema's, which a random model never ends
     (made,) = message.tool_calls
     assert made["name"] == "get_weather" and WeatherArgs(**made["args"])
     person = chat.with_structured_output(Person).invoke("Who is there?")
@@ -268,3 +275,75 @@ def test_an_extra_cache_control_field_pins_a_chat_prompt(client, server):
     long = [{"role": "user", "content": "Pin this question, which is long enough to fill pages. " * 4}]
     call(client, messages=long, max_tokens=2, extra_body={"cache_control": {"type": "ephemeral", "ttl": "1m"}})
     assert pinned() > before
+
+
+SEEDS = 32
+
+
+def responses_tool(tool):
+    return {"type": "function", "name": tool["function"]["name"], "parameters": tool["function"]["parameters"]}
+
+
+def anthropic_tool(tool):
+    return {"name": tool["function"]["name"], "input_schema": tool["function"]["parameters"]}
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["any-tool", "named-tool"])
+def test_forced_calls_are_valid_for_32_draws_at_temperature_1_on_every_api(server, checkpoint, named):
+    """The checkpoint's `<tool_call>` markers are single added tokens, as in Qwen's tokenizers: forced by
+    `tool_choice` (OpenAI's 'required' or a named function, the Responses API's alike, Anthropic's
+    'any' or a named tool), each of 32 draws at temperature 1 on each API is one valid call."""
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic package could not be installed")
+    tokenizer = load(str(checkpoint))[1]
+    assert [len(tokenizer.encode(m, add_special_tokens=False)) for m in ("<tool_call>", "</tool_call>")] == [1, 1]
+    wanted = "get_time" if named else None
+
+    async def openai_chat(chat, _, seed):
+        choice = {"type": "function", "function": {"name": wanted}} if named else "required"
+        reply = await call(chat, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False, temperature=1, seed=seed)
+        made = reply.choices[0].message.tool_calls or []
+        return reply.choices[0].finish_reason, [(c.function.name, c.function.arguments) for c in made]
+
+    async def openai_responses(chat, _, seed):
+        choice = {"type": "function", "name": wanted} if named else "required"
+        tools = [responses_tool(t) for t in TOOLS]
+        reply = await chat.responses.create(
+            model=MODEL,
+            input=ASK[0]["content"],
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            temperature=1,
+            max_output_tokens=300,
+        )
+        calls = [(item.name, item.arguments) for item in reply.output if item.type == "function_call"]
+        return reply.status, calls
+
+    async def anthropic_messages(_, messages, seed):
+        choice = {"type": "tool", "name": wanted} if named else {"type": "any"}
+        reply = await messages.messages.create(
+            model=MODEL,
+            max_tokens=300,
+            messages=ASK,
+            tools=[anthropic_tool(t) for t in TOOLS],
+            tool_choice={**choice, "disable_parallel_tool_use": True},
+            extra_body={"temperature": 1},
+        )
+        return reply.stop_reason, [(b.name, json.dumps(b.input)) for b in reply.content if b.type == "tool_use"]
+
+    async def run():
+        apis = (openai_chat, openai_responses, anthropic_messages)
+        async with (
+            openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused") as chat,
+            anthropic.AsyncAnthropic(base_url=server, api_key="unused") as messages,
+        ):
+            return await asyncio.gather(*(api(chat, messages, seed) for api in apis for seed in range(SEEDS)))
+
+    results = asyncio.run(run())
+    ends = {"tool_calls", "completed", "tool_use"}
+    for end, calls in results:
+        assert end in ends and len(calls) == 1, (end, calls)
+        name, arguments = calls[0]
+        assert wanted in (None, name)
+        jsonschema.validate(json.loads(arguments), schema_of(name))
+    assert len(results) == 3 * SEEDS and len({call for _, [call] in results}) > 1  # the draws differ

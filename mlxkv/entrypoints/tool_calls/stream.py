@@ -1,6 +1,5 @@
-"""Tool calls: the model's tool-call text, as it streams, split from the reply's content and parsed
-into OpenAI's `tool_calls` by mlx-lm's parser for the model's family; and the grammar that holds
-a reply to tool calls when `tool_choice` asks for one.
+"""A reply's text, as it streams, split into content and tool calls, which mlx-lm's parser for the
+model's family reads.
 
 Streamed and whole replies go through the same `ToolCallStream`, so they are equal: text between
 the model's tool-call markers never reaches `content`, and a call that does not parse (cut off
@@ -15,9 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-JSON_TOOLS = "mlx_lm.tool_parsers.json_tools"  # a call is {"name": ..., "arguments": {...}} between the markers
-COMPACT_JSON = {"whitespace_flexible": False}  # llguidance's option: arguments as a model writes them best
 
 
 @dataclass(frozen=True)
@@ -57,6 +53,8 @@ class ToolCallStream:
         pieces: list[Piece] = []
         while True:
             marker = self.end if self._in_call else self.start
+            if not marker:  # calls without an end marker (Mistral's) run to the reply's end
+                break
             at = self._held.find(marker)
             if at < 0:
                 break
@@ -93,7 +91,7 @@ class ToolCallStream:
             parsed = self.parse(text, self.tools)
             calls = parsed if isinstance(parsed, list) else [parsed]
             return [ToolCall(call["name"], _arguments(call["arguments"])) for call in calls]
-        except (ValueError, KeyError, TypeError):  # not a call after all: the model's text, as it was
+        except Exception:  # not a call after all (whatever mlx-lm's parser raised): the model's text, as it was
             return [self.start + text]
 
 
@@ -104,31 +102,3 @@ def _arguments(arguments: Any) -> str:
 def _partial_marker(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker`."""
     return next((n for n in range(min(len(text), len(marker) - 1), 0, -1) if marker.startswith(text[-n:])), 0)
-
-
-def tool_grammar(tokenizer: TokenizerWrapper, tools: list[dict[str, Any]], parallel: bool) -> str:
-    """A Lark grammar (llguidance's, with `%json`) for a reply of one tool call, or several when
-    `parallel`, each naming one of `tools` (OpenAI's tool entries) with arguments valid under
-    its parameter schema. Only for models whose calls are mlx-lm's json_tools format; others
-    raise ValueError."""
-    if getattr(tokenizer.tool_parser, "__module__", None) != JSON_TOOLS:
-        raise ValueError(
-            "this model writes its tool calls in a format mlxkv cannot enforce yet (only JSON between "
-            "<tool_call> markers is); use tool_choice 'auto'"
-        )
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool["function"]["name"]},
-                "arguments": tool["function"].get("parameters") or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
-    schema = json.dumps({"anyOf": calls, "x-guidance": COMPACT_JSON}, ensure_ascii=False)
-    start, end = json.dumps(tokenizer.tool_call_start + "\n"), json.dumps("\n" + tokenizer.tool_call_end)
-    repeat = ' ("\\n" call)*' if parallel else ""
-    return f"start: call{repeat}\ncall: {start} %json {schema} {end}\n"
