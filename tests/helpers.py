@@ -15,6 +15,7 @@ from mlx_lm import load as mlx_lm_load
 
 from mlxkv import KVCacheManager
 from mlxkv.engine.sampling import TokenSampler
+from mlxkv.models.random_model import make_checkpoint
 
 mlx_lm_generate = importlib.import_module("mlx_lm.generate")
 MAX_TOKENS = 20
@@ -231,7 +232,13 @@ GATED_DELTA = dict(
     linear_conv_kernel_dim=4,
     full_attention_interval=2,
 )
-QWEN3_5_ROPE = {"type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}
+QWEN3_5_ROPE = {  # as Qwen3.5's configs have it: multimodal RoPE sections, interleaved, a quarter of each head rotated
+    "rope_type": "default",
+    "rope_theta": 1e7,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [11, 11, 10],
+    "mrope_interleaved": True,
+}
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
 WINDOW = 8  # the sliding window of the windowed families' tiny checkpoints
 QWEN3_MOE = dict(
@@ -251,9 +258,37 @@ GPT_OSS = dict(  # sliding-window layers beside full ones (the model alternates 
     rope_theta=150000,
 )
 LFM2 = dict(num_hidden_layers=4, conv_bias=False, conv_L_cache=3, full_attn_idxs=[1, 3], norm_eps=1e-5)
+QWEN3_5_LAYERS = ["linear_attention", "full_attention"] * 2
+QWEN3_5_VISION = {"depth": 2, "hidden_size": 64, "out_hidden_size": 128, "patch_size": 16, "spatial_merge_size": 2}
 HYBRIDS = {  # attention layers beside recurrent ones: a recurrent state per sequence beside the pages
-    "qwen3_5": dict(GATED_DELTA, rope_parameters=QWEN3_5_ROPE),
-    "qwen3_5_moe": dict(GATED_DELTA, **MOE, shared_expert_intermediate_size=128, rope_parameters=QWEN3_5_ROPE),
+    "qwen3_5": dict(  # the multimodal checkpoint, as published: its text model's settings in text_config
+        text_config=dict(
+            BASE,
+            **GATED_DELTA,
+            model_type="qwen3_5_text",
+            layer_types=QWEN3_5_LAYERS,
+            attn_output_gate=True,
+            rope_parameters=QWEN3_5_ROPE,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        ),
+        vision_config=QWEN3_5_VISION,
+        image_token_id=4,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_5_moe": dict(
+        text_config=dict(
+            BASE,
+            **GATED_DELTA,
+            **MOE,
+            model_type="qwen3_5_moe_text",
+            shared_expert_intermediate_size=128,
+            layer_types=QWEN3_5_LAYERS,
+            rope_parameters=QWEN3_5_ROPE,
+            max_position_embeddings=1024,
+        ),
+        vision_config=QWEN3_5_VISION,
+    ),
     "qwen3_next": dict(
         GATED_DELTA,
         **MOE,
@@ -334,6 +369,116 @@ GEMMA4_K_EQ_V = dict(
     top_k_experts=2,
     moe_intermediate_size=64,
 )
+
+
+# Every supported family, with the fields its published configs carry (RoPE variants and scaling,
+# layer types, sliding windows, soft-caps, tied embeddings), on the tiny shape of BASE.
+LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0, original_max_position_embeddings=64
+)  # Llama 3.2's, its original context shrunk below the tests' (1,024) so that the scaling matters
+YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=64)
+FAMILIES = {
+    "llama": dict(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True, mlp_bias=False),
+    "llama-windowed": dict(
+        model_type="llama", layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW
+    ),
+    "mistral": dict(rope_theta=1e6, sliding_window=None),
+    "ministral3": dict(  # Ministral 3's: YaRN with Llama 4's attention scaling
+        rope_parameters={
+            **YARN,
+            "type": "yarn",
+            "rope_theta": 1e9,
+            "factor": 16.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        }
+    ),
+    "qwen2": dict(  # Qwen 2.5's: a window it does not use, tied embeddings
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_theta=1e6,
+        use_sliding_window=False,
+        sliding_window=32768,
+        max_window_layers=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen2_moe": dict(
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        rope_theta=1e6,
+    ),
+    "qwen3": dict(rope_theta=1e6, rope_scaling=None, tie_word_embeddings=True, attention_bias=False),
+    "qwen3_moe": dict(QWEN3_MOE, rope_scaling=dict(YARN, factor=4.0)),
+    "mixtral": dict(
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6
+    ),
+    "phi3": dict(  # Phi-4-mini's: three quarters of each head rotated, LongRoPE
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=64,
+        rope_scaling=dict(type="longrope", short_factor=[1.0] * 24, long_factor=[1.0 + i / 8 for i in range(24)]),
+        tie_word_embeddings=True,
+    ),
+    "gemma2": dict(
+        query_pre_attn_scalar=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096
+    ),
+    "gemma3_text": dict(  # Gemma 3 4B's: linear RoPE scaling on the global layers
+        num_hidden_layers=4,
+        query_pre_attn_scalar=64,
+        sliding_window=WINDOW,
+        sliding_window_pattern=2,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        rope_scaling=dict(rope_type="linear", factor=8.0),
+        final_logit_softcapping=None,
+    ),
+    "granite": dict(
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        logits_scaling=4.0,
+        attention_multiplier=0.015625,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_bias=False,
+        mlp_bias=False,
+        rope_theta=1e4,
+        tie_word_embeddings=True,
+    ),
+    "smollm3": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], no_rope_layer_interval=4, rope_theta=5e6),
+    "olmo2": dict(num_key_value_heads=4, rope_theta=500000.0),
+    "glm4": dict(attention_bias=True, partial_rotary_factor=0.5, rope_theta=1e4),
+    "gpt_oss": dict(GPT_OSS, layer_types=["sliding_attention", "full_attention"], rope_scaling=YARN),
+    "gpt_oss-default-layers": dict(GPT_OSS, model_type="gpt_oss", num_hidden_layers=4),
+    "gemma4_text": dict(GEMMA4, final_logit_softcapping=30.0),
+    "gemma4_text-k-eq-v": dict(GEMMA4_K_EQ_V, model_type="gemma4_text"),
+    "gemma4": dict(  # the multimodal checkpoint: its text model inside
+        text_config=dict(
+            BASE,
+            **GEMMA4,
+            model_type="gemma4_text",
+            tie_word_embeddings=False,
+            max_position_embeddings=1024,
+            rope_parameters={
+                "full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )
+    ),
+    **HYBRIDS,
+}
+
+
+def family_checkpoint(path: Path, name: str, bits: int | None = None, **kw) -> Path:
+    """The tiny checkpoint of `FAMILIES[name]` (float32, or quantized to `bits`), 1,024 tokens of context."""
+    spec = {**BASE, **FAMILIES[name]}
+    model_type = spec.pop("model_type", name)
+    return make_checkpoint(path, model_type, "float32", bits=bits, shape=spec, max_position_embeddings=1024, **kw)
 
 
 def perturbed_copy(source, dest, scale: float, seed: int = 0):

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import BASE, GPT_OSS, QWEN3_MOE, launched, start_server, stop_server
+from helpers import family_checkpoint, launched, start_server, stop_server
 
 from mlxkv import LLM, SamplingParams
 from mlxkv.models.random_model import make_checkpoint
@@ -94,12 +94,9 @@ def test_a_draft_model_drafts_on_rank_0_and_the_tokens_are_the_one_process_ones(
     assert generate_launched(tmp_path, path, settings, "paged")["tokens"] == expected
 
 
-FAMILIES = {"gpt_oss": dict(GPT_OSS, layer_types=["sliding_attention", "full_attention"]), "qwen3_moe": QWEN3_MOE}
-
-
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
 def test_families_mlx_lm_shards_give_the_one_process_tokens(tmp_path, family):
-    path = make_checkpoint(tmp_path / family, family, shape={**BASE, **FAMILIES[family]})
+    path = family_checkpoint(tmp_path / family, family)
     alone = LLM(str(path), **SETTINGS)
     expected = [o.token_ids for o in alone.generate(PROMPTS, PARAMS)]
     assert generate_launched(tmp_path, path, SETTINGS, "paged")["tokens"] == expected
@@ -177,8 +174,10 @@ async def streams(url: str, model: str, prompts: list[str]) -> list[str]:
     return texts[1:]
 
 
-def test_serve_answers_16_concurrent_openai_streams_as_one_process(checkpoint):
-    path = str(checkpoint("llama-fp32"))
+def test_serve_answers_16_concurrent_openai_streams_as_one_process(tmp_path):
+    """Llama 3's published fields (its RoPE scaling keeps a table mlx-lm makes lazily, which rank 0
+    steps on another thread than it loaded on)."""
+    path = str(family_checkpoint(tmp_path / "llama", "llama"))
     proc, url, _ = serve_launched(path)
     try:
         prompts = [f"prompt number {i} " * (1 + i % 5) for i in range(16)]

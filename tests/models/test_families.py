@@ -1,9 +1,11 @@
 """Every supported family: greedy tokens equal mlx-lm's own, in both layouts, alone and batched."""
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import BASE, GEMMA4, GEMMA4_K_EQ_V, GPT_OSS, HYBRIDS, QWEN3_MOE, WINDOW, mlx_lm_greedy
+from helpers import BASE, FAMILIES, WINDOW, family_checkpoint, mlx_lm_greedy
 
 from mlxkv import LLM, LLMEngine, SamplingParams
 from mlxkv.attention.kernels import PagedAttentionKernels
@@ -13,67 +15,6 @@ from mlxkv.engine.request import NO_SEQUENCE
 from mlxkv.models.loading import SUPPORTED_MODEL_TYPES, load
 from mlxkv.models.random_model import make_checkpoint
 
-FAMILIES = {
-    "llama": {},
-    "llama-windowed": dict(
-        model_type="llama", layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW
-    ),
-    "mistral": dict(rope_theta=1e6),
-    "ministral3": dict(
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e6,
-            "llama_4_scaling_beta": 0.1,
-            "original_max_position_embeddings": 16,
-        }
-    ),
-    "qwen2": dict(num_attention_heads=2, num_key_value_heads=1),
-    "qwen2_moe": dict(
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=128,
-    ),
-    "qwen3": dict(rope_theta=1e6),
-    "qwen3_moe": QWEN3_MOE,
-    "mixtral": dict(num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2),
-    "phi3": dict(num_attention_heads=2, num_key_value_heads=1),
-    "gemma2": dict(query_pre_attn_scalar=64, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-    "gemma3_text": dict(
-        num_hidden_layers=4,
-        query_pre_attn_scalar=64,
-        sliding_window=WINDOW,
-        sliding_window_pattern=2,
-        rope_theta=1e6,
-        rope_local_base_freq=1e4,
-    ),
-    "granite": dict(
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        logits_scaling=4.0,
-        attention_multiplier=0.015625,
-        embedding_multiplier=12.0,
-        residual_multiplier=0.22,
-        attention_bias=False,
-        mlp_bias=False,
-        rope_theta=1e4,
-    ),
-    "smollm3": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0]),
-    "olmo2": dict(num_key_value_heads=4),
-    "glm4": dict(attention_bias=True, partial_rotary_factor=0.5, rope_theta=1e4),
-    "gpt_oss": dict(GPT_OSS, layer_types=["sliding_attention", "full_attention"]),
-    "gpt_oss-default-layers": dict(GPT_OSS, model_type="gpt_oss", num_hidden_layers=4),
-    "gemma4_text": GEMMA4,
-    "gemma4_text-k-eq-v": dict(GEMMA4_K_EQ_V, model_type="gemma4_text"),
-    "gemma4": dict(  # the multimodal checkpoint: its text model inside
-        text_config=dict(
-            BASE, **GEMMA4, model_type="gemma4_text", tie_word_embeddings=False, max_position_embeddings=1024
-        )
-    ),
-    **HYBRIDS,
-}
 PROMPTS = [[int(t) for t in np.random.default_rng(n).integers(1, 320, n)] for n in (3, 7, 8, 9, 17, 30)]
 
 
@@ -83,11 +24,7 @@ def family(tmp_path_factory):
 
     def get(name):
         if name not in built:
-            spec = {**BASE, **FAMILIES[name]}
-            model_type = spec.pop("model_type", name)
-            built[name] = make_checkpoint(
-                tmp_path_factory.mktemp(name), model_type, "float32", shape=spec, max_position_embeddings=1024
-            )
+            built[name] = family_checkpoint(tmp_path_factory.mktemp(name), name)
         return built[name]
 
     return get
@@ -108,6 +45,41 @@ def test_greedy_tokens_equal_mlx_lm_in_both_layouts_alone_and_batched(family, na
         alone = [llm.generate(p, params)[0] for p in PROMPTS]
         for completions in (batched, alone):
             assert [c.token_ids[: len(e)] for c, e in zip(completions, expected)] == expected, layout
+
+
+def on_new_thread(function):
+    """`function()` run on a thread of its own, which MLX's streams are per."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = function()
+        except Exception as exc:  # handed to the caller
+            result["error"] = exc
+        finally:
+            mx.clear_streams()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_an_engine_built_on_one_thread_runs_on_any_other(family, name):
+    """`LLM` built here, then every step run on a new thread (as `serve` steps its engine on
+    AsyncLLM's thread): nothing made lazily at load (RoPE tables, recurrent state) stays tied
+    to the building thread, and the tokens are those of one thread, sampled and greedy."""
+    path = family(name)
+    params = [SamplingParams(max_tokens=8, ignore_eos=True), SamplingParams(max_tokens=8, temperature=1.0, seed=5)]
+    expected = [c.token_ids for c in LLM(str(path), page_size=4).generate(PROMPTS[4:6], params)]
+    engine = LLM(str(path), page_size=4).engine
+    requests = [engine.add_request(p, q) for p, q in zip(PROMPTS[4:6], params)]
+    while engine.has_unfinished():
+        on_new_thread(engine.step)
+    assert [list(r.output_ids) for r in requests] == expected
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3_text", "gpt_oss", "gemma4_text"])
