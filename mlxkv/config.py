@@ -9,8 +9,9 @@ from .attention.backend import BACKENDS
 from .cache.layout import KVLayout, resolve_layout
 from .cache.storage import BITS, KV_BITS, KV_GROUP_SIZES
 from .deprecation import RenamedAttribute, renamed_keywords
-from .settings import BOOLEAN, POSITIVE, TEXT, integer, number, one_of, optional, setting, validate
+from .settings import BOOLEAN, POSITIVE, TEXT, Check, integer, number, one_of, optional, setting, validate
 
+FACTOR = Check(lambda v: number(0).accepts(v) and (v == 0 or v >= 1), "0 or a number >= 1")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -82,10 +83,16 @@ class EngineConfig:
     )
     max_num_seqs: int = setting(16, "Most sequences computed at once.", POSITIVE)
     max_num_batched_tokens: int = setting(512, "Most tokens one engine step computes.", POSITIVE)
+    max_itl_factor: float | None = setting(
+        None,
+        "Inter-token latency target, relative: prefill chunks are cut so that a step with running decodes takes "
+        "at most this many times its decodes alone; 0 or none: no such target [default: none; serve: 2].",
+        optional(FACTOR),
+    )
     max_itl_ms: float | None = setting(
         None,
-        "Inter-token latency target, in milliseconds: prefill chunks are cut so that a step with running "
-        "decodes takes about this long at most; 0 or none: no target, for throughput [default: none; serve: 100].",
+        "Inter-token latency target in milliseconds, beside --max-itl-factor: a step with running decodes takes "
+        "about this long at most, or the relative target if that is longer; 0 or none: no such target.",
         optional(number(0)),
     )
     max_model_len: int | None = setting(

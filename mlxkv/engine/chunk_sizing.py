@@ -2,6 +2,9 @@
 step's temporaries fit the memory reserve and, while other requests are decoding, so that the step
 ends within the inter-token latency target (Sarathi-Serve's stall-free batching).
 
+The target is relative by default: a step with prefill takes at most `max_itl_factor` times the
+same step's decodes alone, so it scales with the machine and the model, and prefill always gets
+that share of a step, even where an absolute `max_itl_s` could not be met by decoding alone.
 A chunk of c tokens after n computed ones attends about c * (n + c) token pairs and holds its
 attention temporaries as the path states them, so long contexts get shorter chunks. The time cut
 never takes a step's first chunk below `LEAST_CHUNK` tokens: prefill always progresses.
@@ -29,6 +32,9 @@ class StepShape:
     memory: int = 0
     decodes: int = 0
     chunks: int = 0
+    decode_tokens: int = 0  # the decode rows' part of `tokens` and `attended`: the step without prefill
+    decode_attended: int = 0
+    joining: int = 0  # requests in prefill, or waiting with room to be admitted: they will decode beside these
 
     def add(self, queries: int, context: int, samples: int, decode: bool, memory: StepMemory | None) -> None:
         self.tokens += queries
@@ -38,6 +44,9 @@ class StepShape:
             self.memory += memory.bytes(queries, samples, [(queries, context)])
         self.decodes += decode
         self.chunks += not decode
+        if decode:
+            self.decode_tokens += queries
+            self.decode_attended += queries * context
 
     def copy(self) -> StepShape:
         return replace(self)
@@ -52,17 +61,38 @@ class ChunkSizer:
     reserve: int | None = None
     step_time: StepTime | None = None
     max_itl_s: float | None = None
+    max_itl_factor: float | None = None
 
     def chunk(self, shape: StepShape, wanted: int, computed: int) -> int:
         """The most of `wanted` next tokens of a prompt (`computed` of it already done) that a step
         already holding `shape` can take; 0 if none fits."""
         fits = self._fits_memory(shape, computed)
         most = _largest(wanted, fits)
-        if self.max_itl_s is None or self.step_time is None or not shape.decodes:
+        target = self.target(shape)
+        if target is None:
             return most
-        timed = _largest(most, self._fits_time(shape, computed))
+        timed = _largest(most, self._fits_time(shape, computed, target))
         least = min(most, LEAST_CHUNK) if not shape.chunks else 0
         return max(timed, least)
+
+    @property
+    def has_target(self) -> bool:
+        """Whether steps that decode are cut to a latency target."""
+        return self.step_time is not None and bool(self.max_itl_s or self.max_itl_factor)
+
+    def target(self, shape: StepShape) -> float | None:
+        """The seconds a step holding `shape` may take, if it decodes and a target applies: the
+        absolute one, or `max_itl_factor` times its decode step alone, whichever is longer. The decode
+        step counts a row for each request `joining` too, so that a batch still filling (prompts
+        arriving together) is held to the step it is filling to, not to its first rows' step."""
+        if not self.has_target or not shape.decodes:
+            return None
+        assert self.step_time is not None
+        bounds = [self.max_itl_s] if self.max_itl_s else []
+        decodes = self.step_time.seconds(shape.decode_tokens + shape.joining, shape.decode_attended)
+        if self.max_itl_factor and decodes is not None:
+            bounds.append(self.max_itl_factor * decodes)
+        return max(bounds, default=None)
 
     def cut(self) -> ChunkSizer:
         """This sizer with half the reserve: after a step ran out of memory."""
@@ -74,9 +104,9 @@ class ChunkSizer:
             return lambda count: True
         return lambda count: shape.memory + memory.row(count, computed + count) <= reserve
 
-    def _fits_time(self, shape: StepShape, computed: int) -> Callable[[int], bool]:
-        assert self.step_time is not None and self.max_itl_s is not None
-        step_time, target = self.step_time, self.max_itl_s
+    def _fits_time(self, shape: StepShape, computed: int, target: float) -> Callable[[int], bool]:
+        assert self.step_time is not None
+        step_time = self.step_time
 
         def fits(count: int) -> bool:
             seconds = step_time.seconds(shape.tokens + count, shape.attended + count * (computed + count))

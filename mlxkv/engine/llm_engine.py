@@ -136,6 +136,7 @@ class LLMEngine:
             self.memory.reserve,
             self.step_time,
             itl / 1000 if itl else None,
+            self.config.max_itl_factor or None,
         )
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens, sizer)
         self.requests: dict[str, Request] = {}

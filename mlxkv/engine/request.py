@@ -57,6 +57,7 @@ class Request:
     matcher: Any = field(default=None, init=False)  # llguidance's, following a constrained output
     draft: list[int] = field(default_factory=list, init=False)  # tokens proposed to follow, for the next step
     speculation: Speculation = field(default_factory=Speculation, init=False)
+    held_steps: int = field(default=0, init=False)  # steps its first token waited for other prompts
 
     def __post_init__(self) -> None:
         self.sampler = TokenSampler(self.params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from .chunk_sizing import ChunkSizer, StepShape
 from .request import NO_SEQUENCE, Request, Status
 
 logger = logging.getLogger("mlxkv")
+HOLD_STEPS = 8  # steps a prompt's first token may wait for the prompts beside it (see `Scheduler.schedule`)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class _Plan:
     preempted: set[Request] = field(default_factory=set)
     reserved: int = 0
     shape: StepShape = field(default_factory=StepShape)
+    hold: bool = False  # prompts stop short of their first token (see `Scheduler.schedule`)
+    held: set[Request] = field(default_factory=set)
 
     def pick(self, requests: list[Request], counts: list[int], pages: list[int], shape: StepShape) -> None:
         self.counts.update(zip(requests, counts))
@@ -69,6 +73,11 @@ class Scheduler:
     recently admitted running request is preempted by recompute: its pages are freed (the
     full ones stay cached, so its recompute is mostly hits) and it goes back to the front
     of the waiting queue with its generated tokens kept.
+
+    Under a latency target (`ChunkSizer.has_target`), a step in which nothing decodes, with more
+    prompt left to compute than the step's budget, holds each prompt back from its last token
+    (for at most `HOLD_STEPS` steps): prompts that arrive together then start decoding together,
+    instead of the first ones decoding while the chunks of the others are cut to the target.
 
     With quantized pages a request's first chunk holds at least its `own_kv_span`, so that
     span is computed in one step whatever else runs. A hybrid model's prefill chunk stops at its
@@ -106,6 +115,9 @@ class Scheduler:
         for request in self.running:
             if not request.done_sampling:
                 (decode if request.is_decode else prefill).append(request)
+        admissible = list(itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))))
+        plan.shape.joining = len(prefill) + len(admissible)
+        plan.hold = not decode and self.sizer.has_target and self._backlog(prefill + admissible) > plan.budget
         running = decode + prefill  # prefill chunks after every decode
         if not self._pick(plan, running) and not self._pick_without_drafts(plan, decode, prefill):
             for request in running:
@@ -123,6 +135,11 @@ class Scheduler:
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
+        if plan.hold and not plan.counts:  # nothing could run beside the held first tokens: they go now
+            plan.hold = False
+            self._pick(plan, prefill)
+        for request in plan.held:
+            request.held_steps += 1
         requests, counts = list(plan.counts), list(plan.counts.values())
         drafts = [r.draft for r in requests]
         for request in self.running:  # a draft is proposed for one step
@@ -140,6 +157,15 @@ class Scheduler:
             snapshots,
             drafts,
         )
+
+    @staticmethod
+    def _backlog(requests: list[Request]) -> int:
+        """The prompt tokens `requests` (in prefill or waiting) still have to compute, less their last."""
+        return sum(r.num_remaining - 1 for r in requests)
+
+    def _holds(self, plan: _Plan, request: Request, count: int) -> bool:
+        """Whether `plan` holds back `request`'s first token, which `count` tokens would reach (see `schedule`)."""
+        return plan.hold and count == request.num_remaining and request.held_steps < HOLD_STEPS
 
     def _snapshot_point(self, request: Request) -> int:
         return self.cache.snapshot_point(len(request.prompt_ids))
@@ -227,6 +253,9 @@ class Scheduler:
                 count = min(count, stop - request.num_computed)
             if count and not request.is_decode:
                 count = min(count, max(self.sizer.chunk(shape, count, request.num_computed), self.own_kv_span(request)))
+                if self._holds(plan, request, count):
+                    plan.held.add(request)
+                    count -= 1
             if count:
                 picked.append(request)
                 counts.append(count)
@@ -247,9 +276,9 @@ class Scheduler:
         samples = 1 + len(request.draft)
         shape.add(count, request.num_computed + count, samples, request.is_decode, self.sizer.memory)
 
-    def _shape(self, counts: dict[Request, int]) -> StepShape:
-        """The shape of a step of `counts` tokens of each request."""
-        shape = StepShape()
+    def _shape(self, counts: dict[Request, int], joining: int) -> StepShape:
+        """The shape of a step of `counts` tokens of each request, `joining` more to decode beside them."""
+        shape = StepShape(joining=joining)
         for request, count in counts.items():
             self._add(shape, request, count)
         return shape
@@ -268,7 +297,7 @@ class Scheduler:
         while not self._pick(plan, [request]):
             victim = self._preempt_newest()
             plan.drop(victim)
-            plan.shape = self._shape(plan.counts)
+            plan.shape = self._shape(plan.counts, plan.shape.joining)
             if victim is request:
                 return
 

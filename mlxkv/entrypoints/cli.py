@@ -60,7 +60,7 @@ VERBOSE = typer.Option(
     "--verbose/--no-verbose",
     help="Print the figures after the text; with --no-verbose only the text goes to stdout.",
 )
-SERVE_MAX_ITL_MS = 100.0  # a server's decodes should feel smooth while prompts prefill beside them
+SERVE_MAX_ITL_FACTOR = 2.0  # a server's decodes should feel smooth while prompts prefill beside them
 SETTINGS = {"config": EngineConfig, "params": SamplingParams}  # a command's parameter -> the record it gets
 
 
@@ -384,7 +384,7 @@ def chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams, 
 
 
 @app.command()
-@with_settings(defaults={"max_itl_ms": SERVE_MAX_ITL_MS})
+@with_settings(defaults={"max_itl_factor": SERVE_MAX_ITL_FACTOR})
 def serve(
     model: Optional[str] = MODEL,  # noqa: UP045
     host: str = typer.Option("127.0.0.1", help="Address to listen on; the default answers this machine only."),

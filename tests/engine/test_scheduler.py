@@ -3,7 +3,7 @@ import mlx.core as mx
 from mlxkv import KVCacheManager, SamplingParams
 from mlxkv.engine.chunk_sizing import LEAST_CHUNK, ChunkSizer
 from mlxkv.engine.request import Request, Status
-from mlxkv.engine.scheduler import Scheduler
+from mlxkv.engine.scheduler import HOLD_STEPS, Scheduler
 from mlxkv.engine.step_memory import StepMemory
 from mlxkv.engine.step_time import StepTime
 
@@ -193,6 +193,62 @@ def test_a_chunk_never_falls_below_the_least_chunk():
     s.add(request("b", 60))
     s.add(request("e", 60, first=200))
     assert run_step(s) == [("a", 1), ("c", 1), ("d", 1), ("b", LEAST_CHUNK)]  # one chunk progresses
+
+
+def test_a_relative_target_cuts_a_chunk_to_its_share_of_the_decode_step():
+    """Decoding alone, b's row counted in, takes 20.5 + 4 x 1 ms: at a factor of 2 a step may take 49 ms,
+    25 of them for b's prompt beside the three decode rows."""
+    s = decoding(sized(ChunkSizer(step_time=fitted(0.0205, 0.001), max_itl_factor=2.0)))
+    s.add(request("b", 60))
+    assert run_step(s) == [("a", 1), ("c", 1), ("d", 1), ("b", 25)]
+
+
+def test_a_decode_step_slower_than_the_target_still_leaves_prefill_its_share():
+    """50.5 + 4 ms of decoding misses a 40 ms target by itself; at a factor of 2 the step still takes
+    55 ms of prefill (not the 16-token minimum), and the absolute target is kept where it is longer."""
+    slow = fitted(0.0505, 0.001)
+    s = decoding(sized(ChunkSizer(step_time=slow, max_itl_s=0.040, max_itl_factor=2.0), budget=80))
+    s.add(request("b", 60))
+    assert run_step(s) == [("a", 1), ("c", 1), ("d", 1), ("b", 55)]  # 2 x 54.5 ms = 53.5 + 55.5
+    s = decoding(sized(ChunkSizer(step_time=slow, max_itl_s=0.120, max_itl_factor=2.0), budget=80))
+    s.add(request("b", 60))
+    assert run_step(s) == [("a", 1), ("c", 1), ("d", 1), ("b", 60)]  # within 120 ms: 53.5 + 60
+
+
+def test_the_decode_step_counts_the_prompts_that_will_decode_beside_it():
+    """Two waiting prompts will decode beside the three rows: the share is of a five-row step."""
+    s = decoding(sized(ChunkSizer(step_time=fitted(0.0205, 0.001), max_itl_factor=2.0)))
+    s.add(request("b", 60))
+    s.add(request("e", 60, first=300))
+    assert run_step(s) == [("a", 1), ("c", 1), ("d", 1), ("b", 27)]  # 2 x 25.5 ms = 23.5 + 27.5
+
+
+def test_prompts_arriving_together_start_decoding_together():
+    """Under a target, with nothing decoding and more prompt left than a step holds, each prompt stops
+    short of its last token; the last tokens run in one step, so every prompt decodes from the next on
+    and no chunk was cut for the first ones' sake."""
+    s = sized(ChunkSizer(step_time=fitted(0.010, 0.001), max_itl_factor=2.0), budget=16)
+    for i, name in enumerate("abcd"):
+        s.add(request(name, 6, first=100 * i))
+    assert run_step(s) == [("a", 5), ("b", 5), ("c", 5), ("d", 1)]  # 21 prompt tokens left: hold
+    assert run_step(s) == [("a", 1), ("b", 1), ("c", 1), ("d", 5)]  # 5 left: none held
+    assert run_step(s) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+
+
+def test_a_prompt_waits_for_the_others_at_most_hold_steps():
+    s = sized(ChunkSizer(step_time=fitted(0.020, 0.001), max_itl_factor=2.0), budget=4)
+    s.add(request("a", 4))
+    s.add(request("b", 60, first=100))
+    steps = [run_step(s) for _ in range(HOLD_STEPS + 1)]
+    assert steps == [[("a", 3), ("b", 1)]] + [[("b", 4)]] * (HOLD_STEPS - 1) + [[("a", 1), ("b", 3)]]
+    assert run_step(s) == [("a", 1), ("b", 3)]  # a decodes: b's chunks are cut to the target now
+
+
+def test_without_a_target_nothing_is_held():
+    s = make(budget=16)
+    for i, name in enumerate("abcd"):
+        s.add(request(name, 6, first=100 * i))
+    assert run_step(s) == [("a", 6), ("b", 6), ("c", 4)]
 
 
 def test_chunks_are_cut_to_the_memory_reserve_more_as_the_context_grows():
