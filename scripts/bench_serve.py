@@ -1,15 +1,19 @@
 """`mlxkv serve` against `mlx_lm.server` over HTTP: one streaming workload at several concurrencies.
 
 Both servers load the same model directory (default: the random ~100M-parameter float32 Llama
-of the other benchmarks) and run one after the other on this machine, each with its own
-defaults (mlxkv with `--max-num-seqs 16 --max-model-len 2048`: it allocates its KV pool up
-front), so neither competes with the other for the CPU.
+of the other benchmarks, or one `--layers` deep, which makes each step that many twelfths as
+slow, to stand in for a large model on a Mac) and run alternately on this machine, mlx-lm then
+mlxkv, `--runs` times (ABAB), so that a burst of load from elsewhere cannot land on one side
+only; each run restarts its server, with its own defaults (mlxkv with `--max-num-seqs 16
+--max-model-len 2048`, allocating its KV pool up front, and `--mlxkv-flags`).
 At each concurrency C, C clients stream `/v1/completions` (greedy, `--output-len` tokens) for
-`--requests-per-client` prompts each. Per server and concurrency it prints output tokens/s
-(from each stream's usage), time to first token p50/p99, inter-token latency p50/p99, the
-server's peak resident memory and how many connections it refused or reset before the first
-token (each retried after 50 ms; the time counts), then `serve_throughput_ratio_c16=... serve_throughput_ratio_c1=...`
-(mlxkv over mlx-lm; the concurrencies named are the largest and smallest asked for).
+`--requests-per-client` prompts each. Per run, server and concurrency it prints output tokens/s
+(from each stream's usage), time to first token p50/p99, inter-token latency p50/p99 and their
+ratio, the server's peak resident memory and how many connections it refused or reset before the
+first token (each retried after 50 ms; the time counts); then, per concurrency, each run's
+throughput ratio (mlxkv over the mlx-lm run before it) and their median, and last
+`serve_throughput_ratio_c16=... serve_throughput_ratio_c1=...` (medians; the concurrencies named
+are the largest and smallest asked for).
 Its HTTP client, httpx, comes with the test extra (`pip install -e ".[test]"`).
 """
 
@@ -32,9 +36,9 @@ from harness import DEFAULT_MODEL, MODEL_HELP, load_bench_model
 from progress import OPENBLAS, bar, expect
 from tqdm import tqdm
 
-from mlxkv.models.random_model import TEXT
+from mlxkv.models.random_model import LLAMA_100M, TEXT, make_checkpoint
 
-DEFAULTS_TAKE = 83  # seconds on progress.MACHINE (docs/benchmarks.md)
+DEFAULTS_TAKE = 200  # seconds on progress.MACHINE (docs/benchmarks.md)
 
 
 def free_port() -> int:
@@ -128,56 +132,70 @@ async def load(url: str, model: str, prompts: list[str], concurrency: int, outpu
     }
 
 
-def servers(model: str, port: int, max_model_len: int, max_itl_ms: float | None) -> dict[str, list[str]]:
+def servers(model: str, port: int, max_model_len: int, flags: list[str]) -> dict[str, list[str]]:
     """The two commands. mlxkv allocates its KV pool up front, sized for 16 sequences of
     `max_model_len` tokens; mlx-lm grows its caches as it goes."""
     python = sys.executable
     return {
-        "mlx_lm.server": [
-            python,
-            "-m",
-            "mlx_lm",
-            "server",
-            "--model",
-            model,
-            "--port",
-            str(port),
-            "--log-level",
-            "WARNING",
-        ],
-        "mlxkv serve": [
-            python,
-            "-m",
-            "mlxkv",
-            "serve",
-            "--model",
-            model,
-            "--port",
-            str(port),
-            "--max-num-seqs",
-            "16",
-            "--max-model-len",
-            str(max_model_len),
-            *(["--max-itl-ms", str(max_itl_ms)] if max_itl_ms is not None else []),
-        ],
+        "mlx_lm.server": [python, "-m", "mlx_lm", "server", "--model", model, "--port", str(port)]
+        + ["--log-level", "WARNING"],
+        "mlxkv serve": [python, "-m", "mlxkv", "serve", "--model", model, "--port", str(port), "--max-num-seqs", "16"]
+        + ["--max-model-len", str(max_model_len), *flags],
     }
+
+
+def bench_model(layers: int | None) -> Path | None:
+    """The random ~100M Llama `layers` deep (built once beside the default one); None: the default."""
+    if layers is None:
+        return None
+    path = DEFAULT_MODEL.with_name(f"{DEFAULT_MODEL.name}-{layers}-layers")
+    if not (path / "config.json").exists():
+        shape = {**LLAMA_100M, "num_hidden_layers": layers}
+        make_checkpoint(path, "llama", "float32", shape=shape, max_position_embeddings=32768)
+    return path
+
+
+def run_server(name: str, command: list[str], port: int, log: Path, workloads: dict, output_len: int, progress) -> dict:
+    """Start one server, run every concurrency's workload against it, stop it; its rows by concurrency."""
+    proc = launch(command, port, log)
+    url, model = f"http://127.0.0.1:{port}", command[command.index("--model") + 1]
+    rows = {}
+    try:
+        asyncio.run(load(url, model, ["warm up"] * 2, 2, 4, tqdm(disable=True)))
+        for c, prompts in workloads.items():
+            progress.set_description(f"{name}: {c} clients")
+            rows[c] = asyncio.run(load(url, model, prompts, c, output_len, progress))
+        peak = peak_rss_gib(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    for row in rows.values():
+        row["ITL p99/p50"] = row["ITL p99 ms"] / row["ITL p50 ms"]
+        row["peak RSS GiB"] = peak
+    return rows
+
+
+COLUMNS = ["tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "ITL p99/p50", "peak RSS GiB", "retries"]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
+    parser.add_argument("--layers", type=int, default=None, help="the default model with this many layers (12)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--prompt-words", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=2048, help="mlxkv's context per sequence")
-    parser.add_argument("--max-itl-ms", type=float, default=None, help="mlxkv's [default: its serve default]")
+    parser.add_argument("--mlxkv-flags", default="", help="more flags for mlxkv serve, e.g. '--max-itl-ms 100'")
+    parser.add_argument("--runs", type=int, default=2, help="runs of each server, alternating")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     expect(DEFAULTS_TAKE, OPENBLAS)
-    load_bench_model(args.model)  # builds the default model if needed, and says what runs it
-    model = str(args.model or DEFAULT_MODEL)
+    path = args.model or bench_model(args.layers)
+    load_bench_model(path)  # builds the default model if needed, and says what runs it
+    model = str(path or DEFAULT_MODEL)
     rng = np.random.default_rng(args.seed)
     words = TEXT.split()
     workloads = {
@@ -188,34 +206,38 @@ def main(argv: list[str] | None = None) -> None:
         for c in args.concurrency
     }
     print(f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}")
-    rows: dict[tuple[str, int], dict] = {}
     logs = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     print(f"server logs: {logs}")
-    progress = bar(2 * sum(map(len, workloads.values())) * args.output_len, "", unit="tok")
-    for name, command in servers(model, port := free_port(), args.max_model_len, args.max_itl_ms).items():
-        progress.set_description(f"{name}: starting")
-        proc = launch(command, port, logs / f"{name}.log")
-        url = f"http://127.0.0.1:{port}"
-        try:
-            asyncio.run(load(url, model, ["warm up"] * 2, 2, 4, tqdm(disable=True)))
-            for c in args.concurrency:
-                progress.set_description(f"{name}: {c} clients")
-                rows[name, c] = asyncio.run(load(url, model, workloads[c], c, args.output_len, progress))
-            peak = peak_rss_gib(proc.pid)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-        for c in args.concurrency:
-            rows[name, c]["peak RSS GiB"] = peak
-
+    commands = servers(model, port := free_port(), args.max_model_len, args.mlxkv_flags.split())
+    progress = bar(args.runs * len(commands) * sum(map(len, workloads.values())) * args.output_len, "", unit="tok")
+    rows: dict[tuple[int, str], dict] = {}
+    for run in range(1, args.runs + 1):
+        for name, command in commands.items():
+            log = logs / f"{name}-{run}.log"
+            rows[run, name] = run_server(name, command, port, log, workloads, args.output_len, progress)
     progress.close()
-    columns = ["tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms", "peak RSS GiB", "retries"]
-    print(f"{'server':16}{'clients':>8}" + "".join(f"{c:>14}" for c in columns))
-    for (name, c), row in sorted(rows.items(), key=lambda item: (item[0][1], item[0][0])):
-        print(f"{name:16}{c:>8}" + "".join(f"{row[k]:>14.3f}" for k in columns))
+
+    print(f"{'run':>3} {'server':16}{'clients':>8}" + "".join(f"{c:>14}" for c in COLUMNS))
+    for c in args.concurrency:
+        for (run, name), by_clients in rows.items():
+            print(f"{run:>3} {name:16}{c:>8}" + "".join(f"{by_clients[c][k]:>14.3f}" for k in COLUMNS))
+    medians = {}
+    for c in args.concurrency:
+        ratios = [
+            rows[run, "mlxkv serve"][c]["tok/s"] / rows[run, "mlx_lm.server"][c]["tok/s"]
+            for run in range(1, args.runs + 1)
+        ]
+        ttft = [
+            rows[run, "mlxkv serve"][c]["TTFT p50 s"] / rows[run, "mlx_lm.server"][c]["TTFT p50 s"]
+            for run in range(1, args.runs + 1)
+        ]
+        medians[c] = float(np.median(ratios))
+        print(
+            f"c{c}: throughput ratio per run {' '.join(f'{r:.3f}' for r in ratios)}, median {medians[c]:.3f}; "
+            f"TTFT p50 ratio per run {' '.join(f'{r:.3f}' for r in ttft)}"
+        )
     high, low = max(args.concurrency), min(args.concurrency)
-    ratio = {c: rows["mlxkv serve", c]["tok/s"] / rows["mlx_lm.server", c]["tok/s"] for c in (high, low)}
-    print(f"serve_throughput_ratio_c{high}={ratio[high]:.3f} serve_throughput_ratio_c{low}={ratio[low]:.3f}")
+    print(f"serve_throughput_ratio_c{high}={medians[high]:.3f} serve_throughput_ratio_c{low}={medians[low]:.3f}")
 
 
 if __name__ == "__main__":

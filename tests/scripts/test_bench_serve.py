@@ -24,16 +24,19 @@ def test_a_small_run_drives_both_servers_and_prints_the_summary(checkpoint, caps
             "6",
             "--max-model-len",
             "128",
+            "--runs",
+            "2",
+            "--mlxkv-flags",
+            "--max-itl-ms 50",
         ]
     )
     out = capsys.readouterr().out
     assert out.startswith("With its defaults this takes about ")
-    rows = re.findall(r"^(mlx_lm\.server|mlxkv serve) +(\d+) +([\d.]+) ", out, re.MULTILINE)
-    assert sorted((name, clients) for name, clients, _ in rows) == [
-        ("mlx_lm.server", "1"),
-        ("mlx_lm.server", "3"),
-        ("mlxkv serve", "1"),
-        ("mlxkv serve", "3"),
+    rows = re.findall(r"^ +(\d) (mlx_lm\.server|mlxkv serve) +(\d+) +([\d.]+) ", out, re.MULTILINE)
+    assert sorted((run, name, clients) for run, name, clients, _ in rows) == [
+        (run, name, clients) for run in "12" for name in ("mlx_lm.server", "mlxkv serve") for clients in ("1", "3")
     ]
-    assert all(float(rate) > 0 for _, _, rate in rows)
+    assert all(float(rate) > 0 for *_, rate in rows)
+    for clients in (3, 1):
+        assert re.search(rf"^c{clients}: throughput ratio per run [\d.]+ [\d.]+, median [\d.]+; ", out, re.MULTILINE)
     assert re.search(r"^serve_throughput_ratio_c3=[\d.]+ serve_throughput_ratio_c1=[\d.]+$", out, re.MULTILINE)
