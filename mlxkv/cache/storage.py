@@ -190,6 +190,9 @@ class KVStorage:
         self.page_size = page_size
         self.num_pages = num_pages
         self.keys, self.values = self._zeroed()
+        self.bytes_per_token = kv_bytes_per_token(
+            self.num_layers, self.kv_heads, self.head_dims, self.dtype, self.bits, self.group_size
+        )  # kept: the KV usage line reads it every step
 
     def reset(self) -> None:
         """Fresh zeroed pages, for when a failed step left the old ones unusable."""
@@ -216,12 +219,6 @@ class KVStorage:
     @property
     def num_layers(self) -> int:
         return len(self.keys)
-
-    @property
-    def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(
-            self.num_layers, self.kv_heads, self.head_dims, self.dtype, self.bits, self.group_size
-        )
 
     @property
     def nbytes(self) -> int:

@@ -32,10 +32,15 @@ class StepPlan:
     def inputs(self, previous: mx.array | None) -> mx.array:
         """The packed token ids, the pending ones taken lazily from `previous` (the tokens the step
         before sampled), so that a step can start before the one before is read."""
+        if not self.pending.size:
+            return mx.array(self.token_ids)
+        assert previous is not None, "only the step before samples a token its successor reads"
+        in_order = self.sources.size == previous.size and np.array_equal(self.sources, np.arange(previous.size))
+        taken = (previous if in_order else previous[mx.array(self.sources)]).astype(mx.int32)
+        if self.pending.size == self.token_ids.size:  # every token pending: a step of decodes only
+            return taken
         ids = mx.array(self.token_ids)
-        if self.pending.size:
-            assert previous is not None, "only the step before samples a token its successor reads"
-            ids[mx.array(self.pending)] = previous[mx.array(self.sources)].astype(mx.int32)
+        ids[mx.array(self.pending)] = taken
         return ids
 
     def encode(self) -> np.ndarray:
