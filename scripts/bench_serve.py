@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from mlxkv.models.random_model import LLAMA_100M, TEXT, make_checkpoint
 
-DEFAULTS_TAKE = 200  # seconds on progress.MACHINE (docs/benchmarks.md)
+DEFAULTS_TAKE = 130  # seconds on progress.MACHINE (docs/benchmarks.md)
 
 
 def free_port() -> int:
