@@ -3,7 +3,8 @@
 The package is layered, each layer importing only those below it:
 `cache` (pages, page tables, K/V storage) < `attention` (reference path, Metal kernels)
 < `engine` (requests, scheduler, model runner, sampling) < `entrypoints` (`LLM`, CLI, server);
-`models` (loading) sits beside the engine; `settings`, `config` and `errors` are shared.
+`models` (loading) sits beside the engine; `settings`, `config`, `errors` and `deprecation` (old
+names kept for one release) are shared.
 """
 
 from .attention import reference_attention

@@ -37,8 +37,8 @@ from progress import FLOAT16, bar, expect
 
 from mlxkv.cache.storage import dtype_name
 from mlxkv.config import EngineConfig, parse_memory
-from mlxkv.engine.kv_budget import context_length
-from mlxkv.engine.model_runner import kv_shape
+from mlxkv.engine.memory.kv_budget import context_length
+from mlxkv.engine.model_kv import kv_shape
 from mlxkv.models.loading import DEMO_MODEL, model_context
 
 PAGE_SIZES = (8, 16, 32, 64)

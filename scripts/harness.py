@@ -23,7 +23,7 @@ from mlxkv import SamplingParams
 from mlxkv.cache.storage import check_quantization, kv_bytes_per_token
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
-from mlxkv.engine.model_runner import kv_shape
+from mlxkv.engine.model_kv import kv_shape
 from mlxkv.models.random_model import LLAMA_100M, make_checkpoint
 from mlxkv.models.structure import text_model
 

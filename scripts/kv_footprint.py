@@ -24,9 +24,9 @@ from progress import expect
 
 from mlxkv.cache.storage import dtype_name, per_layer
 from mlxkv.config import EngineConfig
-from mlxkv.engine.kv_budget import ModelKV, build_kv_cache, plan_kv_cache
-from mlxkv.engine.memory_budget import device_memory
-from mlxkv.engine.model_runner import model_kv
+from mlxkv.engine.memory.kv_budget import build_kv_cache, plan_kv_cache
+from mlxkv.engine.memory.memory_budget import device_memory
+from mlxkv.engine.model_kv import ModelKV, model_kv
 from mlxkv.models.structure import decoder, layer_roles, text_model
 
 DEFAULTS_TAKE = 7  # seconds on progress.MACHINE (docs/benchmarks.md)

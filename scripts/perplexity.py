@@ -31,7 +31,8 @@ from tqdm import tqdm
 from mlxkv import KVCacheManager
 from mlxkv.attention import AttentionSpec, choose_attention
 from mlxkv.config import EngineConfig
-from mlxkv.engine.model_runner import ModelRunner, kv_shape, layer_variants
+from mlxkv.engine.model_kv import kv_shape, layer_variants
+from mlxkv.engine.model_runner import ModelRunner
 from mlxkv.models.loading import DEMO_MODEL
 
 DEFAULTS_TAKE = 140  # seconds on progress.MACHINE (docs/benchmarks.md)

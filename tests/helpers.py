@@ -14,7 +14,7 @@ import numpy as np
 from mlx_lm import load as mlx_lm_load
 
 from mlxkv import KVCacheManager
-from mlxkv.engine.sampling import TokenSampler
+from mlxkv.engine.sampling.sampler import TokenSampler
 from mlxkv.models.random_model import make_checkpoint
 
 mlx_lm_generate = importlib.import_module("mlx_lm.generate")

@@ -1,16 +1,18 @@
-"""The engine: requests, the scheduler, the model runner, sampling and text, one step at a time.
+"""The engine: requests, the scheduler, the model runner, one step at a time.
 
 A request (`request`, its prompt normalised by `inputs`) waits in the `scheduler`, which packs
-decodes and prefill chunks into a batch within the KV cache that `kv_budget` sized; the
-`model_runner` runs the model over it with attention reading the cache; `sampling` picks tokens
-as `sampling_params` say and `text` turns them into streamed text. `llm_engine` is the step
-loop, reporting `outputs` and `stats`; `async_llm` runs it on a thread of its own for asyncio code.
+decodes and prefill chunks into a batch within the KV cache; the `model_runner` runs the model
+over it, its layers (`layers/`) reading the cache, whose shape `model_kv` reads off the model;
+`sampling/` picks tokens and turns them into text. `llm_engine` is the step loop, reporting
+`outputs` and `stats`; `async_llm` runs it on a thread of its own for asyncio code. What the engine
+may spend is `memory/`'s; `speculative/` proposes draft tokens; `parallel/` runs the steps across
+the processes of a tensor-parallel group.
 """
 
 from .async_llm import AsyncLLM
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput, Usage
-from .sampling_params import SamplingParams
+from .sampling.params import SamplingParams
 from .stats import EngineStats
 
 __all__ = ["AsyncLLM", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams", "Usage"]

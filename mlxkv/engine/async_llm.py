@@ -15,7 +15,7 @@ from ..errors import RequestFailed
 from .inputs import request_key
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling.params import SamplingParams
 
 
 class AsyncLLM:

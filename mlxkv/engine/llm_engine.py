@@ -24,27 +24,28 @@ from ..config import EngineConfig
 from ..deprecation import warn
 from ..errors import MlxkvError, RequestTooLong, TensorParallelError, UnknownSequenceError, is_out_of_memory
 from ..models.structure import held_arrays, text_model
-from .chunk_sizing import ChunkSizer
-from .draft_model import DraftModel
-from .follower import follow
 from .inputs import encode_prompt, request_key
-from .kv_budget import agreed, build_kv_cache
-from .memory_budget import plan_memory
-from .model_runner import ModelRunner, attention_for, attention_heads, model_kv
+from .memory.chunk_sizing import ChunkSizer
+from .memory.kv_budget import agreed, build_kv_cache
+from .memory.memory_budget import plan_memory
+from .memory.step_memory import StepMemory
+from .memory.step_time import StepTime
+from .model_kv import attention_for, attention_heads, model_kv
+from .model_runner import ModelRunner
 from .outputs import RequestOutput, Usage
-from .prompt_lookup import PromptLookup
-from .rank_zero import RankZero
+from .parallel.follower import follow
+from .parallel.rank_zero import RankZero
+from .parallel.step_plan import PlanChannel, StepPlan, check_tensor_parallel
 from .request import PENDING, Request, Status
-from .sampling import SamplingFailed, TokenLogprob, logprobs, sample
-from .sampling_params import SamplingParams
+from .sampling.params import SamplingParams
+from .sampling.sampler import SamplingFailed, TokenLogprob, logprobs, sample
+from .sampling.structured_output import StructuredOutput
+from .sampling.text import TextStream
 from .scheduler import ScheduledBatch, Scheduler
-from .speculation import Speculator, accepted_prefix
+from .speculative.draft_model import DraftModel
+from .speculative.prompt_lookup import PromptLookup
+from .speculative.speculation import Speculator, accepted_prefix
 from .stats import EngineStats
-from .step_memory import StepMemory
-from .step_plan import PlanChannel, StepPlan, check_tensor_parallel
-from .step_time import StepTime
-from .structured_output import StructuredOutput
-from .text import TextStream
 
 logger = logging.getLogger("mlxkv")
 OUT_OF_MEMORY_RETRIES = 4  # steps in a row that may run out of memory before their requests fail

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .sampling import TokenLogprob
+from .sampling.sampler import TokenLogprob
 
 
 @dataclass(slots=True)

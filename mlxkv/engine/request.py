@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cache.pins import Pin
-from .sampling import TokenSampler
-from .sampling_params import SamplingParams
-from .speculation import Speculation
-from .text import TextStream
+from .sampling.params import SamplingParams
+from .sampling.sampler import TokenSampler
+from .sampling.text import TextStream
+from .speculative.speculation import Speculation
 
 PENDING = -1  # an output token sampled by a step whose result the host has not read yet
 NO_SEQUENCE = -1  # the seq_id of a request that holds no sequence in the KV cache (not running)

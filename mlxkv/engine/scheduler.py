@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from ..cache.batch import KVBatch
 from ..cache.manager import KVCacheManager
 from ..cache.prefix_cache import PrefixCacheStats
-from .chunk_sizing import ChunkSizer, StepShape
+from .memory.chunk_sizing import ChunkSizer, StepShape
 from .request import NO_SEQUENCE, Request, Status
 
 logger = logging.getLogger("mlxkv")

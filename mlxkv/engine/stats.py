@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from ..cache.prefix_cache import PrefixCacheStats
 from ..cache.usage import KVUsage
-from .memory_budget import MemoryBudget
-from .speculation import SpeculationStats
+from .memory.memory_budget import MemoryBudget
+from .speculative.speculation import SpeculationStats
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,11 @@ from tqdm import tqdm
 from ..cache.layout import KVLayout
 from ..config import EngineConfig
 from ..engine.async_llm import AsyncLLM
-from ..engine.kv_budget import context_length
 from ..engine.llm_engine import LLMEngine
-from ..engine.rank_watchdog import GRACE_S
+from ..engine.memory.kv_budget import context_length
+from ..engine.parallel.rank_watchdog import GRACE_S
 from ..engine.request import Request
-from ..engine.sampling_params import SamplingParams
+from ..engine.sampling.params import SamplingParams
 from ..errors import MlxkvError
 from ..models.loading import load, model_context
 from ..models.sharding import world

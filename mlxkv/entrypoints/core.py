@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from ..cache.pins import Pin
 from ..engine.async_llm import AsyncLLM
 from ..engine.outputs import RequestOutput
-from ..engine.sampling_params import SamplingParams
+from ..engine.sampling.params import SamplingParams
 from .metrics import Metrics
 from .prompts import prompt_ids
 from .tool_calls import Piece, ToolCallStream, tool_grammar

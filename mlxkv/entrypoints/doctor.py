@@ -26,7 +26,7 @@ from ..attention.variant import PLAIN, Variant
 from ..cache.storage import dtype_name
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
-from ..engine.sampling_params import SamplingParams
+from ..engine.sampling.params import SamplingParams
 from ..models import DEMO_MODEL, load
 
 Say = Callable[[str], None]

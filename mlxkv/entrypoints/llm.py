@@ -17,7 +17,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request
-from ..engine.sampling_params import SamplingParams
+from ..engine.sampling.params import SamplingParams
 from ..engine.stats import EngineStats
 from ..errors import RequestFailed
 from ..models.loading import load

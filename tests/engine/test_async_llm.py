@@ -9,7 +9,7 @@ from mlxkv import LLM, RequestFailed, SamplingParams
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
 from mlxkv.engine.async_llm import AsyncLLM
-from mlxkv.engine.sampling import TokenSampler
+from mlxkv.engine.sampling.sampler import TokenSampler
 from mlxkv.models.loading import load
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61))]

@@ -1,11 +1,11 @@
 import mlx.core as mx
 
 from mlxkv import KVCacheManager, SamplingParams
-from mlxkv.engine.chunk_sizing import LEAST_CHUNK, ChunkSizer
+from mlxkv.engine.memory.chunk_sizing import LEAST_CHUNK, ChunkSizer
+from mlxkv.engine.memory.step_memory import StepMemory
+from mlxkv.engine.memory.step_time import StepTime
 from mlxkv.engine.request import Request, Status
 from mlxkv.engine.scheduler import HOLD_STEPS, Scheduler
-from mlxkv.engine.step_memory import StepMemory
-from mlxkv.engine.step_time import StepTime
 
 
 def make(num_pages=32, page_size=4, max_num_seqs=8, budget=16, layout="paged", prefix_caching=True, kv_bits=None):

@@ -18,7 +18,7 @@ from helpers import (
 from mlx_lm import load as mlx_lm_load
 
 from mlxkv import LLM, ModelLoadError, RequestFailed, RequestTooLong, SamplingParams
-from mlxkv.engine.sampling import TokenSampler
+from mlxkv.engine.sampling.sampler import TokenSampler
 
 PROMPTS = [list(range(5, 8)), list(range(10, 27)), list(range(30, 70))]
 

@@ -367,7 +367,7 @@ def test_a_request_that_fails_gets_a_500_or_an_error_event_and_the_rest_go_on(mo
     from helpers import ExplodingSampler
 
     from mlxkv import AsyncLLM, EngineConfig, LLMEngine, load
-    from mlxkv.engine.sampling import TokenSampler
+    from mlxkv.engine.sampling.sampler import TokenSampler
     from mlxkv.entrypoints.server import build_app
 
     original = TokenSampler.key

@@ -106,7 +106,7 @@ FAILING = """
 import json, sys
 from mlxkv import SamplingParams
 from mlxkv.engine.llm_engine import LLMEngine
-from mlxkv.engine.sampling import TokenSampler
+from mlxkv.engine.sampling.sampler import TokenSampler
 from mlxkv.models.loading import load
 from mlxkv.models.sharding import world
 original = TokenSampler.key
@@ -195,7 +195,7 @@ import os, sys
 import mlx.core as mx
 from mlxkv import SamplingParams
 from mlxkv.engine.llm_engine import LLMEngine
-from mlxkv.engine.step_plan import PlanChannel
+from mlxkv.engine.parallel.step_plan import PlanChannel
 from mlxkv.errors import TensorParallelError
 from mlxkv.models.loading import load
 from mlxkv.models.sharding import world

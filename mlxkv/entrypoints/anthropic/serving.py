@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from ...cache.pins import Pin
 from ...engine.outputs import RequestOutput, Usage
-from ...engine.sampling_params import SamplingParams
+from ...engine.sampling.params import SamplingParams
 from ...errors import RequestFailed
 from ..core import Event, ServingCore, ServingError, Tools, pin_of, refused_as, split, until_done
 from ..tool_calls import Piece, ToolCall, ToolCallStream

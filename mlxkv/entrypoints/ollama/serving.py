@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from mlx.utils import tree_flatten
 
 from ...engine.outputs import RequestOutput
-from ...engine.sampling_params import SamplingParams
+from ...engine.sampling.params import SamplingParams
 from ...errors import RequestFailed
 from ...models.structure import text_model
 from ..core import Event, ServingCore, ServingError, Tools, refused_as, split, until_done

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.outputs import Usage
-from ...engine.sampling_params import CONSTRAINTS, SamplingParams
+from ...engine.sampling.params import CONSTRAINTS, SamplingParams
 from ..core import ServingError, forced_tools
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.

@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.outputs import RequestOutput
-from ...engine.sampling_params import SamplingParams
+from ...engine.sampling.params import SamplingParams
 from ...errors import RequestFailed
 from ..core import Event, ServingCore, ServingError, forced_tools, refused_as, split, until_done
 from ..tool_calls import Piece, ToolCallStream

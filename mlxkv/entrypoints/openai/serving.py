@@ -15,8 +15,8 @@ from fastapi.responses import StreamingResponse
 from ...cache.pins import Pin
 from ...cache.prefix_cache import check_salt
 from ...engine.outputs import Usage
-from ...engine.sampling import TokenLogprob
-from ...engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from ...engine.sampling.params import MAX_LOGPROBS, SamplingParams
+from ...engine.sampling.sampler import TokenLogprob
 from ...errors import RequestFailed
 from ..core import (
     Choice,

@@ -18,7 +18,7 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ...engine.lark import LarkText
+from ...engine.sampling.lark import LarkText
 
 COMPACT_JSON: dict[str, Any] = {"whitespace_flexible": False}  # llguidance's option: JSON as a model writes it best
 NL = "\n"

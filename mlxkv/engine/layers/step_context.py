@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from ..attention.backend import AttentionFn
-from ..cache.batch import KVBatch
-from ..cache.manager import KVCacheManager
-from ..cache.state_batch import StateBatch
-from ..models.rotary import Positions
+from ...attention.backend import AttentionFn
+from ...cache.batch import KVBatch
+from ...cache.manager import KVCacheManager
+from ...cache.state_batch import StateBatch
+from ...models.rotary import Positions
 
 
 @dataclass(frozen=True)

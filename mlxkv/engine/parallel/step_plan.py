@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..cache.batch import KVBatch
-from .kv_budget import ModelKV
+from ...cache.batch import KVBatch
+from ..model_kv import ModelKV
 
 STOP = -1  # the plan that ends the followers
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mlxkv import SamplingParams
-from mlxkv.engine.sampling import SamplingFailed, TokenSampler, sample
+from mlxkv.engine.sampling.sampler import SamplingFailed, TokenSampler, sample
 
 MIX = [
     dict(),

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from ..attention.backend import TemporaryBytes
-from ..attention.heads import FLOAT32, Heads
+from ...attention.backend import TemporaryBytes
+from ...attention.heads import FLOAT32, Heads
 
 SAMPLE_COPIES = 4  # vocabulary-sized float32 arrays a sampled row holds: logits, their softmax, noise, a mask
 

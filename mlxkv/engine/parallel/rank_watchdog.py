@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import TensorParallelError
+from ...errors import TensorParallelError
 
 logger = logging.getLogger("mlxkv")
 GRACE_S = 2.0  # how long a server's /health reports the failure before the process ends

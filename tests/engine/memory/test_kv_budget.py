@@ -5,7 +5,8 @@ import pytest
 
 from mlxkv import KVLayout
 from mlxkv.config import EngineConfig
-from mlxkv.engine.kv_budget import ModelKV, build_kv_cache, plan_kv_cache
+from mlxkv.engine.memory.kv_budget import build_kv_cache, plan_kv_cache
+from mlxkv.engine.model_kv import ModelKV
 
 ROOM = 16 * 10**9  # bytes the memory budget leaves the KV cache, unless a test says otherwise
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .request import Request
+from ..request import Request
 
 NGRAMS = (4, 3, 2)  # n-gram sizes looked up, longest first: a longer match is the likelier to go on
 

@@ -1,4 +1,4 @@
-from mlxkv.engine.text import TextStream
+from mlxkv.engine.sampling.text import TextStream
 
 
 class CharDetokenizer:

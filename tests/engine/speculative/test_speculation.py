@@ -4,7 +4,7 @@ import pytest
 from helpers import BASE, GEMMA4, HYBRIDS, perturbed_copy
 
 from mlxkv import LLM, EngineConfig, LLMEngine, SamplingParams
-from mlxkv.engine.speculation import Speculation, accepted_prefix
+from mlxkv.engine.speculative.speculation import Speculation, accepted_prefix
 from mlxkv.models.loading import load
 from mlxkv.models.random_model import make_checkpoint
 

@@ -7,8 +7,8 @@ import pytest
 
 from mlxkv.cache.batch import KVBatch
 from mlxkv.cache.state_pool import StateShape
-from mlxkv.engine.kv_budget import ModelKV
-from mlxkv.engine.step_plan import StepPlan, check_tensor_parallel
+from mlxkv.engine.model_kv import ModelKV
+from mlxkv.engine.parallel.step_plan import StepPlan, check_tensor_parallel
 
 
 def test_a_plan_with_window_groups_decodes_to_the_same_batch():

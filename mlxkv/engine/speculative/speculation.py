@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .step_time import StepTime
+from ..memory.step_time import StepTime
 
 if TYPE_CHECKING:
-    from .request import Request
+    from ..request import Request
 
 PRIOR_RATE = 0.6  # a request's acceptance rate before any of its drafts is verified
 RATE_WEIGHT = 0.3  # weight of the latest verification in the moving average

@@ -21,17 +21,18 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..attention.kernels import PagedAttentionKernels
-from ..cache.layout import KVLayout
-from ..cache.manager import KVCacheManager
-from ..config import EngineConfig
-from ..errors import KVCacheExhausted, ModelLoadError
-from ..models.loading import load
-from ..models.structure import text_model
-from .kv_budget import ModelKV, build_kv_cache, plan_kv_cache
-from .model_runner import ModelRunner, attention_for, model_kv
-from .request import Request, Status
-from .sampling import sample
+from ...attention.kernels import PagedAttentionKernels
+from ...cache.layout import KVLayout
+from ...cache.manager import KVCacheManager
+from ...config import EngineConfig
+from ...errors import KVCacheExhausted, ModelLoadError
+from ...models.loading import load
+from ...models.structure import text_model
+from ..memory.kv_budget import build_kv_cache, plan_kv_cache
+from ..model_kv import ModelKV, attention_for, model_kv
+from ..model_runner import ModelRunner
+from ..request import Request, Status
+from ..sampling.sampler import sample
 
 COUNTED = 2**62  # room for the draft's pages, which the target's KV plan has counted already
 

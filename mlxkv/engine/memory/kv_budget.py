@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
 
-from ..cache.layout import KVLayout
-from ..cache.manager import KVCacheManager, prefix_cached, window_pool_pages
-from ..cache.state_pool import StateShape, state_bytes
-from ..cache.storage import PerLayer, check_quantization, kv_bytes_per_token, per_layer
-from ..config import EngineConfig
+from ...cache.layout import KVLayout
+from ...cache.manager import KVCacheManager, prefix_cached, window_pool_pages
+from ...cache.storage import check_quantization, kv_bytes_per_token, per_layer
+from ...config import EngineConfig
+from ..model_kv import ModelKV
 
 
 def context_length(max_model_len: int | None, model_max_len: int | None) -> int:
@@ -27,27 +26,6 @@ def window_pages(config: EngineConfig, window: int) -> int:
 
 def _gb(size: int) -> str:
     return f"{size / 1e9:.1f} GB"
-
-
-@dataclass(frozen=True)
-class ModelKV:
-    """What sizing a KV cache needs to know of a model: its attention layers' K/V shape (KV heads and
-    head dim: one for all layers, or each layer's) and dtype, its own context (None if its config
-    gives none), its weights' bytes, each attention layer's sliding window (None: full) and what
-    each recurrent layer of a hybrid keeps per sequence."""
-
-    num_layers: int
-    num_kv_heads: PerLayer
-    head_dim: PerLayer
-    dtype: mx.Dtype
-    context: int | None = None
-    weights_bytes: int = 0
-    layer_windows: Sequence[int | None] | None = None
-    state_shapes: Sequence[Sequence[StateShape]] = ()
-
-    @property
-    def state_bytes_per_sequence(self) -> int:
-        return state_bytes(self.state_shapes)
 
 
 @dataclass(frozen=True)

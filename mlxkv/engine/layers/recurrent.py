@@ -9,8 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from ..cache.state_batch import RowGroup
-from ..cache.state_pool import StatePool
+from ...cache.state_batch import RowGroup
+from ...cache.state_pool import StatePool
 from .step_context import StepContext
 
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..settings import BOOLEAN, POSITIVE, TEXT, Check, integer, number, optional, setting, validate
+from ...settings import BOOLEAN, POSITIVE, TEXT, Check, integer, number, optional, setting, validate
 
 GREEDY_BELOW = 1e-5  # a lower temperature is greedy: 1/T would push the scaled logits past float32
 MAX_LOGPROBS = 20  # most alternatives a request may ask log-probabilities for (OpenAI's limit)

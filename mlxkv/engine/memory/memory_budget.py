@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..config import EngineConfig
+from ...config import EngineConfig
+from ..model_kv import ModelKV
 from .chunk_sizing import LEAST_CHUNK
-from .kv_budget import KVCachePlan, ModelKV, context_length, plan_kv_cache
+from .kv_budget import KVCachePlan, context_length, plan_kv_cache
 from .step_memory import StepMemory
 
 logger = logging.getLogger("mlxkv")

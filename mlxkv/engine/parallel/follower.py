@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..errors import TensorParallelError
-from .model_runner import ModelRunner
+from ...errors import TensorParallelError
+from ..model_runner import ModelRunner
 from .step_plan import PlanChannel
 
 

@@ -1,4 +1,4 @@
-from mlxkv.engine.prompt_lookup import NgramIndex
+from mlxkv.engine.speculative.prompt_lookup import NgramIndex
 
 
 def test_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():

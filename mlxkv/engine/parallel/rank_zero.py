@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from ..errors import TensorParallelError
-from .model_runner import ModelRunner
+from ...errors import TensorParallelError
+from ..model_runner import ModelRunner
 from .rank_watchdog import RankWatchdog
 from .step_plan import PlanChannel, StepPlan
 

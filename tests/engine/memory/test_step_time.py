@@ -1,6 +1,6 @@
 import pytest
 
-from mlxkv.engine.step_time import StepTime
+from mlxkv.engine.memory.step_time import StepTime
 
 
 def test_the_fit_recovers_fixed_per_token_and_per_attended_pair_costs():

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
-from ..errors import MlxkvError
-from .sampling_params import SamplingParams
+from ...errors import MlxkvError
+from .params import SamplingParams
 
 
 def log_softmax(logits: mx.array) -> mx.array:

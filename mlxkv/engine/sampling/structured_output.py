@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .sampling_params import SamplingParams
+from .params import SamplingParams
 
 CACHE_SIZE = 64  # distinct constraints kept compiled
 JSON_OPTIONS: Any = {"whitespace_flexible": False}  # compact JSON: "," and ":" with no spaces, as a model reads best

@@ -7,9 +7,9 @@ import pytest
 
 from mlxkv import LLMEngine, SamplingParams
 from mlxkv.config import EngineConfig
-from mlxkv.engine.kv_budget import ModelKV
-from mlxkv.engine.memory_budget import memory_limit, plan_memory
-from mlxkv.engine.step_memory import StepMemory
+from mlxkv.engine.memory.memory_budget import memory_limit, plan_memory
+from mlxkv.engine.memory.step_memory import StepMemory
+from mlxkv.engine.model_kv import ModelKV
 from mlxkv.models.loading import load
 from mlxkv.models.random_model import TINY, make_checkpoint
 
@@ -20,7 +20,7 @@ STEP = StepMemory(per_token=100_000, per_sample=500_000, heads=None, attention=l
 
 @pytest.fixture
 def device(monkeypatch):
-    monkeypatch.setattr("mlxkv.engine.memory_budget.device_memory", lambda: 48 * GB)
+    monkeypatch.setattr("mlxkv.engine.memory.memory_budget.device_memory", lambda: 48 * GB)
 
 
 @pytest.mark.parametrize(

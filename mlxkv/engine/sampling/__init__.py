@@ -1,0 +1,7 @@
+"""From a step's logits to a request's text.
+
+`params` declares `SamplingParams`, how one request samples; `sampler` draws the batch's tokens (one
+argmax, one Gumbel-max draw) and their log-probabilities; `structured_output` masks the logits of
+constrained requests with llguidance's grammars, whose text `lark` spells as the tokenizer does;
+`text` turns tokens into streamed text and finds stop strings.
+"""
