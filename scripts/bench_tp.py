@@ -25,6 +25,7 @@ from progress import OPENBLAS
 from mlxkv import SamplingParams
 from mlxkv.config import EngineConfig
 from mlxkv.engine.llm_engine import LLMEngine
+from mlxkv.engine.parallel.rank_zero import RankZero
 from mlxkv.models.loading import load
 from mlxkv.models.sharding import world
 
@@ -45,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     while engine.has_unfinished():
         engine.step()
         steps += 1
-        plan_bytes += engine.rank_zero.channel.sent_bytes if engine.rank_zero is not None else 0
+        plan_bytes += engine.rank_zero.channel.sent_bytes if isinstance(engine.rank_zero, RankZero) else 0
     seconds = time.perf_counter() - started
     figures = {
         "tok_s": 16 * args.output_len / seconds,

@@ -1,9 +1,17 @@
-"""What a request arrives as, normalised: its id, and its prompt as token ids."""
+"""What a request arrives as, normalised: its id, its prompt as token ids, its settings checked."""
 
 from __future__ import annotations
 
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from ..cache.pins import Pin
+from ..cache.prefix_cache import check_salt
+from ..errors import RequestTooLong
+from .request import Request
+from .sampling.params import SamplingParams
+from .sampling.structured_output import StructuredOutput
+from .sampling.text import TextStream
 
 
 def request_key(request_id: object) -> str:
@@ -51,3 +59,32 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: object, vocab_size: int) 
     if not ids:
         raise ValueError("prompt is empty")
     return ids
+
+
+def new_request(
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams | None,
+    cache_salt: str | None,
+    pin: Pin | None,
+    most_tokens: int,
+    tokenizer: TokenizerWrapper,
+    structured: StructuredOutput,
+) -> Request:
+    """A request of `prompt_ids`, with its text stream and its constraint's matcher; refused
+    (`RequestTooLong`) if prompt and `max_tokens` make more than `most_tokens`, with TypeError for
+    settings of the wrong kind and ValueError for a constraint that cannot be compiled."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if pin is not None and not isinstance(pin, Pin):
+        raise TypeError(f"pin must be a Pin or None, got {type(pin).__name__}")
+    request = Request(request_id, prompt_ids, params, check_salt(cache_salt), pin)
+    if request.max_length > most_tokens:
+        raise RequestTooLong(
+            f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} makes "
+            f"{request.max_length} tokens; one request can have at most {most_tokens}"
+        )
+    request.stream = TextStream(tokenizer.detokenizer, params.stop)
+    request.matcher = structured.matcher(params)
+    return request

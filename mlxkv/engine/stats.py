@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import mlx.core as mx
+
+from ..cache.manager import KVCacheManager
 from ..cache.prefix_cache import PrefixCacheStats
 from ..cache.usage import KVUsage
 from .memory.memory_budget import MemoryBudget
-from .speculative.speculation import SpeculationStats
+from .scheduler import Scheduler
+from .speculative.speculation import SpeculationStats, Speculator
 
 
 @dataclass(frozen=True)
@@ -26,3 +30,20 @@ class EngineStats:
     speculation: SpeculationStats | None = None
     memory: MemoryBudget | None = None
     peak_memory: int = 0
+
+    @classmethod
+    def of(
+        cls, scheduler: Scheduler, cache: KVCacheManager, speculator: Speculator | None, memory: MemoryBudget
+    ) -> EngineStats:
+        """The snapshot of an engine's parts, now."""
+        return cls(
+            len(scheduler.running),
+            len(scheduler.waiting),
+            scheduler.num_preemptions,
+            cache.usage(),
+            cache.prefix_caching,
+            replace(scheduler.prefix_stats),
+            speculator.stats if speculator is not None else None,
+            memory,
+            mx.get_peak_memory(),
+        )

@@ -1,6 +1,7 @@
 """Rank 0's side of a tensor-parallel group: each step's plan sent before its forward pass starts,
 its sampled tokens shared at its end, and the group's failure kept, whether a rank died (its
-sockets close, the step fails) or stopped answering (`RankWatchdog`)."""
+sockets close, the step fails) or stopped answering (`RankWatchdog`). An engine alone has `Alone`
+in its place."""
 
 from __future__ import annotations
 
@@ -84,3 +85,27 @@ class RankZero:
             except RuntimeError:  # MLX's backends raise it for a lost peer
                 pass
             self.lose(TensorParallelError("the tensor-parallel group was stopped (stop_followers)"))
+
+
+class Alone:
+    """What stands for `RankZero` in an engine that is no tensor-parallel group's rank 0: its steps
+    are its own, sent to nobody and never lost."""
+
+    lost: TensorParallelError | None = None
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        yield
+
+    def forward(self, runner: ModelRunner, plan: StepPlan, previous: mx.array | None) -> mx.array:
+        """The final hidden states of `plan`'s batch (lazy)."""
+        return runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv)
+
+    def share(self, tokens: mx.array) -> mx.array:
+        return tokens
+
+    def settle(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass

@@ -5,6 +5,8 @@ tables, and only rank 0 keeps requests."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -12,6 +14,8 @@ import numpy as np
 
 from ...cache.batch import KVBatch
 from ..model_kv import ModelKV
+from ..request import PENDING, Request
+from ..scheduler import ScheduledBatch
 
 STOP = -1  # the plan that ends the followers
 
@@ -28,6 +32,25 @@ class StepPlan:
     pending: np.ndarray
     sources: np.ndarray
     samples: int
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, previous: Sequence[Request], samples: int) -> StepPlan:
+        """`batch`'s forward pass as a plan, sampling `samples` tokens: its input tokens packed, those
+        still `PENDING` to be taken from the step before, whose sampling rows were `previous`."""
+        host = np.fromiter(
+            itertools.chain.from_iterable(
+                r.pending(n - len(d)) + d for r, n, d in zip(batch.requests, batch.counts, batch.drafts)
+            ),
+            np.int32,
+        )
+        pending = np.flatnonzero(host == PENDING).astype(np.int32)
+        sources = np.zeros(0, np.int32)
+        if pending.size:
+            rows = {id(r): i for i, r in enumerate(previous)}  # only the step before samples a pending token
+            owners = np.repeat(np.arange(len(batch.requests)), batch.counts)[pending]
+            sources = np.array([rows[id(batch.requests[o])] for o in owners], np.int32)
+            host[pending] = 0
+        return cls(host, batch.kv, np.asarray(batch.own_kv, np.int32), pending, sources, samples)
 
     def inputs(self, previous: mx.array | None) -> mx.array:
         """The packed token ids, the pending ones taken lazily from `previous` (the tokens the step

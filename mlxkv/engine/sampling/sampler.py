@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
 from ...errors import MlxkvError
 from .params import SamplingParams
+from .structured_output import StructuredOutput
+
+if TYPE_CHECKING:
+    from ..request import Request
 
 
 def log_softmax(logits: mx.array) -> mx.array:
@@ -113,3 +120,24 @@ def _draw(logits: mx.array, params: list[SamplingParams], keys: mx.array) -> mx.
     scaled = logprobs * _column([1 / p.temperature for p in params])
     noise = mx.vmap(lambda key: mx.random.gumbel((vocab,), key=key))(keys)
     return mx.argmax(scaled + noise, axis=-1).astype(mx.uint32)
+
+
+def draw(
+    logits: mx.array,
+    requests: Sequence[Request],
+    indices: Sequence[int],
+    drafts: Sequence[Sequence[int]],
+    structured: StructuredOutput,
+) -> tuple[mx.array, tuple[mx.array, ...]]:
+    """A step's draws (lazy): row i's `1 + len(drafts[i])` tokens (its last token's and one for each
+    draft token) for `requests[i]` from its output number `indices[i]` on, each constrained row
+    masked; and the log-probabilities the requests asked for (`logprobs`, or none)."""
+    widths = [1 + len(d) for d in drafts]
+    firsts = np.cumsum(widths) - widths  # each row's first row of logits
+    constrained = [(r.matcher, int(f), d) for r, f, d in zip(requests, firsts, drafts) if r.matcher is not None]
+    if constrained:
+        logits = structured.masked(logits, constrained)
+    samplers = [r.sampler for r, w in zip(requests, widths) for _ in range(w)]
+    tokens = sample(logits, samplers, [n + i for n, w in zip(indices, widths) for i in range(w)])
+    wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+    return tokens, logprobs(logits, tokens, max(wanted)) if wanted else ()

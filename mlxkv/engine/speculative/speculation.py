@@ -22,6 +22,7 @@ time the trial fails, so a draft that is never right costs next to nothing.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from ..memory.step_time import StepTime
 if TYPE_CHECKING:
     from ..request import Request
 
+logger = logging.getLogger(__name__)
 PRIOR_RATE = 0.6  # a request's acceptance rate before any of its drafts is verified
 RATE_WEIGHT = 0.3  # weight of the latest verification in the moving average
 LONGEST_REST = 64  # most steps a request sits out before trying to draft again
@@ -121,6 +123,15 @@ class Speculator:
         self.draft_step = 0.0  # seconds of drafting per draft token of every request, a moving average
         self.stats = SpeculationStats()
 
+    def step_lengths(self, running: Sequence[Request], waiting: bool, budget: int) -> dict[Request, int]:
+        """How many draft tokens each running decode request proposes in the next step (those
+        proposing any), in a step of at most `budget` tokens beside the prefill the running
+        requests have left (and a full budget more of it when requests are `waiting`)."""
+        decode = [r for r in running if r.is_decode and not r.done_sampling]
+        prefill = sum(r.num_remaining for r in running if not r.is_decode)
+        left = budget - len(decode)
+        return self.lengths(decode, min(left, prefill + (left if waiting else 0)))
+
     def lengths(self, requests: Sequence[Request], other_tokens: int) -> dict[Request, int]:
         """How many draft tokens each decode request (of those that would propose any) proposes in
         a step of these rows and `other_tokens` more: as many as pay, within its `max_tokens`."""
@@ -144,13 +155,22 @@ class Speculator:
         return 1.0 if fixed + varying <= 0 else (varying + self.draft_step) / (fixed + varying)
 
     def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> None:
-        """Set each request's `draft`: at most its length of tokens from the drafter."""
+        """Set each request's `draft`: at most its length of tokens from the drafter, cut at the
+        first its constraint forbids. A drafter that fails costs the step its drafts, never a
+        request: it starts afresh."""
         started = time.perf_counter()
-        proposals = self.drafter.propose(requests, lengths)
+        try:
+            proposals = self.drafter.propose(requests, lengths)
+        except Exception as exc:
+            logger.warning("drafting failed (%s); this step runs without draft tokens", exc)
+            proposals = [[] for _ in requests]
+            self.drafter.reset()
         if lengths:
             self.draft_step += RATE_WEIGHT * ((time.perf_counter() - started) / max(lengths) - self.draft_step)
         for request, proposal, most in zip(requests, proposals, lengths):
             request.draft = proposal[:most]
+            if request.matcher is not None and request.draft:
+                del request.draft[request.matcher.validate_tokens(request.draft) :]
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:
         request.speculation.record(drafted, accepted)

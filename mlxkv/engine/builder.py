@@ -1,0 +1,126 @@
+"""How an engine is put together, in order: the model's K/V shape, the memory plan, the KV cache, the
+attention path, the model runner, the drafter and the scheduler."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from ..attention.backend import planned_temporary_bytes, temporary_bytes_of
+from ..attention.kernels import PagedAttentionKernels
+from ..attention.reference import reference_attention
+from ..cache.manager import KVCacheManager
+from ..config import EngineConfig
+from ..models.structure import held_arrays, text_model
+from .memory.chunk_sizing import ChunkSizer
+from .memory.kv_budget import agreed, build_kv_cache
+from .memory.memory_budget import MemoryBudget, plan_memory
+from .memory.step_memory import StepMemory
+from .memory.step_time import StepTime
+from .model_kv import attention_for, attention_heads, model_kv
+from .model_runner import ModelRunner
+from .parallel.rank_zero import Alone, RankZero
+from .parallel.step_plan import check_tensor_parallel
+from .sampling.structured_output import StructuredOutput
+from .scheduler import Scheduler
+from .speculative.draft_model import DraftModel
+from .speculative.prompt_lookup import PromptLookup
+from .speculative.speculation import Speculator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """An engine's parts: the cache and its memory budget, the runner over the model, what fits the
+    step's time, the drafter (None: no speculation), the constraints' masks, the scheduler, and
+    rank 0's side of a tensor-parallel group (`Alone` on any other engine)."""
+
+    cache: KVCacheManager
+    memory: MemoryBudget
+    runner: ModelRunner
+    step_time: StepTime
+    speculator: Speculator | None
+    structured: StructuredOutput
+    scheduler: Scheduler
+    rank_zero: RankZero | Alone
+
+
+def build_engine(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    config: EngineConfig,
+    kernels: PagedAttentionKernels | None,
+    group: mx.distributed.Group | None,
+) -> EngineParts:
+    """The parts of an engine running `model` (see `LLMEngine`); `group`: a tensor-parallel group of
+    more than one process, or None."""
+    model = text_model(model)
+    shape = model_kv(model)
+    if group is not None:
+        check_tensor_parallel(shape)
+    draft = DraftModel.checkpoint(config, tokenizer) if config.draft_model is not None else None
+    planned = StepMemory.of(model, attention_heads(model), planned_temporary_bytes(config.attention, kernels))
+    memory, plan = plan_memory(config, shape, planned, draft[1] if draft is not None else None)
+    if group is not None:
+        plan = agreed(plan, group)
+    cache = build_kv_cache(config, shape, plan)
+    attention = attention_for(model, cache, config.attention, kernels)
+    memory.apply()
+    logger.info(
+        "KV cache: %s; attention: %s; memory: %s",
+        cache.usage(),
+        "reference" if attention is reference_attention else "Metal kernels",
+        memory,
+    )
+    runner = ModelRunner(model, cache, attention)
+    # Whichever thread steps the engine: nothing it was built with is a lazy graph of this one's.
+    mx.eval(held_arrays(model), held_arrays(draft[0]) if draft is not None else [])
+    step_time = StepTime()
+    itl = config.max_itl_ms
+    sizer = ChunkSizer(
+        replace(planned, attention=temporary_bytes_of(attention)),
+        memory.reserve,
+        step_time,
+        itl / 1000 if itl else None,
+        config.max_itl_factor or None,
+    )
+    return EngineParts(
+        cache,
+        memory,
+        runner,
+        step_time,
+        speculator(config, cache, step_time, model.args.vocab_size, draft[0] if draft else None, kernels),
+        StructuredOutput(tokenizer, model.args.vocab_size),
+        Scheduler(cache, config.max_num_seqs, config.max_num_batched_tokens, sizer),
+        RankZero(group, config.rank_timeout_s) if group is not None and group.rank() == 0 else Alone(),
+    )
+
+
+def speculator(
+    config: EngineConfig,
+    cache: KVCacheManager,
+    step_time: StepTime,
+    vocab_size: int,
+    draft: nn.Module | None,
+    kernels: PagedAttentionKernels | None,
+) -> Speculator | None:
+    """The speculative decoding `config` asks for, if any (`draft`: the draft model, loaded); a
+    hybrid model's recurrent state cannot be rewound past rejected draft tokens, so it cannot
+    speculate."""
+    if not config.prompt_lookup and config.draft_model is None:
+        return None
+    name = "prompt_lookup" if config.prompt_lookup else "draft_model"
+    if cache.states is not None:
+        raise ValueError(
+            f"speculative decoding ({name}) needs a model whose every layer keeps K/V; this one has "
+            "recurrent layers, whose state cannot be rewound past rejected draft tokens"
+        )
+    if draft is None:
+        return Speculator(PromptLookup(), config.num_draft_tokens, step_time)
+    drafter = DraftModel.build(config, draft, cache, vocab_size, kernels)
+    return Speculator(drafter, config.num_draft_tokens, step_time)
