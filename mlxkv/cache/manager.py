@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -14,6 +13,7 @@ from ..errors import KVCacheExhausted, MlxkvError, UnknownSequenceError
 from ..settings import BOOLEAN, POSITIVE, require
 from .batch import KVBatch
 from .layout import KVLayout, resolve_layout
+from .page_group import PageGroup, window_pool_pages
 from .page_table import PageTable
 from .pins import PrefixPins
 from .pool import PagePool
@@ -21,25 +21,6 @@ from .state_pool import StatePool, StateShape
 from .state_snapshots import State, StateSnapshots
 from .storage import KVStorage, Pages, PerLayer, check_quantization, per_layer
 from .usage import KVUsage
-
-
-@dataclass
-class WindowGroup:
-    """The layers that share one sliding window, with pages of their own: a sequence holds
-    only the pages its window reaches, and gives back the rest as it grows."""
-
-    window: int
-    layers: list[int]
-    pool: PagePool
-    storage: KVStorage
-    tables: dict[int, PageTable]
-    rows: np.ndarray  # the tables' page rows, one per sequence row as in the manager's
-
-
-def window_pool_pages(window: int, page_size: int, max_num_seqs: int, step_tokens: int) -> int:
-    """Pages a window group needs so that it never runs out: each sequence's window plus a page
-    on either side, and the new tokens of one step of at most `step_tokens`."""
-    return max_num_seqs * (-(-window // page_size) + 2) + -(-step_tokens // page_size)
 
 
 def prefix_cached(
@@ -63,11 +44,6 @@ def _counts(num_new_tokens: Sequence[int]) -> list[int]:
         raise ValueError(f"num_new_tokens must be non-negative integers, got {list(num_new_tokens)}")
     values: list[int] = counts.tolist()
     return values
-
-
-def _stable_width(pages: int, limit: int) -> int:
-    """Pad page tables to the next power of two so kernels see few distinct shapes."""
-    return min(limit, 1 << max(0, pages - 1).bit_length())
 
 
 @renamed_keywords(max_seqs="max_num_seqs", max_seq_len="max_model_len", block_size="page_size", num_blocks="num_pages")
@@ -165,49 +141,37 @@ class KVCacheManager:
         self.max_pages_per_seq = pages_per_seq
         pinnable = int(pinned_fraction * self.pool.capacity)
         self.pins = PrefixPins(self.pool, pinnable) if self.prefix_caching and pinnable else None
-        self._rows = np.zeros((max_num_seqs, pages_per_seq), np.int32)  # row i: the pages of the sequence in row i
+        rows = np.zeros((max_num_seqs, pages_per_seq), np.int32)  # row i: the pages of the sequence in row i
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._row_of: dict[int, int] = {}
-        shared = [i for i, w in enumerate(windows) if not (grouped and w)]
-        self._where: dict[int, tuple[int | None, int]] = {layer: (None, index) for index, layer in enumerate(shared)}
-        self.storage = KVStorage(
-            len(shared),
-            self.pool.capacity,
-            [heads[i] for i in shared],
-            self.pool.page_size,
-            [dims[i] for i in shared],
-            dtype,
-            kv_bits,
-            kv_group_size,
-        )
-        self.windowed: dict[int, WindowGroup] = {}
-        for window in sorted({w for w in windows if w}) if grouped else ():
-            layers = [i for i, w in enumerate(windows) if w == window]
-            pages = (window_pages or {}).get(window) or window_pool_pages(
-                window, page_size, max_num_seqs, max_model_len
-            )
-            self.windowed[window] = WindowGroup(
-                window,
-                layers,
-                PagePool(pages, page_size),
-                KVStorage(
-                    len(layers),
-                    pages,
-                    [heads[i] for i in layers],
-                    page_size,
-                    [dims[i] for i in layers],
-                    dtype,
-                    kv_bits,
-                    kv_group_size,
-                ),
-                {},
-                np.zeros_like(self._rows),
-            )
+        keys = [None] + (sorted({w for w in windows if w}) if grouped else [])
+        self.groups: dict[int | None, PageGroup] = {}
+        self._where: dict[int, tuple[int | None, int]] = {}
+        for window in keys:
+            layers = [i for i, w in enumerate(windows) if (w if grouped else None) == window]
+            pool = self.pool if window is None else PagePool(self._window_pages(window, window_pages), page_size)
+            shape = (len(layers), pool.capacity, [heads[i] for i in layers], pool.page_size, [dims[i] for i in layers])
+            storage = KVStorage(*shape, dtype, kv_bits, kv_group_size)
+            self.groups[window] = PageGroup(window, layers, pool, storage, {}, rows if window is None else rows.copy())
             self._where.update({layer: (window, index) for index, layer in enumerate(layers)})
-        self._tables: dict[int, PageTable] = {}
+        self._full = self.groups[None]
+        self._tables = self._full.tables
+        self.windowed = {window: group for window, group in self.groups.items() if window is not None}
         self._next_id = 0
         self._lock = threading.RLock()
         self._tensor_thread: int | None = None
+        self.peak_usage = self.usage()  # of the step holding the most pages (see `reset_peak_usage`)
+
+    def _window_pages(self, window: int, asked: dict[int, int] | None) -> int:
+        """The pages of `window`'s group: as `asked`, else enough that it never runs out."""
+        return (asked or {}).get(window) or window_pool_pages(
+            window, self.page_size, self.max_num_seqs, self.max_model_len
+        )
+
+    @property
+    def storage(self) -> KVStorage:
+        """The full-attention layers' K/V pages."""
+        return self._full.storage
 
     @property
     def page_size(self) -> int:
@@ -244,13 +208,11 @@ class KVCacheManager:
             self._next_id += n
             for seq_id in ids:
                 row = self._row_of[seq_id] = self._free_rows.pop()
-                self._rows[row] = 0
-                self._tables[seq_id] = PageTable(self.pool, seq_id, self.max_model_len, self._rows[row])
-                if self.layout is KVLayout.CONTIGUOUS:
-                    self._tables[seq_id].reserve_pages(1)
-                for group in self.windowed.values():
+                for group in self.groups.values():
                     group.rows[row] = 0
                     group.tables[seq_id] = PageTable(group.pool, seq_id, self.max_model_len, group.rows[row])
+                if self.layout is KVLayout.CONTIGUOUS:
+                    self._tables[seq_id].reserve_pages(1)
             return ids
 
     def reuse_prefix(self, seq_id: int, tokens: Sequence[int], salt: str | None = None) -> int:
@@ -338,31 +300,30 @@ class KVCacheManager:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct, got {list(seq_ids)}")
         with self._lock:
-            tables = self._tables_of(seq_ids)
-            needed: dict[int | None, list[int]] = {None: [table.pages_needed(n) for table, n in zip(tables, counts)]}
-            if sum(needed[None]) > self.pool.free_count:
-                raise KVCacheExhausted(sum(needed[None]), self.pool.free_count)
-            rows = {window: [group.tables[seq_id] for seq_id in seq_ids] for window, group in self.windowed.items()}
-            for window, group in self.windowed.items():
-                for table in rows[window]:  # what this step's first query no longer sees
-                    table.slide(table.num_tokens - window + 1)
-                needed[window] = [table.pages_needed(n) for table, n in zip(rows[window], counts)]
+            self._tables_of(seq_ids)  # every one live
+            tables = {window: [group.tables[s] for s in seq_ids] for window, group in self.groups.items()}
+            needed = {}
+            for window, group in self.groups.items():
+                if window is not None:
+                    for table in tables[window]:  # what this step's first query no longer sees
+                        table.slide(table.num_tokens - window + 1)
+                needed[window] = [table.pages_needed(n) for table, n in zip(tables[window], counts)]
                 if sum(needed[window]) > group.pool.free_count:
-                    raise KVCacheExhausted(
-                        sum(needed[window]), group.pool.free_count, f"pages of window-{window} layers"
-                    )
-            for group_key, group_tables in [*rows.items(), (None, tables)]:
-                for table, count, pages in zip(group_tables, counts, needed[group_key]):
+                    raise KVCacheExhausted(sum(needed[window]), group.pool.free_count, group.kind)
+            for window, group_tables in tables.items():
+                for table, count, pages in zip(group_tables, counts, needed[window]):
                     table.extend(count, pages)
-            return self._batches(seq_ids, tables, counts)
+            if self.pool.used_count >= self.peak_usage.pages_used:
+                self.peak_usage = self.usage()
+            return self._batches(seq_ids, counts)
 
     def rewind(self, seq_id: int, num_tokens: int) -> None:
         """Keep only the first `num_tokens` of sequence `seq_id`, which must cover every token it
         published: the speculative decoder's rejected draft tokens go, with the pages that held
         only them (their K/V are never read, and a later append writes over them)."""
         with self._lock:
-            self._table(seq_id).rewind(num_tokens)
-            for group in self.windowed.values():
+            self._table(seq_id)
+            for group in self.groups.values():
                 group.tables[seq_id].rewind(num_tokens)
 
     def write(self, layer: int, batch: KVBatch, keys: mx.array, values: mx.array) -> None:
@@ -375,7 +336,7 @@ class KVCacheManager:
                     "KV tensors until it calls evaluate; MLX evaluates a lazy graph only on the thread that built it"
                 )
             window, index = self._layer(layer)
-            storage = self._storage(window)
+            storage = self.groups[window].storage
             storage.write(index, batch.for_window(window).write_rows(storage.kv_heads[index]), keys, values)
             self._tensor_thread = thread
 
@@ -391,27 +352,25 @@ class KVCacheManager:
         """Page tables and context lengths of live sequences, for attention."""
         seq_ids = tuple(seq_ids)
         with self._lock:
-            tables = self._tables_of(seq_ids)
-            return self._batches(seq_ids, tables, [0] * len(tables))
+            self._tables_of(seq_ids)  # every one live
+            return self._batches(seq_ids, [0] * len(seq_ids))
 
     def release(self, seq_id: int) -> int:
         """Close a sequence and return its pages; returns how many it held."""
         with self._lock:
-            table = self._table(seq_id)
-            del self._tables[seq_id]
+            self._table(seq_id)
             self._captured.pop(seq_id, None)
             self._free_rows.append(self._row_of.pop(seq_id))
-            for group in self.windowed.values():
-                group.tables.pop(seq_id).release()
-            return table.release()
+            held = [group.tables.pop(seq_id).release() for group in self.groups.values()]
+            return held[0]  # the full-attention layers' pages
 
     def reset(self) -> None:
         """Start the K/V tensors afresh and forget every cached page (no sequence may be open)."""
         with self._lock:
             if self._tables:
                 raise MlxkvError(f"reset needs every sequence released; {len(self._tables)} are open")
-            for storage in [self.storage] + [group.storage for group in self.windowed.values()]:
-                storage.reset()
+            for group in self.groups.values():
+                group.storage.reset()
             if self.states is not None:
                 self.states.reset()
             if self.snapshots is not None:
@@ -423,28 +382,25 @@ class KVCacheManager:
     def kv(self, layer: int) -> tuple[Pages, Pages]:
         """The K and V pages of `layer`, `[pages, kv_heads, page_size, head_dim]` (quantized with `kv_bits`)."""
         window, index = self._layer(layer)
-        return self._storage(window).layer(index)
+        return self.groups[window].storage.layer(index)
 
     @property
     def tensors(self) -> list[mx.array]:
         """Every array of every layer's K and V pages and recurrent state, to evaluate at the end of a step."""
         states = self.states.tensors if self.states is not None else []
         states += [array for _, state in self._captured.values() for layer in state for array in layer]
-        return self.storage.tensors + [t for group in self.windowed.values() for t in group.storage.tensors] + states
+        return [t for group in self.groups.values() for t in group.storage.tensors] + states
 
     @property
     def nbytes(self) -> int:
         states = self.states.nbytes if self.states is not None else 0
-        return self.storage.nbytes + sum(group.storage.nbytes for group in self.windowed.values()) + states
+        return sum(group.storage.nbytes for group in self.groups.values()) + states
 
     def _layer(self, layer: int) -> tuple[int | None, int]:
-        """(the layer's window group, or None for the shared pages; its index there)."""
+        """(the layer's page group: its window, or None for the full-attention pages; its index there)."""
         if layer not in self._where:
             raise IndexError(f"layer {layer!r} is outside 0..{len(self._where) - 1}")
         return self._where[layer]
-
-    def _storage(self, window: int | None) -> KVStorage:
-        return self.storage if window is None else self.windowed[window].storage
 
     def as_tensor(self, seq_id: int, layer: int) -> tuple[mx.array, mx.array]:
         """One sequence's K and V in `layer` as contiguous `[tokens, kv_heads, head_dim]` copies.
@@ -465,26 +421,18 @@ class KVCacheManager:
         with self._lock:
             return len({page for t in self._tables.values() for page in t.pages[: t.pages_in_use]})
 
+    def reset_peak_usage(self) -> None:
+        """Start tracking the peak use afresh (e.g. per chat turn): `peak_usage` is kept at each
+        `append` that holds the most pages so far."""
+        self.peak_usage = self.usage()
+
     def usage(self) -> KVUsage:
         with self._lock:
             # a page held by several sequences or pins counts once; shared and pinned pages are full
             pins = self.pins.references if self.pins is not None else 0
             shared_twice = (self.pool.extra_refs - pins) * self.page_size
             tokens = sum(t.num_tokens for t in self._tables.values()) - shared_twice
-            windowed = tuple(
-                (
-                    window,
-                    KVUsage(
-                        self.layout,
-                        group.pool.used_count,
-                        group.pool.capacity,
-                        self.page_size,
-                        sum(t.num_tokens - t.dropped * self.page_size for t in group.tables.values()),
-                        group.storage.bytes_per_token,
-                    ),
-                )
-                for window, group in self.windowed.items()
-            )
+            windowed = tuple((window, group.usage(self.layout)) for window, group in self.windowed.items())
             return KVUsage(
                 self.layout,
                 self.pool.used_count,
@@ -535,28 +483,12 @@ class KVCacheManager:
         except KeyError as missing:
             raise UnknownSequenceError(missing.args[0]) from None
 
-    def _batches(self, seq_ids: tuple[int, ...], tables: list[PageTable], counts: list[int]) -> KVBatch:
-        """The batch of `tables` after their last `counts[b]` tokens were appended, with the
+    def _batches(self, seq_ids: tuple[int, ...], counts: list[int]) -> KVBatch:
+        """The batch of live `seq_ids` after their last `counts[b]` tokens were appended, with the
         same batch in each window group's pages."""
         rows = [self._row_of[seq_id] for seq_id in seq_ids]
         query_lens = np.array(counts, np.int32)
-        by_window = {
-            window: self._batch(seq_ids, [group.tables[s] for s in seq_ids], group.rows, rows, query_lens)
-            for window, group in self.windowed.items()
-        }
-        return self._batch(seq_ids, tables, self._rows, rows, query_lens, by_window or None)
-
-    def _batch(
-        self,
-        seq_ids: tuple[int, ...],
-        tables: list[PageTable],
-        matrix: np.ndarray,
-        rows: list[int],
-        query_lens: np.ndarray,
-        by_window: dict[int, KVBatch] | None = None,
-    ) -> KVBatch:
-        """One pool's batch, its page tables cut from the tables' `rows` of its page `matrix`."""
-        width = _stable_width(max((t.num_pages for t in tables), default=1), self.max_pages_per_seq)
-        context_lens = np.array([t.num_tokens for t in tables], np.int32)
         states = np.array(rows, np.int32) if self.states is not None else None
-        return KVBatch(seq_ids, query_lens, context_lens, matrix[rows, :width], self.page_size, by_window, states)
+        width = self.max_pages_per_seq
+        by_window = {w: g.batch(seq_ids, rows, query_lens, width, states) for w, g in self.windowed.items()}
+        return self._full.batch(seq_ids, rows, query_lens, width, states, by_window or None)

@@ -100,7 +100,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(tokenizer, self.scheduler, self.speculator, self.requests)
         self.recovery = StepRecovery(self.scheduler, self.cache, self.outputs)
-        self.reset_peak_usage()
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self.last_step_wait = 0.0  # seconds the last step was blocked in MLX evaluation (the rest: host work)
@@ -210,8 +209,6 @@ class LLMEngine:
             speculator.propose(live, [drafting[r] for r in live])
         with self._lock:
             batch = self.scheduler.schedule()
-            if batch is not None:
-                self._track_usage()
         failed, read = self._launch(batch, previous, started) if batch is not None else ([], None)
         if outputs is None:
             outputs = read if read is not None else self._resolve(previous).outputs if previous is not None else []
@@ -354,13 +351,3 @@ class LLMEngine:
         """Tell the other ranks that rank 0 is done (they return from `follow`); called at exit if
         not before. The engine runs no more steps."""
         self.rank_zero.stop()
-
-    def reset_peak_usage(self) -> None:
-        """Start tracking the KV cache's peak use afresh (e.g. per chat turn)."""
-        self.peak_usage = self.cache.usage()
-
-    def _track_usage(self) -> None:
-        """Keep the usage snapshot of the step holding the most pages (summing tokens over every
-        sequence only when it may be one)."""
-        if self.cache.pool.used_count >= self.peak_usage.pages_used:
-            self.peak_usage = self.cache.usage()

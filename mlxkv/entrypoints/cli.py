@@ -232,7 +232,7 @@ def speculation_figures(request: Request) -> str:
 def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose: bool) -> Request:
     """Stream one completion to stdout, then (verbose) print mlx-lm's figures and the KV cache's;
     returns the finished request."""
-    llm.engine.reset_peak_usage()
+    llm.engine.cache.reset_peak_usage()
     stream = llm.stream(prompt, params)
     if verbose:
         typer.echo("==========")
@@ -250,7 +250,9 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
         typer.echo(f"Generation: {len(request.output_ids)} tokens, {request.generation_tps:.3f} tokens-per-sec")
         typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
         typer.echo(f"Memory: {llm.engine.memory}")
-        typer.echo(f"KV cache: {llm.engine.peak_usage}; {prefix_figures(llm, request)}{speculation_figures(request)}")
+        typer.echo(
+            f"KV cache: {llm.engine.cache.peak_usage}; {prefix_figures(llm, request)}{speculation_figures(request)}"
+        )
     return request
 
 

@@ -8,7 +8,8 @@ import mlx.core as mx
 import numpy as np
 
 from ...cache.layout import KVLayout
-from ...cache.manager import KVCacheManager, prefix_cached, window_pool_pages
+from ...cache.manager import KVCacheManager, prefix_cached
+from ...cache.page_group import window_pool_pages
 from ...cache.storage import check_quantization, kv_bytes_per_token, per_layer
 from ...config import EngineConfig
 from ..model_kv import ModelKV
