@@ -10,7 +10,7 @@ the simulator as `--model` does and says so (`--reference` times the pure-MLX re
 there instead). `--prefill` (a Mac) times prefill chunks of growing length on
 the paged kernel against MLX's SDPA over the gathered pages, the choice `PREFILL_FROM` makes.
 
-`--model` runs anywhere: first it calibrates `mlxkv.attention.cost_model` against MLX's
+`--model` runs anywhere: first it calibrates `mlxkv.attention.lab.cost_model` against MLX's
 published SDPA speeds (a kernel with MLX's structure, counted in the simulator and modelled on
 an M5 Pro, beside the published figure and mlxkv's kernel at the same geometry); then it counts
 the kernels for decode batches (device bytes, vector loads, SIMD reductions and shuffles,
@@ -35,8 +35,9 @@ import mlx.core as mx
 from progress import FLOAT16, bar, expect, say
 
 from mlxkv import reference_attention
-from mlxkv.attention import speed
-from mlxkv.attention.cost_model import (
+from mlxkv.attention.kernels import PagedAttentionKernels
+from mlxkv.attention.lab import speed
+from mlxkv.attention.lab.cost_model import (
     ASSUMED_LATENCY,
     M5_PRO,
     PUBLISHED,
@@ -49,8 +50,7 @@ from mlxkv.attention.cost_model import (
     kv_bytes,
     paged_work,
 )
-from mlxkv.attention.kernels import PagedAttentionKernels
-from mlxkv.attention.speed import Geometry
+from mlxkv.attention.lab.speed import Geometry
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "a7e596a"  # the kernels before issue 29 (loads in flight, registers, split from the GPU's cores)
@@ -131,7 +131,7 @@ def baseline_kernels(rev: str):
 def baseline_counters(old, context: int, group: int, head_dim: int, replicas: int, cores: int) -> list:
     """Commit `--baseline`'s launches for one decode row of one KV head, split as its launcher
     (a fixed partition of `old.PARTITION` keys) would split a step of `replicas` of them."""
-    from mlxkv.attention.simulator import cost_counters, metal_kernel
+    from mlxkv.attention.lab.simulator import cost_counters, metal_kernel
 
     tiles = group // old.launch_shape(group, head_dim, 16).heads
     split = replicas * tiles < old.THREADGROUPS_PER_CORE * cores and context > old.PARTITION

@@ -3,7 +3,7 @@ kernel variant compiled and matched the reference, the paged kernel's speed agai
 attention (decode and prefill), the memory budget an engine gets here, and greedy-token parity with
 mlx-lm on the demo model.
 
-Off a Mac it says so, prints the cost model's table (`mlxkv.attention.cost_model`) in place of
+Off a Mac it says so, prints the cost model's table (`mlxkv.attention.lab.cost_model`) in place of
 the timings, and still checks parity on the reference path. `report(metal_kernel=...)` runs the
 Mac branch with another kernel factory: the tests pass the CPU simulator.
 """
@@ -19,9 +19,8 @@ from importlib.metadata import version
 
 import mlx.core as mx
 
-from ..attention import speed
 from ..attention.kernels import PagedAttentionKernels, gpu_cores
-from ..attention.simulator import SimulatorError
+from ..attention.lab import speed
 from ..attention.variant import PLAIN, Variant
 from ..cache.storage import dtype_name
 from ..config import EngineConfig
@@ -177,7 +176,8 @@ def prefill(say: Say, plan: Plan, kernels: PagedAttentionKernels) -> None:
 
 def modelled(say: Say, plan: Plan) -> None:
     """The cost model's table for the plan's decode grid on the calibrated M5 Pro."""
-    from ..attention.cost_model import M5_PRO, estimate, paged_work
+    from ..attention.lab.cost_model import M5_PRO, estimate, paged_work
+    from ..attention.lab.simulator import SimulatorError
 
     say(f"modelled instead (not measured): the paged kernel's decode on an {M5_PRO.name}, K/V GB/s and share of")
     say("its bandwidth, from the CPU simulator's counts (see docs/metal-kernels.md, 'The cost model'):")

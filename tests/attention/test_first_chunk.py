@@ -10,7 +10,7 @@ from helpers import packed_step
 from mlxkv import reference_attention
 from mlxkv.attention.first_chunk import first_chunk_attention
 from mlxkv.attention.kernels import PagedAttentionKernels
-from mlxkv.attention.simulator import metal_kernel
+from mlxkv.attention.lab.simulator import metal_kernel
 
 
 def first_chunks_beside_decodes(bits):

@@ -16,7 +16,7 @@ from mlxkv.attention.kernels import (
     gpu_cores,
     launch_shape,
 )
-from mlxkv.attention.simulator import SimulatorError, metal_kernel
+from mlxkv.attention.lab.simulator import SimulatorError, metal_kernel
 from mlxkv.attention.variant import PLAIN, Variant
 
 # Each dtype meets every head dim once, and every block size, GQA ratio and split-K
@@ -300,7 +300,7 @@ def test_decode_at_gqa_8_head_dim_128_meets_the_cost_goals(kernels, split):
     memory about once, by vector loads, with no 32-lane reductions and 4 KiB of threadgroup memory.
     Split, 8 partitions of 256 keys (one threadgroup wants 32 on 8 cores) hand the merge
     8 x 8 heads x 130 floats, written once and read once: 3% of the K/V bytes each way."""
-    from mlxkv.attention.simulator import cost_counters
+    from mlxkv.attention.lab.simulator import cost_counters
 
     cache, batch = packed_step("paged", 16, 1, 128, mx.float16, [2048], [1], max_model_len=2048)
     q = mx.array(np.random.default_rng(1).standard_normal((1, 8, 128)), mx.float16)
@@ -324,7 +324,7 @@ def test_decode_at_gqa_8_head_dim_128_meets_the_cost_goals(kernels, split):
 def test_a_tile_loads_all_its_rows_whatever_the_mask(kernels, split):
     """Loads sit before any branch on the key: 2,041 keys load as many K/V rows as 2,048 (the last
     tile's 7 keys past the end read a row of the sequence instead, their scores masked)."""
-    from mlxkv.attention.simulator import cost_counters
+    from mlxkv.attention.lab.simulator import cost_counters
 
     q = mx.array(np.random.default_rng(1).standard_normal((1, 8, 128)), mx.float16)
     vector_loads = []
@@ -350,7 +350,7 @@ def test_kernels_keep_every_private_array_in_registers(kernels, dtype, head_dim,
     """Every fixed-count loop is unrolled and indexes its arrays by constants, so nothing a lane
     holds (query parts, tile rows, the reduce-scatter's entries) is spilled to memory; split and
     unsplit, decode and a prefill chunk."""
-    from mlxkv.attention.simulator import cost_counters
+    from mlxkv.attention.lab.simulator import cost_counters
 
     cache, batch = packed_step(
         "paged", 16, 1, head_dim, dtype, [300], [4 if prefill else 1], max_model_len=512, kv_bits=kv_bits
@@ -382,7 +382,7 @@ def test_each_simd_group_loads_a_page_table_entry_once_per_page(kernels):
     """2,048 keys at GQA 8, head_dim 128: four SIMD groups of 32 lanes, two key splits taking
     alternate tiles of 8 keys. Pages of 16 give each SIMD group one tile of each of 128 pages,
     pages of 64 four tiles of each of 32 pages: 96 fewer table loads per lane, K/V loads equal."""
-    from mlxkv.attention.simulator import cost_counters
+    from mlxkv.attention.lab.simulator import cost_counters
 
     q = mx.array(np.random.default_rng(1).standard_normal((1, 8, 128)), mx.float16)
     loads = {}

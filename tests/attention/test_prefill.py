@@ -9,8 +9,8 @@ from helpers import packed_step
 
 from mlxkv import reference_attention
 from mlxkv.attention.kernels import TOLERANCE, PagedAttentionKernels
+from mlxkv.attention.lab.simulator import metal_kernel
 from mlxkv.attention.prefill import PREFILL_FROM, with_chunks_on_sdpa
-from mlxkv.attention.simulator import metal_kernel
 from mlxkv.attention.variant import PLAIN, Variant
 
 VARIANTS = {

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 
 import bench_kernels
 
-from mlxkv.attention import cost_model, speed
+from mlxkv.attention.lab import cost_model, speed
 
 SMALL = ["--model-batches", "1", "8", "--model-contexts", "512", "--model-groups", "4", "--model-head-dims", "64"]
 

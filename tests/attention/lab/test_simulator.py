@@ -8,7 +8,7 @@ import pytest
 from helpers import packed_step
 
 from mlxkv.attention.kernels import PagedAttentionKernels
-from mlxkv.attention.simulator import SimulatorError, metal_kernel
+from mlxkv.attention.lab.simulator import SimulatorError, metal_kernel
 
 
 def run(source, n=64, threads=64, header=""):
@@ -242,14 +242,14 @@ def test_checkouts_sharing_one_cache_build_kernels_wherever_and_whenever_cloned(
     """CI clones afresh into the same path, or another, and shares ~/.cache with a developer's
     checkout: a runtime precompiled for one clone must not be included beside another's copy, nor
     refused because the clone's file is newer."""
-    from mlxkv.attention import simulator
+    from mlxkv.attention.lab import build
 
-    monkeypatch.setattr(simulator, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(build, "CACHE", tmp_path / "cache")
     for n, checkout in enumerate(("one", "two", "one")):
         runtime = tmp_path / checkout / "runtime.h"
         runtime.parent.mkdir(exist_ok=True)
-        runtime.write_text(simulator.RUNTIME.read_text())  # a fresh clone: same text, new mtime
-        monkeypatch.setattr(simulator, "RUNTIME", runtime)
+        runtime.write_text(build.RUNTIME.read_text())  # a fresh clone: same text, new mtime
+        monkeypatch.setattr(build, "RUNTIME", runtime)
         assert run(f"out[thread_position_in_grid.x] = a[thread_position_in_grid.x] + {n};").tolist() == list(
             range(n, 64 + n)
         )
@@ -259,15 +259,15 @@ def test_a_reinstalled_compiler_header_rebuilds_the_precompiled_runtime(tmp_path
     """A fresh virtual environment reinstalls the compiler, so every standard header it ships gets a
     new modification time under the same path, and clang refuses a precompiled header whose inputs
     changed: the cache must build a new one, and keep only that one."""
-    from mlxkv.attention import simulator
+    from mlxkv.attention.lab import build
 
-    monkeypatch.setattr(simulator, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(build, "CACHE", tmp_path / "cache")
     header = tmp_path / "include" / "standard.h"  # stands for a header of the compiler's
     header.parent.mkdir()
     header.write_text("#pragma once\nconstexpr int standard = 0;\n")  # clang checks a header when a unit uses it
     runtime = tmp_path / "runtime.h"
-    runtime.write_text(simulator.RUNTIME.read_text() + f'\n#include "{header}"\n')
-    monkeypatch.setattr(simulator, "RUNTIME", runtime)
+    runtime.write_text(build.RUNTIME.read_text() + f'\n#include "{header}"\n')
+    monkeypatch.setattr(build, "RUNTIME", runtime)
     for n, hours in enumerate((0, 1, 2)):
         stamp = header.stat().st_mtime + 3600 * hours
         os.utime(header, (stamp, stamp))  # the same text, installed again later
@@ -281,7 +281,7 @@ def test_cost_counters_count_what_a_launch_does():
     """Two threadgroups of 32 threads over 64 floats: each thread loads its float4 (a vector
     load) and its own float (a scalar one, from the same bytes), sums across the SIMD group,
     shuffles, takes one exp and meets one barrier."""
-    from mlxkv.attention.simulator import cost_counters
+    from mlxkv.attention.lab.simulator import cost_counters
 
     kernel = metal_kernel(
         "probe",
@@ -324,7 +324,7 @@ def test_cost_counters_count_what_a_launch_does():
 def test_cost_counters_name_private_arrays_indexed_at_run_time(pick, in_memory):
     """An array indexed by constants after unrolling stays in registers; one indexed at run time
     (or through `c ? a[i] : a[j]`) would live in memory on the GPU, and the counters name it."""
-    from mlxkv.attention.simulator import cost_counters
+    from mlxkv.attention.lab.simulator import cost_counters
 
     kernel = metal_kernel(
         "probe",
@@ -372,13 +372,13 @@ def test_metal_vectors_convert_and_index_as_metal_does():
 def test_the_cache_drops_the_kernels_unused_longest_once_it_outgrows_its_limit(tmp_path, monkeypatch):
     """Four built kernels of 1 MB against a limit of 2.5 MB: those unused for over an hour go, oldest
     first, until three quarters of the limit is left; the one used just now and other files stay."""
-    from mlxkv.attention import simulator
+    from mlxkv.attention.lab import build
 
-    monkeypatch.setattr(simulator, "CACHE", tmp_path)
-    monkeypatch.setattr(simulator, "CACHE_LIMIT", 2_500_000)
+    monkeypatch.setattr(build, "CACHE", tmp_path)
+    monkeypatch.setattr(build, "CACHE_LIMIT", 2_500_000)
     now = time.time()
     for name, hours in (("a", 3), ("b", 2), ("c", 1.5), ("d", 0), ("runtime.pch", 5)):
         (tmp_path / name).write_bytes(bytes(1_000_000))
         os.utime(tmp_path / name, (now - 3600 * hours, now - 3600 * hours))
-    simulator._trim_cache.__wrapped__()
+    build._trim_cache.__wrapped__()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "runtime.pch"]

@@ -19,9 +19,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-from ..cache.batch import KVBatch
-from ..cache.storage import Pages, QuantizedPages, arrays_of, kv_bytes_per_token
-from .prefill import chunk_attention
+from ...cache.batch import KVBatch
+from ...cache.storage import Pages, QuantizedPages, arrays_of, kv_bytes_per_token
+from ..prefill import chunk_attention
 
 
 def timed(fn: Callable[[], mx.array], repeats: int) -> float:

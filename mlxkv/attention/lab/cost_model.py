@@ -29,9 +29,9 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from ..cache.batch import KVBatch
-from ..cache.storage import kv_bytes_per_token
-from .kernels import METAL_DIR, PagedAttentionKernels, launch_shape, partition_keys
+from ...cache.batch import KVBatch
+from ...cache.storage import kv_bytes_per_token
+from ..kernels import METAL_DIR, PagedAttentionKernels, launch_shape, partition_keys
 from .simulator import Counters, cost_counters, metal_kernel
 
 # Issue cycles of one SIMD instruction on one of a core's four schedulers (metal-benchmarks).

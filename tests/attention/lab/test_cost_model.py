@@ -2,7 +2,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxkv.attention.cost_model import (
+from mlxkv.attention.kernels import PagedAttentionKernels, launch_shape
+from mlxkv.attention.lab.cost_model import (
     M5_PRO,
     calibration_points,
     estimate,
@@ -12,8 +13,7 @@ from mlxkv.attention.cost_model import (
     vector_sdpa,
     vector_sdpa_kernel,
 )
-from mlxkv.attention.kernels import PagedAttentionKernels, launch_shape
-from mlxkv.attention.simulator import cost_counters, metal_kernel
+from mlxkv.attention.lab.simulator import cost_counters, metal_kernel
 from mlxkv.cache.batch import KVBatch
 
 
