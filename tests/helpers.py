@@ -119,7 +119,7 @@ def mlx_lm_text(tokenizer, tokens):
 def mutant_kernels(old: str, new: str):
     """A `metal_kernel` factory for the CPU simulator that replaces `old` by `new` in every
     kernel source holding it: a kernel with a planted bug."""
-    from mlxkv.attention.simulator import metal_kernel
+    from mlxkv.attention.lab.simulator import metal_kernel
 
     def factory(**kw):
         return metal_kernel(**{**kw, "source": kw["source"].replace(old, new)})

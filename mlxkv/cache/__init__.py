@@ -3,7 +3,8 @@
 Read bottom-up: `pool` (which pages are free, who holds each, which free ones are still
 cached) -> `prefix_cache` (content keys of full pages) -> `page_table` (one sequence's
 logical-to-physical pages, started from its cached prefix) -> `storage` (every layer's K and V
-pages) -> `batch` (one step's sequences, as attention reads them) -> `manager` (the sequence
+pages) -> `batch` (one step's sequences, as attention reads them) -> `page_group` (a group of layers
+with pages of their own: the full-attention layers, or a sliding window's) -> `manager` (the sequence
 lifecycle over both layouts, chosen in `layout`), which reports its `usage`. Beside the pages:
 `pins` keep a prompt prefix's pages from eviction for a while; a hybrid model's recurrent state is
 kept per sequence in `state_pool`, read a step at a time through `state_batch`, and snapshotted

@@ -1,4 +1,13 @@
-"""What users call: the `LLM` API and the `mlxkv` command line."""
+"""What users call: the `LLM` API, the `mlxkv` command line and the `mlxkv serve` HTTP server.
+
+`llm` is `LLM`, whose `prompts` turn a conversation into prompt ids through the chat template. `cli`
+holds the commands, their options derived from the settings by `cli_options`, and `doctor` the
+report a Mac user pastes into an issue. `server` builds the HTTP app: each API's folder (`openai/`,
+`anthropic/`, `ollama/`) owns its routes, request and response bodies and serving, over one serving
+`core` that starts requests and `replies` that frames them (a stream skeleton shared by every API),
+refusing with `errors`' `ServingError`; `tool_calls/` splits and forces tool calls, `metrics` feeds
+`/metrics`, and `chat.html` is the chat page.
+"""
 
 from .llm import LLM, Completion, Stream
 

@@ -1,65 +1,30 @@
 """The serving core every HTTP API of `mlxkv serve` shares: a conversation through the model's chat
 template, sampling cut to the room the context leaves, constraints compiled before a reply
-starts, and each choice's engine outputs as one stream of events, its text split into content and
-tool calls. Each API (`openai/`, `anthropic/`) adapts its request bodies and response shapes to it,
-and renders `ServingError` in its own error shape.
-
-A client that goes away (mid-prefill or mid-stream) is aborted at once and its pages freed:
-Starlette cancels a streaming response when its client disconnects, and `until_done` does the
-same for the others.
+starts, and each choice's engine outputs as one stream of events (`start`, a `Run`). Each API
+(`openai/`, `anthropic/`, `ollama/`) adapts its request bodies to it and frames the run in its own
+response shapes (see `replies`), rendering `ServingError` in its own error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
-from contextlib import aclosing, contextmanager
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
-
-from fastapi import Request as HTTPRequest
-from fastapi.responses import Response
 
 from ..cache.pins import Pin
 from ..engine.async_llm import AsyncLLM
 from ..engine.outputs import RequestOutput
 from ..engine.sampling.params import SamplingParams
+from .errors import ServingError, refused_as
 from .metrics import Metrics
 from .prompts import prompt_ids
-from .tool_calls import Piece, ToolCallStream, tool_grammar
+from .replies import Event, Run
+from .tool_calls import ToolCallStream, tool_grammar
 
-Event = tuple[int, RequestOutput] | None  # (choice index, output), or None for a keepalive
 Choice = tuple[list[int], SamplingParams]  # one choice's prompt and sampling
-
-
-class ServingError(Exception):
-    """A request refused or failed, as every API reports it: an HTTP status, a message, the field
-    at fault, a code, and its kind (`invalid_request_error`, `authentication_error`,
-    `not_found_error`, `server_error`, `overloaded_error`); each API renders it in its own shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.param, self.code, self.kind, self.headers = status, param, code, kind, headers
-
-
-@contextmanager
-def refused_as(param: str | None = None, names: dict[str, str] | None = None) -> Iterator[None]:
-    """A ValueError raised within, as a 400 naming `param`; without one, the setting its message
-    starts with (a setting's check names it first), as this API calls it (`names`)."""
-    try:
-        yield
-    except ValueError as exc:
-        field = str(exc).split()[0]
-        raise ServingError(400, str(exc), param or (names or {}).get(field, field)) from None
 
 
 @dataclass(frozen=True)
@@ -193,6 +158,29 @@ class ServingCore:
                 headers={"Retry-After": "1"},
             )
 
+    def sampling(
+        self, prompt: list[int], max_tokens: int | None, fields: dict[str, Any], names: dict[str, str] | None = None
+    ) -> SamplingParams:
+        """`SamplingParams` of `fields`, `max_tokens` cut to the room `prompt` leaves (see `room`); a
+        bad value is a 400 naming its field as this API calls it (`names`)."""
+        limit = self.room(prompt, max_tokens)
+        with refused_as(names=names):
+            return SamplingParams(**fields, max_tokens=limit)
+
+    async def start(
+        self,
+        choices: list[Choice],
+        tools: Tools | None,
+        source: str | None,
+        salt: str | None = None,
+        pin: Pin | None = None,
+    ) -> Run:
+        """Compile the choices' constraint (a 400 naming `source`, if it came from there, when
+        llguidance refuses it), check the queue, and start every choice: its outputs as a `Run`."""
+        await self.compile(choices[0][1], source)
+        self.check_queue(len(choices))
+        return Run(self.run(choices, salt, pin), self.splitters(len(choices), tools))
+
     def splitters(self, n: int, tools: Tools | None) -> list[ToolCallStream | None]:
         """One splitter of content and tool calls per choice where tools were shown."""
         return [ToolCallStream(self.tokenizer, tools.shown) if tools and tools.shown else None for _ in range(n)]
@@ -233,31 +221,3 @@ class ServingCore:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def split(splitter: ToolCallStream | None, output: RequestOutput) -> list[Piece]:
-    """An output's new text as content and tool calls (all content when no tools were shown)."""
-    if splitter is None:
-        return [output.delta] if output.delta else []
-    return splitter.feed(output.delta) + (splitter.close() if output.finished else [])
-
-
-def text_of(pieces: Sequence[Piece]) -> str:
-    return "".join(p for p in pieces if isinstance(p, str))
-
-
-async def until_done(work: Awaitable[Any], request: HTTPRequest) -> Any:
-    """Run `work`, cancelling it (which aborts its requests) the moment the client disconnects."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, watcher):
-            pending.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    return task.result() if not task.cancelled() else Response(status_code=499)

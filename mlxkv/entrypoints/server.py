@@ -1,6 +1,7 @@
-"""`mlxkv serve`'s HTTP app: OpenAI's API (`openai/`), Anthropic's Messages API (`anthropic/`), Ollama's
-API (`ollama/`), `/metrics`, `/health`, the model list and a chat page, all over one serving core
-(`core.py`).
+"""`mlxkv serve`'s HTTP app: the routes of OpenAI's API (`openai/`), Anthropic's Messages API
+(`anthropic/`) and Ollama's API (`ollama/`), each API's own router over one serving core (`core.py`),
+and `/metrics`, `/health` and a chat page; the API key, CORS, and every error in the shape of the
+API it answers.
 
 Concurrent clients share one `AsyncLLM`, so their requests are batched by the scheduler.
 """
@@ -8,10 +9,9 @@ Concurrent clients share one `AsyncLLM`, so their requests are batched by the sc
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Sequence
 from importlib.resources import files
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
@@ -19,29 +19,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from ..engine.async_llm import AsyncLLM
 from ..errors import RequestFailed, RequestTooLong
 from .anthropic import protocol as anthropic_protocol
-from .anthropic.serving import AnthropicServing
-from .core import ServingCore, ServingError
+from .anthropic import router as anthropic_router
+from .core import ServingCore
+from .errors import ServingError
 from .metrics import Metrics
 from .ollama import protocol as ollama_protocol
-from .ollama.serving import OllamaServing
+from .ollama import router as ollama_router
 from .openai import protocol as openai_protocol
-from .openai.responses import ResponsesBody, ResponsesServing
-from .openai.serving import OpenAIServing
+from .openai import router as openai_router
 
-Model = TypeVar("Model", bound=BaseModel)
-KEEPALIVE_S = 2.0  # a comment line this often while a stream has nothing to send (a long prefill)
+KEEPALIVE_S = 2.0  # a stream's keepalive this often while it has nothing to send (a long prefill)
 OPEN_PATHS = ("/health", "/")  # what answers without the API key
-
-
-async def json_body(request: HTTPRequest, model: type[Model]) -> Model:
-    """The request's body read as JSON whatever its content type says (Ollama's clients and docs
-    send JSON without one), checked by `model`."""
-    return model.model_validate_json(await request.body() or b"{}")
 
 
 def build_app(
@@ -77,9 +70,6 @@ def build_app(
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorize)])
     metrics = Metrics(llm.engine)
     core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s)
-    openai, responses = OpenAIServing(core), ResponsesServing(core)
-    anthropic, ollama = AnthropicServing(core), OllamaServing(core)
-    created = int(time.time())
     chat_page = files("mlxkv.entrypoints").joinpath("chat.html").read_text(encoding="utf-8")
     if allowed_origins:
         app.add_middleware(
@@ -87,11 +77,13 @@ def build_app(
         )
 
     def render(request: HTTPRequest, error: ServingError) -> JSONResponse:
-        """`error` in the shape of the API the request called."""
-        if request.url.path.startswith("/v1/messages"):
-            return anthropic_protocol.error_response(error)
-        if request.url.path.startswith("/api/"):
-            return ollama_protocol.error_response(error)
+        """`error` in the shape of the API the request called (OpenAI's unless another owns the path)."""
+        for paths, shape in (
+            (anthropic_router.PATHS, anthropic_protocol.error_response),
+            (ollama_router.PATHS, ollama_protocol.error_response),
+        ):
+            if request.url.path.startswith(paths):
+                return shape(error)
         return openai_protocol.error_response(error)
 
     @app.exception_handler(ServingError)
@@ -132,55 +124,10 @@ def build_app(
     def prometheus() -> Response:  # a plain def: FastAPI runs it off the event loop, as stats() takes the engine lock
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "mlxkv"}],
-        }
-
     @app.get("/", response_class=HTMLResponse)
     async def page() -> str:
         return chat_page
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: openai_protocol.ChatBody, request: HTTPRequest) -> Any:
-        return await openai.chat(body, request)
-
-    @app.post("/v1/completions")
-    async def completions(body: openai_protocol.CompletionBody, request: HTTPRequest) -> Any:
-        return await openai.completions(body, request)
-
-    @app.post("/v1/responses")
-    async def create_response(body: ResponsesBody, request: HTTPRequest) -> Any:
-        return await responses.create(body, request)
-
-    @app.post("/v1/messages")
-    async def messages(body: anthropic_protocol.MessagesBody, request: HTTPRequest) -> Any:
-        return await anthropic.messages(body, request)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: anthropic_protocol.CountTokensBody) -> dict[str, int]:
-        return await anthropic.count_tokens(body)
-
-    @app.post("/api/chat")
-    async def ollama_chat(request: HTTPRequest) -> Any:
-        return await ollama.chat(await json_body(request, ollama_protocol.ChatBody), request)
-
-    @app.post("/api/generate")
-    async def ollama_generate(request: HTTPRequest) -> Any:
-        return await ollama.generate(await json_body(request, ollama_protocol.GenerateBody), request)
-
-    @app.get("/api/tags")
-    async def ollama_tags() -> dict[str, Any]:
-        return ollama.tags()
-
-    @app.post("/api/show")
-    async def ollama_show(request: HTTPRequest) -> dict[str, Any]:
-        return ollama.show(await json_body(request, ollama_protocol.ShowBody))
-
-    @app.get("/api/version")
-    async def ollama_version() -> dict[str, str]:
-        return ollama.version()
-
+    for api in (openai_router, anthropic_router, ollama_router):
+        app.include_router(api.router(core))
     return app

@@ -212,7 +212,7 @@ def test_bad_requests_are_refused_without_disturbing_the_rest(model):
 def test_metal_kernels_give_the_reference_tokens(checkpoint, model):
     """The engine through the Metal kernels (run by the CPU simulator) and through the
     reference path produce the same greedy tokens as mlx-lm."""
-    from mlxkv.attention.simulator import metal_kernel
+    from mlxkv.attention.lab.simulator import metal_kernel
 
     prompts = [[5, 6, 7], list(range(10, 29))]
     params = SamplingParams(max_tokens=6)

@@ -21,7 +21,10 @@ WEATHER = {
     "description": "The weather in a city.",
     "input_schema": {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "maximum": 7}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
         "required": ["city", "days"],
         "additionalProperties": False,
     },

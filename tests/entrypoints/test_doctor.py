@@ -52,7 +52,7 @@ def test_off_a_mac_it_says_so_and_prints_the_modelled_table(capsys):
 def test_with_the_simulator_standing_in_for_metal_it_runs_the_mac_report(capsys):
     """The Mac branch end to end, its kernels run by the CPU simulator: the start-up check's
     verdicts, a decode and a prefill row, and parity through the kernels."""
-    from mlxkv.attention.simulator import metal_kernel
+    from mlxkv.attention.lab.simulator import metal_kernel
 
     plan = replace(SMALL, batches=(1,), contexts=(64,), groups=(2,), kv_heads=1)
     report(plan=plan, metal_kernel=metal_kernel)

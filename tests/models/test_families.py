@@ -9,7 +9,7 @@ from helpers import BASE, FAMILIES, WINDOW, family_checkpoint, mlx_lm_greedy
 
 from mlxkv import LLM, LLMEngine, SamplingParams
 from mlxkv.attention.kernels import PagedAttentionKernels
-from mlxkv.attention.simulator import metal_kernel
+from mlxkv.attention.lab.simulator import metal_kernel
 from mlxkv.config import EngineConfig
 from mlxkv.engine.request import NO_SEQUENCE
 from mlxkv.models.loading import SUPPORTED_MODEL_TYPES, load

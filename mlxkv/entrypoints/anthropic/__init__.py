@@ -1,1 +1,2 @@
-"""Anthropic's Messages API: request bodies and error shape (`protocol`), and the endpoints (`serving`)."""
+"""Anthropic's Messages API: `router` (its routes), `protocol` (request and response bodies, stream
+events, error shape) and `serving` (requests into engine requests, outputs into messages and events)."""

@@ -1,4 +1,5 @@
-"""Anthropic's Messages API request bodies and error shape, as mlxkv reads them.
+"""Anthropic's Messages API: the request bodies as mlxkv reads them, and the response bodies, stream
+events and error shape it sends.
 
 Content blocks of type `text`, `tool_use` and `tool_result` are read; `cache_control` is accepted
 (the prefix cache keeps every prompt's pages while the pool has room). Unknown fields, such as
@@ -12,7 +13,8 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core import ServingError, forced_tools
+from ..core import forced_tools
+from ..errors import ServingError
 
 ANTHROPIC_DEFAULTS = {"temperature": 1.0}  # Anthropic's documented default; SamplingParams' own is greedy
 ANTHROPIC_KINDS = {"server_error": "api_error"}  # the core's kinds Anthropic names otherwise
@@ -180,10 +182,131 @@ def _joined(blocks: list[TextBlock]) -> str:
     return "".join(block.text for block in blocks)
 
 
-def error_body(error: ServingError) -> dict[str, Any]:
+class TextContent(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseContent(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+Content = TextContent | ToolUseContent
+
+
+class Usage(BaseModel):
+    """Prompt tokens read from the cache, those written to it for a pin, the rest, and the reply's."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+
+
+class Message(BaseModel):
+    """A reply, whole (or opening a stream, with no content yet)."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[Content]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: Usage
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
+class TextDelta(BaseModel):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class InputJsonDelta(BaseModel):
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
+class MessageStart(BaseModel):
+    type: Literal["message_start"] = "message_start"
+    message: Message
+
+
+class ContentBlockStart(BaseModel):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int
+    content_block: Content
+
+
+class ContentBlockDelta(BaseModel):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int
+    delta: TextDelta | InputJsonDelta
+
+
+class ContentBlockStop(BaseModel):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int
+
+
+class Stop(BaseModel):
+    stop_reason: str | None
+    stop_sequence: str | None
+
+
+class MessageDelta(BaseModel):
+    type: Literal["message_delta"] = "message_delta"
+    delta: Stop
+    usage: Usage
+
+
+class MessageStop(BaseModel):
+    type: Literal["message_stop"] = "message_stop"
+
+
+class Ping(BaseModel):
+    type: Literal["ping"] = "ping"
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Anthropic's error object, a response's body or a stream's `error` event."""
+
+    type: Literal["error"] = "error"
+    error: ErrorDetail
+
+
+StreamEvent = (
+    MessageStart
+    | ContentBlockStart
+    | ContentBlockDelta
+    | ContentBlockStop
+    | MessageDelta
+    | MessageStop
+    | Ping
+    | ErrorBody
+)
+
+
+def event(payload: StreamEvent) -> str:
+    """One Server-Sent Event as Anthropic sends them: its type named twice, as `event` and `type`."""
+    return f"event: {payload.type}\ndata: {payload.model_dump_json()}\n\n"
+
+
+def error_body(error: ServingError) -> ErrorBody:
     """Anthropic's error object: `{"type": "error", "error": {"type", "message"}}`."""
-    return {"type": "error", "error": {"type": ANTHROPIC_KINDS.get(error.kind, error.kind), "message": str(error)}}
+    return ErrorBody(error=ErrorDetail(type=ANTHROPIC_KINDS.get(error.kind, error.kind), message=str(error)))
 
 
 def error_response(error: ServingError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
+    return JSONResponse(error_body(error).model_dump(), status_code=error.status, headers=error.headers)

@@ -12,20 +12,40 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from ...cache.pins import Pin
-from ...engine.outputs import RequestOutput, Usage
-from ...engine.sampling.params import SamplingParams
-from ...errors import RequestFailed
-from ..core import Event, ServingCore, ServingError, Tools, pin_of, refused_as, split, until_done
-from ..tool_calls import Piece, ToolCall, ToolCallStream
-from .protocol import CountTokensBody, MessagesBody, error_body
+from ...engine import outputs
+from ...engine.outputs import RequestOutput
+from ..core import ServingCore, Tools, pin_of
+from ..errors import ServingError
+from ..tool_calls import Piece, ToolCall
+from .protocol import (
+    Content,
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    CountTokensBody,
+    InputJsonDelta,
+    Message,
+    MessageDelta,
+    MessagesBody,
+    MessageStart,
+    MessageStop,
+    Ping,
+    Stop,
+    TextContent,
+    TextDelta,
+    TokenCount,
+    ToolUseContent,
+    Usage,
+    error_body,
+    event,
+)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
@@ -39,21 +59,21 @@ class AnthropicServing:
     async def messages(self, body: MessagesBody, request: HTTPRequest) -> Any:
         prompt, tools = self._prompt(body)
         fields: dict[str, Any] = body.sampling_fields() | ({"grammar": tools.grammar} if tools.grammar else {})
-        with refused_as(names={"stop": "stop_sequences"}):
-            params = SamplingParams(**fields, max_tokens=self.core.room(prompt, body.max_tokens))
-        await self.core.compile(
-            params, "tool_choice" if tools.grammar else "output_config" if body.output_config else None
-        )
-        self.core.check_queue(1)
+        params = self.core.sampling(prompt, body.max_tokens, fields, {"stop": "stop_sequences"})
+        source = "tool_choice" if tools.grammar else "output_config" if body.output_config else None
+        run = await self.core.start([(prompt, params)], tools, source, pin=self._pin(body, prompt, tools))
         ident = f"msg_{uuid.uuid4().hex[:24]}"
-        events = self.core.run([(prompt, params)], None, self._pin(body, prompt, tools))
-        splitter = self.core.splitters(1, tools)[0]
         if body.stream:
-            return StreamingResponse(self._stream(events, ident, len(prompt), splitter), media_type="text/event-stream")
-        return await until_done(self._collect(events, ident, splitter), request)
+            framer = _Events(self._message(ident, [], None, Usage(input_tokens=len(prompt))))
+            return StreamingResponse(run.stream(framer), media_type="text/event-stream")
+        replies = await run.collect(request)
+        if not isinstance(replies, list):
+            return replies
+        (reply,) = replies
+        return self._message(ident, _blocks(reply.pieces), reply.last, _usage(reply.usage)).model_dump()
 
-    async def count_tokens(self, body: CountTokensBody) -> dict[str, int]:
-        return {"input_tokens": len(self._prompt(body)[0])}
+    async def count_tokens(self, body: CountTokensBody) -> TokenCount:
+        return TokenCount(input_tokens=len(self._prompt(body)[0]))
 
     def _prompt(self, body: CountTokensBody) -> tuple[list[int], Tools]:
         self.core.check_model(body.model)
@@ -80,120 +100,85 @@ class AnthropicServing:
         shared = next((k for k, (a, b) in enumerate(zip(head, prompt)) if a != b), min(len(head), len(prompt)))
         return pin_of(mark.model_dump(exclude_none=True), shared)
 
-    def _message(self, ident: str, content: list[dict[str, Any]], last: RequestOutput | None) -> dict[str, Any]:
-        reason, stop = _stop(last, any(block["type"] == "tool_use" for block in content))
-        return {
-            "id": ident,
-            "type": "message",
-            "role": "assistant",
-            "model": self.core.model_id,
-            "content": content,
-            "stop_reason": reason,
-            "stop_sequence": stop,
-            "usage": _usage(last.usage if last else None),
-        }
-
-    async def _collect(
-        self, events: AsyncGenerator[Event, None], ident: str, splitter: ToolCallStream | None
-    ) -> dict[str, Any]:
-        pieces: list[Piece] = []
-        last = None
-        async with aclosing(events):
-            async for event in events:
-                if event is not None:
-                    last = event[1]
-                    pieces += split(splitter, last)
-        return self._message(ident, _blocks(pieces), last)
-
-    async def _stream(
-        self, events: AsyncGenerator[Event, None], ident: str, prompt_tokens: int, splitter: ToolCallStream | None
-    ) -> AsyncIterator[str]:
-        """Anthropic's events: `message_start`, each block's start, deltas and stop, `message_delta`
-        with the stop reason and usage, `message_stop`; `ping` while there is nothing to send."""
-        start = self._message(ident, [], None) | {"usage": _usage(Usage(prompt_tokens, 0, 0))}
-        yield _event("message_start", {"message": start})
-        blocks = _Blocks()
-        last = None
-        try:
-            async with aclosing(events):
-                async for event in events:
-                    if event is None:
-                        yield _event("ping", {})
-                        continue
-                    last = event[1]
-                    for piece in split(splitter, last):
-                        for name, data in blocks.add(piece):
-                            yield _event(name, data)
-        except RequestFailed as exc:  # the status line has gone: the error travels as an event
-            yield _event("error", error_body(ServingError(500, str(exc), kind="server_error")))
-            return
-        for name, data in blocks.close():
-            yield _event(name, data)
-        reason, stop = _stop(last, blocks.called)
-        usage = _usage(last.usage if last else None)
-        yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop}, "usage": usage})
-        yield _event("message_stop", {})
+    def _message(self, ident: str, content: list[Content], last: RequestOutput | None, usage: Usage) -> Message:
+        reason, stop = _stop(last, any(isinstance(block, ToolUseContent) for block in content))
+        return Message(
+            id=ident, model=self.core.model_id, content=content, stop_reason=reason, stop_sequence=stop, usage=usage
+        )
 
 
-class _Blocks:
-    """The content blocks of a streamed reply, opened and closed as its pieces come."""
+class _Events:
+    """Anthropic's event stream: `message_start`, each block's start, deltas and stop, `message_delta`
+    with the stop reason and usage, `message_stop`; `ping` while there is nothing to send."""
 
-    def __init__(self) -> None:
-        self.count = 0
+    def __init__(self, start: Message) -> None:
+        self.start = start
+        self.count = 0  # blocks opened
         self.text_open = False
         self.called = False
+        self.last: RequestOutput | None = None
 
-    def add(self, piece: Piece) -> list[tuple[str, dict[str, Any]]]:
-        if isinstance(piece, str):
-            opened = [] if self.text_open else self._start({"type": "text", "text": ""})
-            self.text_open = True
-            return opened + [_delta(self.count - 1, {"type": "text_delta", "text": piece})]
-        self.called = True
-        events = self._stop_text() + self._start(_tool_use(piece) | {"input": {}})
-        delta = _delta(self.count - 1, {"type": "input_json_delta", "partial_json": piece.arguments})
-        return events + [delta, ("content_block_stop", {"index": self.count - 1})]
+    def opening(self) -> Iterable[str]:
+        return [event(MessageStart(message=self.start))]
 
-    def close(self) -> list[tuple[str, dict[str, Any]]]:
-        """The last block's stop; a reply with no blocks at all gets one empty text block."""
+    def keepalive(self) -> str:
+        return event(Ping())
+
+    def output(self, index: int, output: RequestOutput, pieces: list[Piece]) -> Iterable[str]:
+        self.last = output
+        return [event(e) for piece in pieces for e in self._add(piece)]
+
+    def failed(self, error: ServingError) -> Iterable[str]:
+        return [event(error_body(error))]
+
+    def closing(self) -> Iterable[str]:
+        """The last block's stop (a reply with no blocks at all gets one empty text block), the stop
+        reason and usage, and the end."""
         if self.count == 0:
-            return self._start({"type": "text", "text": ""}) + [("content_block_stop", {"index": 0})]
-        return self._stop_text()
+            events = self._start(TextContent(text="")) + [ContentBlockStop(index=0)]
+        else:
+            events = self._stop_text()
+        reason, stop = _stop(self.last, self.called)
+        usage = _usage(self.last.usage if self.last else None)
+        ending = [MessageDelta(delta=Stop(stop_reason=reason, stop_sequence=stop), usage=usage), MessageStop()]
+        return [event(e) for e in events + ending]
 
-    def _start(self, block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    def _add(self, piece: Piece) -> list[Any]:
+        if isinstance(piece, str):
+            opened = [] if self.text_open else self._start(TextContent(text=""))
+            self.text_open = True
+            return opened + [ContentBlockDelta(index=self.count - 1, delta=TextDelta(text=piece))]
+        self.called = True
+        events = self._stop_text() + self._start(_tool_use(piece).model_copy(update={"input": {}}))
+        delta = ContentBlockDelta(index=self.count - 1, delta=InputJsonDelta(partial_json=piece.arguments))
+        return events + [delta, ContentBlockStop(index=self.count - 1)]
+
+    def _start(self, block: Content) -> list[Any]:
         self.count += 1
-        return [("content_block_start", {"index": self.count - 1, "content_block": block})]
+        return [ContentBlockStart(index=self.count - 1, content_block=block)]
 
-    def _stop_text(self) -> list[tuple[str, dict[str, Any]]]:
+    def _stop_text(self) -> list[Any]:
         if not self.text_open:
             return []
         self.text_open = False
-        return [("content_block_stop", {"index": self.count - 1})]
+        return [ContentBlockStop(index=self.count - 1)]
 
 
-def _blocks(pieces: list[Piece]) -> list[dict[str, Any]]:
+def _blocks(pieces: list[Piece]) -> list[Content]:
     """A whole reply's content blocks: consecutive text as one block, each call as a `tool_use`."""
-    blocks: list[dict[str, Any]] = []
+    blocks: list[Content] = []
     for piece in pieces:
         if isinstance(piece, ToolCall):
             blocks.append(_tool_use(piece))
-        elif blocks and blocks[-1]["type"] == "text":
-            blocks[-1]["text"] += piece
+        elif blocks and isinstance(blocks[-1], TextContent):
+            blocks[-1].text += piece
         else:
-            blocks.append({"type": "text", "text": piece})
-    return blocks or [{"type": "text", "text": ""}]
+            blocks.append(TextContent(text=piece))
+    return blocks or [TextContent(text="")]
 
 
-def _tool_use(call: ToolCall) -> dict[str, Any]:
-    return {
-        "type": "tool_use",
-        "id": "toolu_" + call.id.removeprefix("call_"),
-        "name": call.name,
-        "input": json.loads(call.arguments),
-    }
-
-
-def _delta(index: int, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    return "content_block_delta", {"index": index, "delta": delta}
+def _tool_use(call: ToolCall) -> ToolUseContent:
+    return ToolUseContent(id="toolu_" + call.id.removeprefix("call_"), name=call.name, input=json.loads(call.arguments))
 
 
 def _stop(last: RequestOutput | None, called: bool) -> tuple[str | None, str | None]:
@@ -207,20 +192,15 @@ def _stop(last: RequestOutput | None, called: bool) -> tuple[str | None, str | N
     return STOP_REASONS.get(last.finish_reason, last.finish_reason), None
 
 
-def _usage(usage: Usage | None) -> dict[str, int]:
+def _usage(usage: outputs.Usage | None) -> Usage:
     """Anthropic's usage: prompt tokens read from the cache, those written to it for a pin (its
     `cache_control`), and the rest."""
     if usage is None:
-        return {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+        return Usage()
     written = max(0, usage.pinned_tokens - usage.cached_tokens)
-    return {
-        "input_tokens": usage.prompt_tokens - usage.cached_tokens - written,
-        "output_tokens": usage.completion_tokens,
-        "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation_input_tokens": written,
-    }
-
-
-def _event(name: str, data: dict[str, Any]) -> str:
-    """One Server-Sent Event as Anthropic sends them: its type named twice, as `event` and `type`."""
-    return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+    return Usage(
+        input_tokens=usage.prompt_tokens - usage.cached_tokens - written,
+        output_tokens=usage.completion_tokens,
+        cache_read_input_tokens=usage.cached_tokens,
+        cache_creation_input_tokens=written,
+    )

@@ -1,1 +1,2 @@
-"""Ollama's API: request bodies and error shape (`protocol`), and the endpoints (`serving`)."""
+"""Ollama's API: `router` (its routes), `protocol` (request and response bodies, error shape) and
+`serving` (requests into engine requests, outputs into JSON lines and model descriptions)."""

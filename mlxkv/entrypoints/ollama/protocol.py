@@ -1,4 +1,4 @@
-"""Ollama's API request bodies and error shape, as mlxkv reads them.
+"""Ollama's API: the request bodies as mlxkv reads them, and the response bodies and error shape it sends.
 
 `options` maps to `SamplingParams` (`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
 `num_predict`); the options that tune Ollama's own runner (`num_ctx`, `num_gpu`, `repeat_penalty`,
@@ -12,7 +12,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core import ServingError
+from ..errors import ServingError
 
 # Ollama's documented defaults where a Modelfile sets none; SamplingParams' own are greedy and unfiltered.
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
@@ -103,6 +103,69 @@ class ShowBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     name: str | None = None  # Ollama's older name for `model`
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str = ""
+    tool_calls: list[OllamaToolCall] | None = None
+
+
+class Chunk(BaseModel):
+    """One line of `/api/chat` (`message`) or `/api/generate` (`response`): a piece of the reply,
+    or the last (`done`), with the reason and the counts and durations in nanoseconds."""
+
+    model: str
+    created_at: str
+    response: str | None = None
+    message: ResponseMessage | None = None
+    done: bool = False
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+
+    def line(self) -> str:
+        """The chunk as a line of newline-delimited JSON (fields Ollama would not send left out)."""
+        return self.model_dump_json(exclude_none=True) + "\n"
+
+
+class ModelDetails(BaseModel):
+    format: str = "mlx"
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str = ""
+
+
+class ModelEntry(BaseModel):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+
+
+class Tags(BaseModel):
+    models: list[ModelEntry]
+
+
+class ModelInfo(BaseModel):
+    modelfile: str = ""
+    parameters: str = ""
+    template: str
+    details: ModelDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class Version(BaseModel):
+    version: str
 
 
 def error_response(error: ServingError) -> JSONResponse:

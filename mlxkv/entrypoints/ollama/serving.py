@@ -2,15 +2,15 @@
 streams by default, one object with `"stream": false`), and `/api/tags`, `/api/show` and
 `/api/version`, so that apps set up for Ollama work against `mlxkv serve --port 11434`.
 
-Model names: the server's model id, with or without Ollama's `:latest` tag.
+Model names: the server's model id, with or without Ollama's `:latest` tag. While a stream has
+nothing to send (a long prefill) it sends an empty piece of reply, which clients append as nothing.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from hashlib import sha256
 from importlib.metadata import version
@@ -22,12 +22,27 @@ from fastapi.responses import StreamingResponse
 from mlx.utils import tree_flatten
 
 from ...engine.outputs import RequestOutput
-from ...engine.sampling.params import SamplingParams
-from ...errors import RequestFailed
 from ...models.structure import text_model
-from ..core import Event, ServingCore, ServingError, Tools, refused_as, split, until_done
-from ..tool_calls import Piece, ToolCall, ToolCallStream
-from .protocol import OLLAMA_DEFAULTS, Body, ChatBody, GenerateBody, ShowBody
+from ..core import ServingCore, Tools
+from ..errors import ServingError
+from ..replies import Collected
+from ..tool_calls import Piece, ToolCall
+from .protocol import (
+    OLLAMA_DEFAULTS,
+    Body,
+    CalledFunction,
+    ChatBody,
+    Chunk,
+    GenerateBody,
+    ModelDetails,
+    ModelEntry,
+    ModelInfo,
+    OllamaToolCall,
+    ResponseMessage,
+    ShowBody,
+    Tags,
+    Version,
+)
 
 
 class OllamaServing:
@@ -63,112 +78,109 @@ class OllamaServing:
         options = body.options
         wanted = options.num_predict if options is not None and options.num_predict not in (None, -1) else None
         fields = OLLAMA_DEFAULTS | (options.sampling_fields() if options else {}) | body.constraint()
-        with refused_as():
-            params = SamplingParams(**fields, max_tokens=self.core.room(prompt, wanted))
-        await self.core.compile(params, "format" if body.format is not None else None)
-        self.core.check_queue(1)
-        events = self.core.run([(prompt, params)], None)
-        splitter = self.core.splitters(1, tools)[0]
-        lines = self._lines(events, key, splitter, time.perf_counter_ns())
+        params = self.core.sampling(prompt, wanted, fields)
+        run = await self.core.start([(prompt, params)], tools, "format" if body.format is not None else None)
+        lines = _Lines(self.core.model_id, key, time.perf_counter_ns())
         if body.stream:
-            return StreamingResponse(_ndjson(lines), media_type="application/x-ndjson")
-        return await until_done(self._whole(lines, key), request)
+            return StreamingResponse(run.stream(lines), media_type="application/x-ndjson")
+        replies = await run.collect(request)
+        return lines.whole(replies[0]) if isinstance(replies, list) else replies
 
-    async def _lines(
-        self, events: AsyncGenerator[Event, None], key: str, splitter: ToolCallStream | None, started: int
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Ollama's objects: one per piece of new text or tool call, then the last with the counts."""
-        first = None
-        last: RequestOutput | None = None
-        async with aclosing(events):
-            async for event in events:
-                if event is None:
-                    continue
-                last = event[1]
-                first = first or time.perf_counter_ns()
-                for piece in _grouped(split(splitter, last)):
-                    yield self._chunk(key, piece)
-        assert last is not None and last.usage is not None
-        now = time.perf_counter_ns()
-        yield self._chunk(key, "") | {
-            "done": True,
-            "done_reason": last.finish_reason,
-            "total_duration": now - started,
-            "load_duration": 0,
-            "prompt_eval_count": last.usage.prompt_tokens,
-            "prompt_eval_duration": (first or now) - started,
-            "eval_count": last.usage.completion_tokens,
-            "eval_duration": now - (first or now),
-        }
+    def tags(self) -> Tags:
+        return Tags(models=[self._entry()])
 
-    def _chunk(self, key: str, piece: str | list[ToolCall]) -> dict[str, Any]:
-        head = {"model": self.core.model_id, "created_at": _now(), "done": False}
-        if key == "response":
-            return head | {"response": piece if isinstance(piece, str) else ""}
-        message: dict[str, Any] = {"role": "assistant", "content": piece if isinstance(piece, str) else ""}
-        if not isinstance(piece, str):
-            message["tool_calls"] = [
-                {"function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in piece
-            ]
-        return head | {"message": message}
-
-    async def _whole(self, lines: AsyncIterator[dict[str, Any]], key: str) -> dict[str, Any]:
-        """The reply as one object: the last line, with every line's text (and calls) in it."""
-        text, last = "", {}
-        calls: list[Any] = []
-        try:
-            async for line in lines:
-                part = line.get(key)
-                text += part["content"] if isinstance(part, dict) else part or ""
-                calls += part.get("tool_calls", []) if isinstance(part, dict) else []
-                last = line
-        except RequestFailed as exc:
-            raise ServingError(500, str(exc), kind="server_error") from None
-        if key == "response":
-            return last | {"response": text}
-        return last | {"message": {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})}
-
-    def tags(self) -> dict[str, Any]:
-        return {"models": [self._description() | {"name": self.core.model_id}]}
-
-    def show(self, body: ShowBody) -> dict[str, Any]:
+    def show(self, body: ShowBody) -> ModelInfo:
         self._check_model(body.model or body.name)
         tokenizer = self.core.tokenizer
         architecture = self.model.args.model_type
-        capabilities = ["completion"] + (["tools"] if tokenizer.has_tool_calling else [])
-        return {
-            "modelfile": "",
-            "parameters": "",
-            "template": (tokenizer.chat_template or "") if tokenizer.has_chat_template else "",
-            "details": self._description()["details"],
-            "model_info": {
+        return ModelInfo(
+            template=(tokenizer.chat_template or "") if tokenizer.has_chat_template else "",
+            details=self._entry().details,
+            model_info={
                 "general.architecture": architecture,
                 "general.parameter_count": self.parameters,
                 f"{architecture}.context_length": self.core.llm.engine.max_request_tokens,
             },
-            "capabilities": capabilities,
-            "modified_at": self.created.isoformat(),
-        }
+            capabilities=["completion"] + (["tools"] if tokenizer.has_tool_calling else []),
+            modified_at=self.created.isoformat(),
+        )
 
-    def _description(self) -> dict[str, Any]:
+    def _entry(self) -> ModelEntry:
         count, family = self.parameters, self.model.args.model_type
-        return {
-            "model": self.core.model_id,
-            "modified_at": self.created.isoformat(),
-            "size": self.size,
-            "digest": sha256(self.core.model_id.encode()).hexdigest(),
-            "details": {
-                "format": "mlx",
-                "family": family,
-                "families": [family],
-                "parameter_size": f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M",
-                "quantization_level": "",
-            },
-        }
+        size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+        return ModelEntry(
+            name=self.core.model_id,
+            model=self.core.model_id,
+            modified_at=self.created.isoformat(),
+            size=self.size,
+            digest=sha256(self.core.model_id.encode()).hexdigest(),
+            details=ModelDetails(family=family, families=[family], parameter_size=size),
+        )
 
     @staticmethod
-    def version() -> dict[str, str]:
-        return {"version": version("mlxkv")}
+    def version() -> Version:
+        return Version(version=version("mlxkv"))
+
+
+class _Lines:
+    """Ollama's objects for one reply (`key`: "message" for chat, "response" for generate), started at
+    `started` (ns): one per piece of new text or group of tool calls, then the last with the counts."""
+
+    def __init__(self, model: str, key: str, started: int) -> None:
+        self.model, self.key, self.started = model, key, started
+        self.first: int | None = None  # when the first output came (ns)
+        self.last: RequestOutput | None = None
+
+    def opening(self) -> Iterable[str]:
+        return []
+
+    def keepalive(self) -> str:
+        return self._chunk("").line()
+
+    def output(self, index: int, output: RequestOutput, pieces: list[Piece]) -> Iterable[str]:
+        self.first = self.first or time.perf_counter_ns()
+        self.last = output
+        return [self._chunk(piece).line() for piece in _grouped(pieces)]
+
+    def failed(self, error: ServingError) -> Iterable[str]:
+        return [json.dumps({"error": str(error)}) + "\n"]
+
+    def closing(self) -> Iterable[str]:
+        return [self._done(self._chunk("")).line()]
+
+    def whole(self, reply: Collected) -> dict[str, Any]:
+        """The reply as one object: the last line, with all the reply's text (and calls) in it."""
+        self.last, self.first = reply.last, reply.first_ns
+        return self._done(self._chunk(reply.text, reply.calls)).model_dump(exclude_none=True)
+
+    def _chunk(self, piece: str | list[ToolCall], calls: list[ToolCall] | None = None) -> Chunk:
+        """A line with `piece` of the reply (text, or as a list, tool calls), and `calls` besides."""
+        text, calls = (piece, calls) if isinstance(piece, str) else ("", piece)
+        now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+        if self.key == "response":
+            return Chunk(model=self.model, created_at=now, response=text)
+        made = [
+            OllamaToolCall(function=CalledFunction(name=c.name, arguments=json.loads(c.arguments))) for c in calls or []
+        ]
+        return Chunk(model=self.model, created_at=now, message=ResponseMessage(content=text, tool_calls=made or None))
+
+    def _done(self, chunk: Chunk) -> Chunk:
+        """`chunk` as the last line: why the reply ended, its counts and durations."""
+        assert self.last is not None and self.last.usage is not None
+        now = time.perf_counter_ns()
+        first = self.first or now
+        return chunk.model_copy(
+            update={
+                "done": True,
+                "done_reason": self.last.finish_reason,
+                "total_duration": now - self.started,
+                "load_duration": 0,
+                "prompt_eval_count": self.last.usage.prompt_tokens,
+                "prompt_eval_duration": first - self.started,
+                "eval_count": self.last.usage.completion_tokens,
+                "eval_duration": now - first,
+            }
+        )
 
 
 def _grouped(pieces: list[Piece]) -> list[str | list[ToolCall]]:
@@ -180,16 +192,3 @@ def _grouped(pieces: list[Piece]) -> list[str | list[ToolCall]]:
         else:
             grouped.append([piece] if isinstance(piece, ToolCall) else piece)
     return grouped
-
-
-async def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """Newline-delimited JSON; a failure after the status line has gone travels as an error line."""
-    try:
-        async for line in lines:
-            yield json.dumps(line) + "\n"
-    except RequestFailed as exc:
-        yield json.dumps({"error": str(exc)}) + "\n"
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")

@@ -1,2 +1,3 @@
-"""OpenAI's Chat Completions and Completions API: `protocol` (request bodies, errors, response JSON)
-and `serving` (requests into engine requests, outputs into responses and streams)."""
+"""OpenAI's API: `router` (its routes), `protocol` and `serving` for chat and completions (request
+and response bodies; requests into engine requests, outputs into responses and streams), and
+`responses_protocol` and `responses` for the Responses API."""

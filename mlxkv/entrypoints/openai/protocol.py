@@ -1,4 +1,6 @@
-"""OpenAI's request bodies and error shape, as mlxkv reads them.
+"""OpenAI's chat and completions: the request bodies as mlxkv reads them, and the response bodies,
+stream chunks and error shape it sends (those dumped with `exclude_unset`, so that a field is sent
+exactly where it is given, as null where that is set).
 
 Sampling fields (`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `ignore_eos`, and the
 constraints `json_schema`, `regex`, `choice`, `grammar`) are `SamplingParams`' own: a body keeps
@@ -18,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.outputs import Usage
 from ...engine.sampling.params import CONSTRAINTS, SamplingParams
-from ..core import ServingError, forced_tools
+from ..core import forced_tools
+from ..errors import ServingError
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "logprobs"}
@@ -206,6 +209,112 @@ class CompletionBody(Body):
         return [cast("str | list[int]", self.prompt)]
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[MessageToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChatLogprobs | None
+
+
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """A tool call as OpenAI streams it: its id, type and name first, then its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None
+
+
+class PromptDetails(BaseModel):
+    cached_tokens: int
+
+
+class OpenAIUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptDetails
+
+
+class Reply(BaseModel):
+    """A response or one chunk of a stream: `chat.completion`, `chat.completion.chunk` or
+    `text_completion`, its choices of the kind that object holds, and usage where given."""
+
+    id: str
+    object: Literal["chat.completion", "chat.completion.chunk", "text_completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice] | list[ChunkChoice] | list[CompletionChoice]
+    usage: OpenAIUsage | None = None
+
+    def sse(self) -> str:
+        return sse(self.model_dump(exclude_unset=True))
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mlxkv"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
 OPENAI_KINDS = {  # OpenAI's error types for the core's kinds it names otherwise
     "overloaded_error": "server_error",
     "not_found_error": "invalid_request_error",
@@ -213,28 +322,41 @@ OPENAI_KINDS = {  # OpenAI's error types for the core's kinds it names otherwise
 }
 
 
-def error_body(error: ServingError) -> dict[str, Any]:
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
     """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorDetail
+
+
+def error_body(error: ServingError) -> ErrorBody:
     kind = OPENAI_KINDS.get(error.kind, error.kind)
-    return {"error": {"message": str(error), "type": kind, "param": error.param, "code": error.code}}
+    return ErrorBody(error=ErrorDetail(message=str(error), type=kind, param=error.param, code=error.code))
 
 
 def error_response(error: ServingError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
+    return JSONResponse(error_body(error).model_dump(), status_code=error.status, headers=error.headers)
 
 
-def usage_json(usages: list[Usage | None], per_prompt: int) -> dict[str, Any]:
+def usage_of(usages: list[Usage | None], per_prompt: int) -> OpenAIUsage:
     """OpenAI's `usage` for the choices of one request, `per_prompt` choices per prompt: each
     prompt is counted once, as its first choice computed it."""
     done = [u for u in usages if u is not None]
     firsts = [u for u in usages[::per_prompt] if u is not None]
     prompt, completion = sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in done)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)},
-    }
+    details = PromptDetails(cached_tokens=sum(u.cached_tokens for u in firsts))
+    return OpenAIUsage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=details,
+    )
 
 
 def sse(payload: dict[str, Any] | str) -> str:

@@ -5,34 +5,48 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from ...cache.pins import Pin
 from ...cache.prefix_cache import check_salt
-from ...engine.outputs import Usage
+from ...engine.outputs import RequestOutput, Usage
+from ...engine.sampling import sampler
 from ...engine.sampling.params import MAX_LOGPROBS, SamplingParams
-from ...engine.sampling.sampler import TokenLogprob
-from ...errors import RequestFailed
-from ..core import (
-    Choice,
-    Event,
-    ServingCore,
-    ServingError,
-    Tools,
-    pin_of,
-    refused_as,
-    seeded_choices,
-    split,
-    text_of,
-    until_done,
+from ..core import Choice, ServingCore, Tools, pin_of, seeded_choices
+from ..errors import ServingError, refused_as
+from ..replies import Run, text_of
+from ..tool_calls import Piece, ToolCall
+from .protocol import (
+    AssistantMessage,
+    Body,
+    CalledFunction,
+    ChatBody,
+    ChatChoice,
+    ChatLogprobs,
+    ChunkChoice,
+    CompletionBody,
+    CompletionChoice,
+    CompletionLogprobs,
+    Delta,
+    FunctionDelta,
+    MessageToolCall,
+    OpenAIUsage,
+    Reply,
+    TokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
+    error_body,
+    sse,
+    usage_of,
 )
-from ..tool_calls import Piece, ToolCall, ToolCallStream
-from .protocol import Body, ChatBody, CompletionBody, error_body, sse, usage_json
+
+Kind = Literal["chat.completion", "text_completion"]
+CHAT: Kind = "chat.completion"
+COMPLETION: Kind = "text_completion"
 
 
 class OpenAIServing:
@@ -54,9 +68,8 @@ class OpenAIServing:
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         constraint = {"grammar": tools.grammar} if tools.grammar else None
         params = self._params(body, prompt, limit, (body.top_logprobs or 0) if body.logprobs else None, constraint)
-        await self.core.compile(params, _source(body, constraint is not None))
         choices = seeded_choices([(prompt, params)], body.n)
-        return await self._respond(body, choices, request, "chat.completion", self._pin(body, [prompt]), tools)
+        return await self._respond(body, choices, request, CHAT, self._pin(body, [prompt]), tools)
 
     async def completions(self, body: CompletionBody, request: HTTPRequest) -> Any:
         """One prompt, or a batch of them (OpenAI's list of strings or of token-id lists): choices
@@ -73,9 +86,8 @@ class OpenAIServing:
                 raise ServingError(400, str(exc) if len(batch) == 1 else f"prompt {index}: {exc}", "prompt") from None
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             runs.append((prompt, self._params(body, prompt, max_tokens, body.logprobs)))
-        await self.core.compile(runs[0][1], _source(body, False))
         pin = self._pin(body, [prompt for prompt, _ in runs])
-        return await self._respond(body, seeded_choices(runs, body.n), request, "text_completion", pin)
+        return await self._respond(body, seeded_choices(runs, body.n), request, COMPLETION, pin)
 
     def _params(
         self,
@@ -97,22 +109,32 @@ class OpenAIServing:
         body: Body,
         choices: list[Choice],
         request: HTTPRequest,
-        kind: str,
+        kind: Kind,
         pin: Pin | None,
         tools: Tools | None = None,
     ) -> Any:
         """The response: one JSON body, or a stream; with tools shown, each choice's text split
         into content and tool calls."""
-        self.core.check_queue(len(choices))
-        ident = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
-        head = {"id": ident, "created": int(time.time()), "model": self.core.model_id}
-        events = self.core.run(choices, body.cache_salt, pin)
-        splits = self.core.splitters(len(choices), tools)
+        source = _source(body, tools is not None and tools.grammar is not None)
+        run = await self.core.start(choices, tools, source, body.cache_salt, pin)
+        ident = f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+        reply = _Reply(self, ident, kind, len(choices), body.n)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            stream = self._stream(events, head, kind, splits, body.n, usage)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        return await until_done(self._collect(events, head, kind, splits, body.n), request)
+            return StreamingResponse(run.stream(_Chunks(reply, usage)), media_type="text/event-stream")
+        return await self._whole(run, reply, request)
+
+    async def _whole(self, run: Run, reply: _Reply, request: HTTPRequest) -> Any:
+        replies = await run.collect(request)
+        if not isinstance(replies, list):
+            return replies
+        choices = [
+            reply.choice(i, r.text, _reason(r.finish_reason, r.calls), r.logprobs, r.calls)
+            for i, r in enumerate(replies)
+        ]
+        return reply.body(choices, usage_of([r.usage for r in replies], reply.per_prompt)).model_dump(
+            exclude_unset=True
+        )
 
     @staticmethod
     def _pin(body: Body, prompts: list[list[int]]) -> Pin | None:
@@ -121,131 +143,122 @@ class OpenAIServing:
         mark = (body.model_extra or {}).get("cache_control")
         return pin_of(mark, len(prompts[0])) if mark is not None and len(prompts) == 1 else None
 
-    async def _collect(
-        self,
-        events: AsyncGenerator[Event, None],
-        head: dict[str, Any],
-        kind: str,
-        splits: list[ToolCallStream | None],
-        per_prompt: int,
-    ) -> dict[str, Any]:
-        n = len(splits)
-        pieces: list[list[Piece]] = [[] for _ in range(n)]
-        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
-        reasons: list[str | None] = [None] * n
-        usages: list[Usage | None] = [None] * n
-        async with aclosing(events):
-            async for event in events:
-                if event is None:
-                    continue
-                index, output = event
-                pieces[index] += split(splits[index], output)
-                logprobs[index] += output.logprobs
-                reasons[index], usages[index] = output.finish_reason, output.usage
-        choices = []
-        for i in range(n):
-            text, calls = text_of(pieces[i]), [p for p in pieces[i] if isinstance(p, ToolCall)]
-            choices.append(self._choice(kind, i, text, _reason(reasons[i], calls), logprobs[i], True, calls))
-        return {**head, "object": kind, "choices": choices, "usage": usage_json(usages, per_prompt)}
-
-    async def _stream(
-        self,
-        events: AsyncGenerator[Event, None],
-        head: dict[str, Any],
-        kind: str,
-        splits: list[ToolCallStream | None],
-        per_prompt: int,
-        include_usage: bool,
-    ) -> AsyncIterator[str]:
-        """Server-Sent Events: a chat choice's tool calls as OpenAI streams them (id and name,
-        then the arguments), before the content that came with them."""
-        n = len(splits)
-        chunk = {**head, "object": "chat.completion.chunk" if kind == "chat.completion" else kind}
-        usages: list[Usage | None] = [None] * n
-        calls: list[list[ToolCall]] = [[] for _ in range(n)]
-        async with aclosing(events):
-            if kind == "chat.completion":
-                for i in range(n):
-                    first = {"role": "assistant", "content": ""}
-                    yield sse(
-                        {**chunk, "choices": [{"index": i, "delta": first, "logprobs": None, "finish_reason": None}]}
-                    )
-            try:
-                async for event in events:
-                    if event is None:
-                        yield ": keepalive\n\n"
-                        continue
-                    index, output = event
-                    usages[index] = output.usage
-                    pieces = split(splits[index], output)
-                    for call in (p for p in pieces if isinstance(p, ToolCall)):
-                        for delta in _call_deltas(call, len(calls[index])):
-                            tool_delta = {"index": index, "delta": {"tool_calls": [delta]}, "finish_reason": None}
-                            yield sse({**chunk, "choices": [{**tool_delta, "logprobs": None}]})
-                        calls[index].append(call)
-                    text = text_of(pieces)
-                    if text or output.finished or output.logprobs:
-                        reason = _reason(output.finish_reason, calls[index])
-                        choice = self._choice(kind, index, text, reason, list(output.logprobs))
-                        yield sse({**chunk, "choices": [choice]})
-            except RequestFailed as exc:  # the status line has gone: the error travels as an event
-                yield sse(error_body(ServingError(500, str(exc), kind="server_error")))
-                return
-        if include_usage:
-            yield sse({**chunk, "choices": [], "usage": usage_json(usages, per_prompt)})
-        yield sse("[DONE]")
-
-    def _choice(
-        self,
-        kind: str,
-        index: int,
-        text: str,
-        reason: str | None,
-        scores: list[TokenLogprob],
-        final: bool = False,
-        calls: list[ToolCall] | None = None,
-    ) -> dict[str, Any]:
-        wanted = bool(scores)
-        if kind == "chat.completion":
-            part: dict[str, Any] = {"content": text}
-            if final:
-                part = {"role": "assistant", "content": text or (None if calls else "")}
-                if calls:
-                    part["tool_calls"] = [call.as_json() for call in calls]
-            return {
-                "index": index,
-                "message" if final else "delta": part,
-                "finish_reason": reason,
-                "logprobs": {"content": [self._chat_logprob(s) for s in scores]} if wanted else None,
-            }
-        return {
-            "index": index,
-            "text": text,
-            "finish_reason": reason,
-            "logprobs": self._legacy_logprobs(scores) if wanted else None,
-        }
-
-    def _token_text(self, token: int) -> str:
+    def token_text(self, token: int) -> str:
         text: str = self.tokenizer.decode([token])
         return text
 
-    def _chat_logprob(self, score: TokenLogprob) -> dict[str, Any]:
-        top = [
-            {"token": self._token_text(t), "logprob": lp, "bytes": list(self._token_text(t).encode())}
-            for t, lp in score.top
-        ]
-        text = self._token_text(score.token)
-        return {"token": text, "logprob": score.logprob, "bytes": list(text.encode()), "top_logprobs": top}
+    def chat_logprobs(self, scores: list[sampler.TokenLogprob]) -> ChatLogprobs:
+        def top(token: int, logprob: float) -> TopLogprob:
+            text = self.token_text(token)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
-    def _legacy_logprobs(self, scores: list[TokenLogprob]) -> dict[str, Any]:
-        tokens = [self._token_text(s.token) for s in scores]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return {
-            "tokens": tokens,
-            "token_logprobs": [s.logprob for s in scores],
-            "top_logprobs": [{self._token_text(t): lp for t, lp in s.top} for s in scores],
-            "text_offset": offsets,
-        }
+        return ChatLogprobs(
+            content=[
+                TokenLogprob(**top(s.token, s.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in s.top])
+                for s in scores
+            ]
+        )
+
+    def completion_logprobs(self, scores: list[sampler.TokenLogprob]) -> CompletionLogprobs:
+        tokens = [self.token_text(s.token) for s in scores]
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[s.logprob for s in scores],
+            top_logprobs=[{self.token_text(t): lp for t, lp in s.top} for s in scores],
+            text_offset=[sum(len(t) for t in tokens[:i]) for i in range(len(tokens))],
+        )
+
+
+class _Reply:
+    """One response's head and choices: `kind` (chat or completion), `n` choices, `per_prompt` each."""
+
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        ident: str,
+        kind: Literal["chat.completion", "text_completion"],
+        n: int,
+        per_prompt: int,
+    ) -> None:
+        self.serving, self.ident, self.kind, self.n, self.per_prompt = serving, ident, kind, n, per_prompt
+        self.created = int(time.time())
+
+    def body(self, choices: list[Any], usage: OpenAIUsage | None = None, chunk: bool = False) -> Reply:
+        """The response, or one chunk of the stream, holding `choices` (and `usage`, if given)."""
+        kind = "chat.completion.chunk" if chunk and self.kind == CHAT else self.kind
+        reply = Reply(
+            id=self.ident, object=kind, created=self.created, model=self.serving.core.model_id, choices=choices
+        )
+        if usage is not None:
+            reply.usage = usage
+        return reply
+
+    def choice(
+        self,
+        index: int,
+        text: str,
+        reason: str | None,
+        scores: list[sampler.TokenLogprob],
+        calls: list[ToolCall] | None = None,
+        final: bool = True,
+    ) -> Any:
+        """A choice of a whole reply (`final`) or of a chunk, with the log-probabilities asked for."""
+        serving = self.serving
+        if self.kind == COMPLETION:
+            logprobs = serving.completion_logprobs(scores) if scores else None
+            return CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=logprobs)
+        chat_logprobs = serving.chat_logprobs(scores) if scores else None
+        if not final:
+            return ChunkChoice(index=index, delta=Delta(content=text), logprobs=chat_logprobs, finish_reason=reason)
+        message = AssistantMessage(role="assistant", content=text or (None if calls else ""))
+        if calls:
+            message.tool_calls = [
+                MessageToolCall(id=c.id, type="function", function=CalledFunction(name=c.name, arguments=c.arguments))
+                for c in calls
+            ]
+        return ChatChoice(index=index, message=message, finish_reason=reason, logprobs=chat_logprobs)
+
+
+class _Chunks:
+    """OpenAI's Server-Sent Events: a chat choice's tool calls as OpenAI streams them (id and name,
+    then the arguments), before the content that came with them; a comment line as keepalive."""
+
+    def __init__(self, reply: _Reply, include_usage: bool) -> None:
+        self.reply, self.include_usage = reply, include_usage
+        self.usages: list[Usage | None] = [None] * reply.n
+        self.calls: list[list[ToolCall]] = [[] for _ in range(reply.n)]
+
+    def opening(self) -> Iterable[str]:
+        if self.reply.kind != CHAT:
+            return []
+        first = Delta(role="assistant", content="")
+        starts = [ChunkChoice(index=i, delta=first, logprobs=None, finish_reason=None) for i in range(self.reply.n)]
+        return [self.reply.body([start], chunk=True).sse() for start in starts]
+
+    def keepalive(self) -> str:
+        return ": keepalive\n\n"
+
+    def output(self, index: int, output: RequestOutput, pieces: list[Piece]) -> Iterable[str]:
+        self.usages[index] = output.usage
+        chunks = []
+        for call in (p for p in pieces if isinstance(p, ToolCall)):
+            for delta in _call_deltas(call, len(self.calls[index])):
+                choice = ChunkChoice(index=index, delta=Delta(tool_calls=[delta]), logprobs=None, finish_reason=None)
+                chunks.append(self.reply.body([choice], chunk=True).sse())
+            self.calls[index].append(call)
+        text = text_of(pieces)
+        if text or output.finished or output.logprobs:
+            reason = _reason(output.finish_reason, self.calls[index])
+            choice = self.reply.choice(index, text, reason, list(output.logprobs), final=False)
+            chunks.append(self.reply.body([choice], chunk=True).sse())
+        return chunks
+
+    def failed(self, error: ServingError) -> Iterable[str]:
+        return [sse(error_body(error).model_dump())]
+
+    def closing(self) -> Iterable[str]:
+        usage = [self.reply.body([], usage_of(self.usages, self.reply.per_prompt), chunk=True).sse()]
+        return (usage if self.include_usage else []) + [sse("[DONE]")]
 
 
 def _reason(reason: str | None, calls: list[ToolCall]) -> str | None:
@@ -253,12 +266,11 @@ def _reason(reason: str | None, calls: list[ToolCall]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _call_deltas(call: ToolCall, index: int) -> list[dict[str, Any]]:
+def _call_deltas(call: ToolCall, index: int) -> list[ToolCallDelta]:
     """A tool call as OpenAI streams it: its id and name first, then its arguments."""
-    head = call.as_json(index)
     return [
-        {**head, "function": {"name": call.name, "arguments": ""}},
-        {"index": index, "function": {"arguments": call.arguments}},
+        ToolCallDelta(index=index, id=call.id, type="function", function=FunctionDelta(name=call.name, arguments="")),
+        ToolCallDelta(index=index, function=FunctionDelta(arguments=call.arguments)),
     ]
 
 

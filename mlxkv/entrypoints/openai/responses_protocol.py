@@ -1,0 +1,202 @@
+"""OpenAI's Responses API (`/v1/responses`): the request body as mlxkv reads it (`input` as text or
+items, `instructions`, function tools, `text.format`), and the response object, its output items and
+the typed stream events it sends (dumped with `exclude_unset`: a field is sent where it is given)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..core import forced_tools
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    def as_chat(self) -> dict[str, Any]:
+        """The tool as chat templates and mlx-lm's parsers read it: Chat Completions' entry."""
+        function = {"name": self.name, "parameters": self.parameters or {"type": "object"}}
+        return {
+            "type": "function",
+            "function": function | ({"description": self.description} if self.description else {}),
+        }
+
+
+class NamedFunction(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: TextFormat | None = None
+
+
+class ResponsesBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+
+    def shown_tools(self) -> list[dict[str, Any]]:
+        return [] if self.tool_choice == "none" else [t.as_chat() for t in self.tools or []]
+
+    def forced_tools(self) -> list[dict[str, Any]]:
+        choice = self.tool_choice
+        if isinstance(choice, NamedFunction):
+            return forced_tools(self.shown_tools(), None, choice.name)
+        return forced_tools(self.shown_tools(), choice)
+
+    def constraint(self) -> dict[str, Any]:
+        kind = self.text.format if self.text is not None else None
+        if kind is None or kind.type == "text":
+            return {}
+        return {"json_schema": kind.schema_ if kind.type == "json_schema" and kind.schema_ else {"type": "object"}}
+
+
+def template_inputs(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as chat templates read them: messages, and calls with their outputs (mlx-lm's
+    way: an assistant's calls with object arguments, each output a `tool` message)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item.get("content", "")
+            text = content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+            role = "system" if item.get("role") == "developer" else item.get("role", "user")
+            messages.append({"role": role, "content": text})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function"}
+            call["function"] = {"name": item["name"], "arguments": json.loads(item.get("arguments") or "{}")}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": str(item.get("output", ""))})
+        else:
+            raise ValueError(
+                f"input items of type {kind!r} are not supported; use message, function_call, function_call_output"
+            )
+    return messages
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+
+
+class MessageItem(BaseModel):
+    """The reply's text, an output item of its own."""
+
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    """A call of a function tool, an output item of its own."""
+
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed"]
+
+
+OutputItem = MessageItem | FunctionCallItem
+
+
+class InputDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputDetails
+    output_tokens: int
+    output_tokens_details: OutputDetails
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class Response(BaseModel):
+    """The response object, as it is while it runs and once it is done."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: IncompleteDetails | None
+    error: None
+    model: str
+    instructions: str | None
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    temperature: float | None
+    top_p: float | None
+    max_output_tokens: int | None
+    previous_response_id: str | None
+    store: bool
+    text: dict[str, Any]
+    metadata: dict[str, Any]
+    usage: ResponseUsage | None
+
+
+class Event(BaseModel):
+    """A typed stream event: its type, its number in the stream, and what that type carries."""
+
+    type: str
+    sequence_number: int
+    response: Response | None = None
+    output_index: int | None = None
+    item: OutputItem | None = None
+    item_id: str | None = None
+    content_index: int | None = None
+    part: OutputText | None = None
+    delta: str | None = None
+    text: str | None = None
+    arguments: str | None = None
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+
+    def sse(self) -> str:
+        return f"event: {self.type}\ndata: {self.model_dump_json(exclude_unset=True)}\n\n"
