@@ -24,7 +24,7 @@ from progress import expect
 
 from mlxkv.cache.storage import dtype_name, per_layer
 from mlxkv.config import EngineConfig
-from mlxkv.engine.memory.kv_budget import build_kv_cache, plan_kv_cache
+from mlxkv.engine.memory.kv_budget import build_kv_cache, size_kv_cache
 from mlxkv.engine.memory.memory_budget import device_memory
 from mlxkv.engine.model_kv import ModelKV, model_kv
 from mlxkv.models.structure import decoder, layer_roles, text_model
@@ -93,7 +93,7 @@ class Footprint:
 
 
 def footprint(config: EngineConfig, kv: ModelKV) -> Footprint:
-    cache = build_kv_cache(config, kv, plan_kv_cache(config, kv, device_memory() - kv.weights_bytes))
+    cache = build_kv_cache(config, kv, size_kv_cache(config, kv, device_memory() - kv.weights_bytes))
     groups = cache.windowed.values()
     found = Footprint(
         cache.storage.num_layers + sum(len(group.layers) for group in groups),

@@ -18,7 +18,7 @@ from .variant import Variant
 
 ENV_VAR = "MLXKV_ATTENTION"
 BACKENDS = ("metal", "reference")
-logger = logging.getLogger("mlxkv")
+logger = logging.getLogger(__name__)
 
 AttentionFn = Callable[..., mx.array]
 TemporaryBytes = Callable[[Heads, int, int], int]  # (heads, new tokens of a row, its context) -> bytes per layer
@@ -85,7 +85,7 @@ def temporary_bytes_of(attention: AttentionFn) -> TemporaryBytes:
     return stated
 
 
-def planned_temporary_bytes(choice: str | None, kernels: PagedAttentionKernels | None = None) -> TemporaryBytes:
+def expected_temporary_bytes(choice: str | None, kernels: PagedAttentionKernels | None = None) -> TemporaryBytes:
     """The temporary bytes of the attention `choose_attention` is expected to pick (before the
     cache it checks kernels against exists): `kernels`' if given, else the reference path's or
     the Metal kernels', as `choice`, the environment and the machine say."""

@@ -107,7 +107,7 @@ class _Group:
 
 
 @lru_cache(maxsize=16)
-def _plan(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> tuple[list[_Group], mx.array | None]:
+def _split(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> tuple[list[_Group], mx.array | None]:
     """How `reference_attention` splits `batch`, and the permutation back to packed order.
 
     Decode rows go together in buckets of similar length (page counts within a power of two),
@@ -250,11 +250,11 @@ def reference_attention(
     new token attends causally to its sequence's cached tokens and the chunk's earlier
     tokens, which must already be written to the pages (float or quantized), as `variant`
     says (a sliding window reads only the pages the window reaches). Rows are split as
-    `_plan` says, once per batch for all layers. Returns `[tokens, q_heads, head_dim]`.
+    `_split` says, once per batch for all layers. Returns `[tokens, q_heads, head_dim]`.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(queries.shape[-1])
-    groups, unpermute = _plan(batch, k_pages.shape[1], k_pages.shape[2], variant.window)
+    groups, unpermute = _split(batch, k_pages.shape[1], k_pages.shape[2], variant.window)
     return _joined([_attend(queries, k_pages, v_pages, group, scale, variant) for group in groups], unpermute)
 
 

@@ -70,10 +70,10 @@ class KVBatch:
         slots: np.ndarray = (pages * self.page_size + offsets).astype(np.int32)
         return slots
 
-    def write_rows(self, kv_heads: int) -> mx.array:
-        """Where each new token's K/V go in one layer's K (or V) pages seen as
-        `[pages * kv_heads * page_size, row]`: one row per token and KV head, token-major."""
-        return _write_rows(self, kv_heads)
+    def head_slots(self, kv_heads: int) -> mx.array:
+        """Where each new token's K/V go in one layer's K (or V) pages seen as one vector a slot and
+        KV head (`[pages * kv_heads * page_size, head_dim]`): an index per token and KV head, token-major."""
+        return _head_slots(self, kv_heads)
 
     def for_window(self, window: int | None) -> KVBatch:
         """The batch of the layers with this sliding window (their own pages), else this one."""
@@ -118,7 +118,7 @@ def _skipped(batch: KVBatch, leading: tuple[int, ...]) -> KVBatch:
 
 
 @lru_cache(maxsize=8)
-def _write_rows(batch: KVBatch, kv_heads: int) -> mx.array:
+def _head_slots(batch: KVBatch, kv_heads: int) -> mx.array:
     pages, offsets = batch.token_pages
-    rows = (pages[:, None] * kv_heads + np.arange(kv_heads)) * batch.page_size + offsets[:, None]
-    return mx.array(rows.reshape(-1).astype(np.int32))
+    slots = (pages[:, None] * kv_heads + np.arange(kv_heads)) * batch.page_size + offsets[:, None]
+    return mx.array(slots.reshape(-1).astype(np.int32))

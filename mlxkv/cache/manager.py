@@ -76,7 +76,7 @@ class KVCacheManager:
 
     `state_shapes` gives each recurrent layer of a hybrid model the arrays it keeps per sequence
     (`StatePool`; the layers numbered apart from the attention layers): a sequence's state index
-    is its row, taken by `claim` and given back by `release`. Cached pages alone do not give a
+    is its index, taken by `claim` and given back by `release`. Cached pages alone do not give a
     recurrent layer its state at a prefix's end, so a hybrid's state is kept (`StateSnapshots`, up
     to `prefix_states` of them, by default `max_num_seqs`) where its prompt's last full page before
     its last token ends, its `snapshot_point`: `capture` takes it after the step that reaches it
@@ -141,9 +141,9 @@ class KVCacheManager:
         self.max_pages_per_seq = pages_per_seq
         pinnable = int(pinned_fraction * self.pool.capacity)
         self.pins = PrefixPins(self.pool, pinnable) if self.prefix_caching and pinnable else None
-        rows = np.zeros((max_num_seqs, pages_per_seq), np.int32)  # row i: the pages of the sequence in row i
-        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self._row_of: dict[int, int] = {}
+        matrix = np.zeros((max_num_seqs, pages_per_seq), np.int32)  # line i: the pages of the sequence of index i
+        self._free_indices = list(range(max_num_seqs - 1, -1, -1))
+        self._index_of: dict[int, int] = {}
         keys = [None] + (sorted({w for w in windows if w}) if grouped else [])
         self.groups: dict[int | None, PageGroup] = {}
         self._where: dict[int, tuple[int | None, int]] = {}
@@ -152,7 +152,9 @@ class KVCacheManager:
             pool = self.pool if window is None else PagePool(self._window_pages(window, window_pages), page_size)
             shape = (len(layers), pool.capacity, [heads[i] for i in layers], pool.page_size, [dims[i] for i in layers])
             storage = KVStorage(*shape, dtype, kv_bits, kv_group_size)
-            self.groups[window] = PageGroup(window, layers, pool, storage, {}, rows if window is None else rows.copy())
+            self.groups[window] = PageGroup(
+                window, layers, pool, storage, {}, matrix if window is None else matrix.copy()
+            )
             self._where.update({layer: (window, index) for index, layer in enumerate(layers)})
         self._full = self.groups[None]
         self._tables = self._full.tables
@@ -207,10 +209,10 @@ class KVCacheManager:
             ids = list(range(self._next_id, self._next_id + n))
             self._next_id += n
             for seq_id in ids:
-                row = self._row_of[seq_id] = self._free_rows.pop()
+                index = self._index_of[seq_id] = self._free_indices.pop()
                 for group in self.groups.values():
-                    group.rows[row] = 0
-                    group.tables[seq_id] = PageTable(group.pool, seq_id, self.max_model_len, group.rows[row])
+                    group.matrix[index] = 0
+                    group.tables[seq_id] = PageTable(group.pool, seq_id, self.max_model_len, group.matrix[index])
                 if self.layout is KVLayout.CONTIGUOUS:
                     self._tables[seq_id].reserve_pages(1)
             return ids
@@ -232,7 +234,7 @@ class KVCacheManager:
         pages = next((k for k in range(full, 0, -1) if table.keys[k - 1] in self.snapshots), 0)
         table.truncate(pages)
         if pages:
-            index = mx.array([self._row_of[seq_id]])
+            index = mx.array([self._index_of[seq_id]])
             for layer, arrays in enumerate(self.snapshots.get(table.keys[pages - 1])):
                 self.states.write(layer, index, [array[None] for array in arrays])
         return pages * self.page_size
@@ -272,10 +274,10 @@ class KVCacheManager:
         assert self.states is not None
         with self._lock:
             for seq_id in seq_ids:
-                row = self._row_of.get(seq_id)
-                if row is None:
+                index = self._index_of.get(seq_id)
+                if index is None:
                     continue
-                state = [[array[row] for array in layer] for layer in self.states.arrays]
+                state = [[array[index] for array in layer] for layer in self.states.arrays]
                 self._captured[seq_id] = (self._table(seq_id).num_tokens, state)
 
     def publish(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], num_computed: Sequence[int]) -> None:
@@ -337,7 +339,7 @@ class KVCacheManager:
                 )
             window, index = self._layer(layer)
             storage = self.groups[window].storage
-            storage.write(index, batch.for_window(window).write_rows(storage.kv_heads[index]), keys, values)
+            storage.write(index, batch.for_window(window).head_slots(storage.kv_heads[index]), keys, values)
             self._tensor_thread = thread
 
     def evaluate(self, *outputs: mx.array, wait: bool = True) -> None:
@@ -360,7 +362,7 @@ class KVCacheManager:
         with self._lock:
             self._table(seq_id)
             self._captured.pop(seq_id, None)
-            self._free_rows.append(self._row_of.pop(seq_id))
+            self._free_indices.append(self._index_of.pop(seq_id))
             held = [group.tables.pop(seq_id).release() for group in self.groups.values()]
             return held[0]  # the full-attention layers' pages
 
@@ -486,9 +488,9 @@ class KVCacheManager:
     def _batches(self, seq_ids: tuple[int, ...], counts: list[int]) -> KVBatch:
         """The batch of live `seq_ids` after their last `counts[b]` tokens were appended, with the
         same batch in each window group's pages."""
-        rows = [self._row_of[seq_id] for seq_id in seq_ids]
+        indices = [self._index_of[seq_id] for seq_id in seq_ids]
         query_lens = np.array(counts, np.int32)
-        states = np.array(rows, np.int32) if self.states is not None else None
+        states = np.array(indices, np.int32) if self.states is not None else None
         width = self.max_pages_per_seq
-        by_window = {w: g.batch(seq_ids, rows, query_lens, width, states) for w, g in self.windowed.items()}
-        return self._full.batch(seq_ids, rows, query_lens, width, states, by_window or None)
+        by_window = {w: g.batch(seq_ids, indices, query_lens, width, states) for w, g in self.windowed.items()}
+        return self._full.batch(seq_ids, indices, query_lens, width, states, by_window or None)

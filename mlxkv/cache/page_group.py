@@ -20,14 +20,15 @@ from .usage import KVUsage
 @dataclass
 class PageGroup:
     """The layers of one window (`window` None: full attention): their pool, their K/V storage, a
-    page table per sequence, and the tables' page rows (one per sequence row, as in the manager)."""
+    page table per sequence, and the tables' pages as a matrix, a line per sequence index (the
+    manager's)."""
 
     window: int | None
     layers: list[int]
     pool: PagePool
     storage: KVStorage
     tables: dict[int, PageTable]
-    rows: np.ndarray
+    matrix: np.ndarray
 
     @property
     def kind(self) -> str:
@@ -37,19 +38,21 @@ class PageGroup:
     def batch(
         self,
         seq_ids: Sequence[int],
-        rows: list[int],
+        indices: list[int],
         query_lens: np.ndarray,
         max_pages: int,
         states: np.ndarray | None,
         by_window: dict[int, KVBatch] | None = None,
     ) -> KVBatch:
-        """The sequences' batch in this group's pages (`rows`: theirs in the manager), their page
+        """The sequences' batch in this group's pages (`indices`: theirs in the manager), their page
         tables padded to a power of two pages (at most `max_pages`), so that kernels see few shapes."""
         tables = [self.tables[seq_id] for seq_id in seq_ids]
         width = min(max_pages, 1 << max(0, max((t.num_pages for t in tables), default=1) - 1).bit_length())
         context_lens = np.array([t.num_tokens for t in tables], np.int32)
         page_size = self.pool.page_size
-        return KVBatch(tuple(seq_ids), query_lens, context_lens, self.rows[rows, :width], page_size, by_window, states)
+        return KVBatch(
+            tuple(seq_ids), query_lens, context_lens, self.matrix[indices, :width], page_size, by_window, states
+        )
 
     def usage(self, layout: KVLayout) -> KVUsage:
         """A sliding-window group's use: its tokens are those its pages still hold."""

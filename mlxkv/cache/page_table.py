@@ -13,9 +13,9 @@ from .prefix_cache import page_key, root_key
 
 
 class PageTable:
-    """Logical page i of a sequence is physical page `row[i]` of the pool.
+    """Logical page i of a sequence is physical page `physical[i]` of the pool.
 
-    Token `p` is stored at slot `row[p // page_size] * page_size + p % page_size`. `row` is an
+    Token `p` is stored at slot `physical[p // page_size] * page_size + p % page_size`. `physical` is an
     int32 array as long as the longest table, its first `num_pages` entries the pages and zeros
     after them, so a step's slots and page tables are array slices.
     The table grows from the pool as tokens are appended, up to `max_tokens`. With prefix
@@ -31,7 +31,7 @@ class PageTable:
         "owner",
         "max_tokens",
         "num_tokens",
-        "row",
+        "physical",
         "num_pages",
         "keys",
         "num_computed",
@@ -40,15 +40,15 @@ class PageTable:
         "root",
     )
 
-    def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int, row: np.ndarray | None = None) -> None:
-        """`row`: where to keep the page row (a zeroed int32 row of a matrix holding many
+    def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int, physical: np.ndarray | None = None) -> None:
+        """`physical`: where to keep the pages (a zeroed int32 line of a matrix holding many
         tables, so that a batch's tables are one slice of it), else an array of its own."""
         self.pool = pool
         self.page_size = pool.page_size
         self.owner = owner
         self.max_tokens = max_tokens
         self.num_tokens = 0
-        self.row = np.zeros(-(-max_tokens // pool.page_size), np.int32) if row is None else row
+        self.physical = np.zeros(-(-max_tokens // pool.page_size), np.int32) if physical is None else physical
         self.num_pages = 0
         self.keys: list[bytes] = []
         self.num_computed = 0  # tokens whose K/V are stored, as last published
@@ -59,13 +59,13 @@ class PageTable:
     @property
     def pages(self) -> list[int]:
         """The pages held, in order (a copy)."""
-        pages: list[int] = self.row[: self.num_pages].tolist()
+        pages: list[int] = self.physical[: self.num_pages].tolist()
         return pages
 
     @property
     def position_base(self) -> int:
         """The slot of token 0 (0 while the table holds no page)."""
-        return int(self.row[0]) * self.page_size if self.num_pages else 0
+        return int(self.physical[0]) * self.page_size if self.num_pages else 0
 
     @property
     def max_context(self) -> int:
@@ -97,7 +97,7 @@ class PageTable:
 
     def _grow(self, new_pages: int) -> None:
         if new_pages:
-            self.row[self.num_pages : self.num_pages + new_pages] = self.pool.alloc(self.owner, new_pages)
+            self.physical[self.num_pages : self.num_pages + new_pages] = self.pool.alloc(self.owner, new_pages)
             self.num_pages += new_pages
 
     def slide(self, first_token: int) -> int:
@@ -105,9 +105,9 @@ class PageTable:
         read again (a sliding-window layer's); their entries stay, pointing at page 0, so
         later pages keep their index. Returns how many pages went back."""
         keep = min(max(0, first_token) // self.page_size, self.num_pages)
-        gone = self.row[self.dropped : keep].tolist()
+        gone = self.physical[self.dropped : keep].tolist()
         self.pool.release_pages(self.owner, gone)
-        self.row[self.dropped : keep] = 0
+        self.physical[self.dropped : keep] = 0
         self.dropped = max(self.dropped, keep)
         return len(gone)
 
@@ -115,7 +115,7 @@ class PageTable:
         """The slots of tokens `start` .. `stop - 1` (int32), in O(stop - start)."""
         positions = np.arange(start, stop, dtype=np.int64)
         return (
-            self.row[positions // self.page_size].astype(np.int64) * self.page_size + positions % self.page_size
+            self.physical[positions // self.page_size].astype(np.int64) * self.page_size + positions % self.page_size
         ).astype(np.int32)
 
     @property
@@ -129,13 +129,13 @@ class PageTable:
         """The page that holds token `token`, or None past the tokens stored."""
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise ValueError(f"token must be a non-negative integer, got {token!r}")
-        return int(self.row[token // self.page_size]) if token < self.num_tokens else None
+        return int(self.physical[token // self.page_size]) if token < self.num_tokens else None
 
     def slot(self, position: int) -> int:
         if not 0 <= position < self.num_tokens:
             raise IndexError(f"position {position} is outside 0..{self.num_tokens - 1}")
         size = self.page_size
-        return int(self.row[position // size]) * size + position % size
+        return int(self.physical[position // size]) * size + position % size
 
     def reuse_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """Start the empty table from the cache: the pages holding `tokens`' leading full pages,
@@ -158,7 +158,7 @@ class PageTable:
             shared.append(page)
             self.keys.append(key)
         self.pool.share(self.owner, shared)
-        self.row[: len(shared)] = shared
+        self.physical[: len(shared)] = shared
         self.num_pages = len(shared)
         self.num_tokens = start = len(shared) * size
         for count in range(min(len(tokens) - start, size - 1), 0, -1):
@@ -166,7 +166,7 @@ class PageTable:
             if page is not None:
                 if last > start:  # it may hold the last token too: that one is computed again
                     self.pool.take_over(self.owner, page)
-                    self.row[self.num_pages] = page
+                    self.physical[self.num_pages] = page
                     self.num_pages += 1
                     self.num_tokens = min(start + count, last)
                 break
@@ -183,7 +183,7 @@ class PageTable:
         size = self.page_size
         for index in range(len(self.keys), num_computed // size):
             self.keys.append(page_key(self._parent, tokens[index * size : (index + 1) * size]))
-            self.pool.publish(int(self.row[index]), self.keys[-1])
+            self.pool.publish(int(self.physical[index]), self.keys[-1])
         self.num_computed, self.tokens = num_computed, tokens
 
     def truncate(self, num_pages: int) -> None:
@@ -192,8 +192,8 @@ class PageTable:
         if not 0 <= num_pages <= len(self.keys) or self.num_computed != self.num_tokens:
             raise ValueError(f"cannot keep {num_pages} of sequence {self.owner}'s reused pages")
         # deepest first, as `release` gives pages back, so that a prefix's end is evicted before its start
-        self.pool.release_pages(self.owner, self.row[num_pages : self.num_pages].tolist()[::-1])
-        self.row[num_pages : self.num_pages] = 0
+        self.pool.release_pages(self.owner, self.physical[num_pages : self.num_pages].tolist()[::-1])
+        self.physical[num_pages : self.num_pages] = 0
         del self.keys[num_pages:]
         self.num_pages = num_pages
         self.num_tokens = self.num_computed = num_pages * self.page_size
@@ -204,8 +204,8 @@ class PageTable:
         if not self.num_computed <= num_tokens <= self.num_tokens:
             raise ValueError(f"cannot rewind sequence {self.owner} to {num_tokens} of its {self.num_tokens} tokens")
         keep = max(-(-num_tokens // self.page_size), self.dropped)
-        self.pool.release_pages(self.owner, self.row[keep : self.num_pages].tolist()[::-1])
-        self.row[keep : self.num_pages] = 0
+        self.pool.release_pages(self.owner, self.physical[keep : self.num_pages].tolist()[::-1])
+        self.physical[keep : self.num_pages] = 0
         self.num_pages = min(self.num_pages, keep)
         self.num_tokens = num_tokens
 
@@ -222,8 +222,8 @@ class PageTable:
         parent, start = self._parent, len(self.keys) * self.page_size
         tail = self.tokens[start : self.num_computed]  # the tokens stored in a partly filled last page
         for count in range(len(tail), 0, -1):  # every prefix: a sequence may share only the start
-            self.pool.publish(int(self.row[len(self.keys)]), page_key(parent, tail[:count]))
-        self.row[: self.num_pages] = 0
+            self.pool.publish(int(self.physical[len(self.keys)]), page_key(parent, tail[:count]))
+        self.physical[: self.num_pages] = 0
         self.keys, self.tokens = [], ()
         self.num_tokens = self.num_computed = self.dropped = self.num_pages = 0
         return self.pool.free(self.owner)

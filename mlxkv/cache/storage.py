@@ -141,12 +141,12 @@ def dtype_name(dtype: mx.Dtype) -> str:
     return next(name for name, value in DTYPES.items() if value == dtype)
 
 
-def _scatter_rows(pages: mx.array, rows: mx.array, new: mx.array) -> mx.array:
-    """`pages` with `new`'s rows written at `rows` of their flat `[pages * kv_heads * page_size, row]`
-    view: one scatter, with no index arithmetic in the graph. The holder must drop the old array,
-    so that the scatter writes into its buffer in place."""
+def _scatter(pages: mx.array, slots: mx.array, new: mx.array) -> mx.array:
+    """`pages` with `new`'s vectors written at `slots` (`KVBatch.head_slots`) of their flat
+    `[pages * kv_heads * page_size, last]` view: one scatter, with no index arithmetic in the graph.
+    The holder must drop the old array, so that the scatter writes into its buffer in place."""
     flat = pages.reshape(-1, pages.shape[-1])
-    flat[rows] = new.reshape(-1, new.shape[-1])
+    flat[slots] = new.reshape(-1, new.shape[-1])
     return flat.reshape(pages.shape)
 
 
@@ -250,21 +250,20 @@ class KVStorage:
 
         return tokens(k_pages), tokens(v_pages)
 
-    def write(self, layer: int, rows: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `rows` of its pages seen
-        as `[pages * kv_heads * page_size, row]` (`KVBatch.write_rows`), quantized once here when
-        the pages are."""
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `slots` of its pages
+        (`KVBatch.head_slots`), quantized once here when the pages are."""
         for name, array in (("keys", keys), ("values", values)):
-            self._check(layer, name, array, rows.size // self.kv_heads[layer])
-        self.keys[layer] = self._scattered(self.keys[layer], rows, keys)
-        self.values[layer] = self._scattered(self.values[layer], rows, values)
+            self._check(layer, name, array, slots.size // self.kv_heads[layer])
+        self.keys[layer] = self._scattered(self.keys[layer], slots, keys)
+        self.values[layer] = self._scattered(self.values[layer], slots, values)
 
-    def _scattered(self, pages: Pages, rows: mx.array, new: mx.array) -> Pages:
+    def _scattered(self, pages: Pages, slots: mx.array, new: mx.array) -> Pages:
         if isinstance(pages, QuantizedPages):
             parts = mx.quantize(new, group_size=pages.group_size, bits=pages.bits)
-            words, scales, biases = (_scatter_rows(part, rows, data) for part, data in zip(pages.parts, parts))
+            words, scales, biases = (_scatter(part, slots, data) for part, data in zip(pages.parts, parts))
             return QuantizedPages(words, scales, biases, pages.bits, pages.group_size)
-        return _scatter_rows(pages, rows, new)
+        return _scatter(pages, slots, new)
 
     def _check(self, layer: int, name: str, array: mx.array, tokens: int) -> None:
         heads, head_dim = self.kv_heads[layer], self.head_dims[layer]

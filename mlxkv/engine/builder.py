@@ -1,4 +1,4 @@
-"""How an engine is put together, in order: the model's K/V shape, the memory plan, the KV cache, the
+"""How an engine is put together, in order: the model's K/V shape, the memory sizing, the KV cache, the
 attention path, the model runner, the drafter and the scheduler."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..attention.backend import planned_temporary_bytes, temporary_bytes_of
+from ..attention.backend import expected_temporary_bytes, temporary_bytes_of
 from ..attention.kernels import PagedAttentionKernels
 from ..attention.reference import reference_attention
 from ..cache.manager import KVCacheManager
@@ -18,7 +18,7 @@ from ..config import EngineConfig
 from ..models.structure import held_arrays, text_model
 from .memory.chunk_sizing import ChunkSizer
 from .memory.kv_budget import agreed, build_kv_cache
-from .memory.memory_budget import MemoryBudget, plan_memory
+from .memory.memory_budget import MemoryBudget, split_memory
 from .memory.step_memory import StepMemory
 from .memory.step_time import StepTime
 from .model_kv import attention_for, attention_heads, model_kv
@@ -64,11 +64,11 @@ def build_engine(
     if group is not None:
         check_tensor_parallel(shape)
     draft = DraftModel.checkpoint(config, tokenizer) if config.draft_model is not None else None
-    planned = StepMemory.of(model, attention_heads(model), planned_temporary_bytes(config.attention, kernels))
-    memory, plan = plan_memory(config, shape, planned, draft[1] if draft is not None else None)
+    planned = StepMemory.of(model, attention_heads(model), expected_temporary_bytes(config.attention, kernels))
+    memory, sizing = split_memory(config, shape, planned, draft[1] if draft is not None else None)
     if group is not None:
-        plan = agreed(plan, group)
-    cache = build_kv_cache(config, shape, plan)
+        sizing = agreed(sizing, group)
+    cache = build_kv_cache(config, shape, sizing)
     attention = attention_for(model, cache, config.attention, kernels)
     memory.apply()
     logger.info(

@@ -36,7 +36,7 @@ class ScheduledBatch:
 
 
 @dataclass
-class _Plan:
+class _Selection:
     """The step being built: tokens and pages picked per request."""
 
     budget: int
@@ -109,42 +109,42 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work and reserve its KV slots; None when there is nothing to run."""
-        plan = _Plan(self.max_num_batched_tokens)
+        selection = _Selection(self.max_num_batched_tokens)
         decode: list[Request] = []
         prefill: list[Request] = []
         for request in self.running:
             if not request.done_sampling:
                 (decode if request.is_decode else prefill).append(request)
         admissible = list(itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))))
-        plan.shape.joining = len(prefill) + len(admissible)
-        plan.hold = not decode and self.sizer.has_target and self._backlog(prefill + admissible) > plan.budget
+        selection.shape.joining = len(prefill) + len(admissible)
+        selection.hold = not decode and self.sizer.has_target and self._backlog(prefill + admissible) > selection.budget
         running = decode + prefill  # prefill chunks after every decode
-        if not self._pick(plan, running) and not self._pick_without_drafts(plan, decode, prefill):
+        if not self._pick(selection, running) and not self._pick_without_drafts(selection, decode, prefill):
             for request in running:
-                if plan.budget and request not in plan.preempted:
-                    self._make_room(plan, request)
+                if selection.budget and request not in selection.preempted:
+                    self._make_room(selection, request)
         while (
             self.waiting
-            and plan.budget
+            and selection.budget
             and len(self.running) < self.max_num_seqs
             and self.cache.num_sequences < self.cache.max_num_seqs
         ):
             request = self.waiting[0]
-            if not self._admit(plan, request):
+            if not self._admit(selection, request):
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
             self.running.append(request)
-        if plan.hold and not plan.counts:  # nothing could run beside the held first tokens: they go now
-            plan.hold = False
-            self._pick(plan, prefill)
-        for request in plan.held:
+        if selection.hold and not selection.counts:  # nothing could run beside the held first tokens: they go now
+            selection.hold = False
+            self._pick(selection, prefill)
+        for request in selection.held:
             request.held_steps += 1
-        requests, counts = list(plan.counts), list(plan.counts.values())
+        requests, counts = list(selection.counts), list(selection.counts.values())
         drafts = [r.draft for r in requests]
         for request in self.running:  # a draft is proposed for one step
             request.draft = []
-        if not plan.counts:
+        if not selection.counts:
             return None
         samples = [n == r.num_remaining + len(d) for r, n, d in zip(requests, counts, drafts)]
         snapshots = [r.seq_id for r, n in zip(requests, counts) if 0 < self._snapshot_point(r) == r.num_computed + n]
@@ -163,9 +163,9 @@ class Scheduler:
         """The prompt tokens `requests` (in prefill or waiting) still have to compute, less their last."""
         return sum(r.num_remaining - 1 for r in requests)
 
-    def _holds(self, plan: _Plan, request: Request, count: int) -> bool:
-        """Whether `plan` holds back `request`'s first token, which `count` tokens would reach (see `schedule`)."""
-        return plan.hold and count == request.num_remaining and request.held_steps < HOLD_STEPS
+    def _holds(self, selection: _Selection, request: Request, count: int) -> bool:
+        """Whether `selection` holds back `request`'s first token, which `count` tokens would reach (see `schedule`)."""
+        return selection.hold and count == request.num_remaining and request.held_steps < HOLD_STEPS
 
     def _snapshot_point(self, request: Request) -> int:
         return self.cache.snapshot_point(len(request.prompt_ids))
@@ -226,12 +226,12 @@ class Scheduler:
         request.finish_reason = reason
         request.draft = []
 
-    def _admit(self, plan: _Plan, request: Request) -> bool:
+    def _admit(self, selection: _Selection, request: Request) -> bool:
         """Open a sequence for `request` from its cached prefix and pick its first tokens, if
         their pages are free; otherwise leave everything as it was."""
         (request.seq_id,) = self.cache.claim(1)
         request.num_computed = self.cache.reuse_prefix(request.seq_id, request.all_token_ids, request.cache_salt)
-        if not self._pick(plan, [request]):
+        if not self._pick(selection, [request]):
             self.cache.release(request.seq_id)
             request.seq_id, request.num_computed = NO_SEQUENCE, 0
             return False
@@ -240,11 +240,11 @@ class Scheduler:
             self.prefix_stats.record(len(request.prompt_ids), request.num_computed)
         return True
 
-    def _pick(self, plan: _Plan, requests: list[Request]) -> bool:
+    def _pick(self, selection: _Selection, requests: list[Request]) -> bool:
         """Pick `requests` in order, each as many tokens as the budget leaves (a prompt's chunk as
         many as `sizer` lets the step hold), if all their pages are free and each takes its
         own-K/V span (one pass over the cache for the lot); otherwise pick none."""
-        picked, counts, left, shape = [], [], plan.budget, plan.shape.copy()
+        picked, counts, left, shape = [], [], selection.budget, selection.shape.copy()
         for request in requests:
             count = min(request.num_remaining + len(request.draft), left)
             del request.draft[max(0, count - request.num_remaining) :]  # as many drafts as the budget leaves
@@ -253,8 +253,8 @@ class Scheduler:
                 count = min(count, stop - request.num_computed)
             if count and not request.is_decode:
                 count = min(count, max(self.sizer.chunk(shape, count, request.num_computed), self.own_kv_span(request)))
-                if self._holds(plan, request, count):
-                    plan.held.add(request)
+                if self._holds(selection, request, count):
+                    selection.held.add(request)
                     count -= 1
             if count:
                 picked.append(request)
@@ -262,13 +262,13 @@ class Scheduler:
                 left -= count
                 self._add(shape, request, count)
         pages = self.cache.pages_needed([r.seq_id for r in picked], counts)
-        if sum(pages) + plan.reserved > self.cache.free_pages:
-            self.cache.make_room(sum(pages) + plan.reserved)  # pins lapse before any request waits
-        if sum(pages) > self.cache.free_pages - plan.reserved or any(
+        if sum(pages) + selection.reserved > self.cache.free_pages:
+            self.cache.make_room(sum(pages) + selection.reserved)  # pins lapse before any request waits
+        if sum(pages) > self.cache.free_pages - selection.reserved or any(
             n < e for n, e in zip(counts, self._own_kv_spans(picked))
         ):
             return False
-        plan.pick(picked, counts, pages, shape)
+        selection.pick(picked, counts, pages, shape)
         return True
 
     def _add(self, shape: StepShape, request: Request, count: int) -> None:
@@ -283,21 +283,21 @@ class Scheduler:
             self._add(shape, request, count)
         return shape
 
-    def _pick_without_drafts(self, plan: _Plan, decode: list[Request], prefill: list[Request]) -> bool:
+    def _pick_without_drafts(self, selection: _Selection, decode: list[Request], prefill: list[Request]) -> bool:
         """Pick the running requests with no draft tokens (if any had some), before anyone is
         preempted for pages that drafts would take."""
         if not any(r.draft for r in decode):
             return False
         for request in decode:
             request.draft = []
-        return self._pick(plan, decode + prefill)
+        return self._pick(selection, decode + prefill)
 
-    def _make_room(self, plan: _Plan, request: Request) -> None:
+    def _make_room(self, selection: _Selection, request: Request) -> None:
         """Pick `request`, preempting the newest running requests until it fits (maybe itself)."""
-        while not self._pick(plan, [request]):
+        while not self._pick(selection, [request]):
             victim = self._preempt_newest()
-            plan.drop(victim)
-            plan.shape = self._shape(plan.counts, plan.shape.joining)
+            selection.drop(victim)
+            selection.shape = self._shape(selection.counts, selection.shape.joining)
             if victim is request:
                 return
 

@@ -33,7 +33,7 @@ from .cli_options import fail, in_flags, with_settings
 from .llm import LLM, Stream
 from .prompts import prompt_ids
 
-logger = logging.getLogger("mlxkv")
+logger = logging.getLogger(__name__)
 
 app = typer.Typer(
     help="Local LLM inference with MLX over a paged KV cache.",
@@ -86,7 +86,7 @@ def main(
     ),
 ) -> None:
     """Local LLM inference with MLX over a paged KV cache."""
-    logging.basicConfig(format="%(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(format="mlxkv: %(message)s", stream=sys.stderr)
     if context.invoked_subcommand is None:  # plain `mlxkv`: the help
         typer.echo(context.get_help())
 
@@ -290,7 +290,7 @@ def serve(
     if group.rank() != 0:  # rank 0 serves; the others run the steps it plans
         follow_rank_0(model, config, group)
         return
-    logger.setLevel(logging.INFO)
+    logging.getLogger("mlxkv").setLevel(logging.INFO)  # the package's loggers: what the server does
     listener = listen(host, port)  # first: a port in use is one line, before a model is loaded
     try:
         logger.info("loading %s ...", model or "the demo model")

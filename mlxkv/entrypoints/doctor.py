@@ -56,7 +56,7 @@ VARIANTS = ("plain", "window", "softcap", "sinks")
 
 
 @dataclass(frozen=True)
-class Plan:
+class Grid:
     """What the report measures: the issue's grid by default; tests shrink it."""
 
     batches: Sequence[int] = (1, 8, 64)
@@ -72,21 +72,21 @@ class Plan:
     parity_tokens: int = 32
 
 
-def report(say: Say = print, plan: Plan = Plan(), metal_kernel=None) -> None:
+def report(say: Say = print, grid: Grid = Grid(), metal_kernel=None) -> None:
     """Print the whole report. With `metal_kernel` (a factory with `mx.fast.metal_kernel`'s
     signature) the kernel sections run on it whether or not this is a Mac."""
     say("mlxkv doctor: paste everything below into an issue")
     machine(say)
     if metal_kernel is None and not mx.metal.is_available():
         say(f"Metal: not available ({platform.system()} {platform.machine()}, not a Mac): nothing to time here.")
-        modelled(say, plan)
-        parity(say, plan, None)
+        modelled(say, grid)
+        parity(say, grid, None)
         return
     kernels = PagedAttentionKernels(metal_kernel or mx.fast.metal_kernel)
-    checks(say, plan, kernels)
-    decode(say, plan, kernels)
-    prefill(say, plan, kernels)
-    parity(say, plan, kernels)
+    checks(say, grid, kernels)
+    decode(say, grid, kernels)
+    prefill(say, grid, kernels)
+    parity(say, grid, kernels)
 
 
 def machine(say: Say) -> None:
@@ -120,11 +120,11 @@ def _command(argv: list[str]) -> str:
         return ""
 
 
-def checks(say: Say, plan: Plan, kernels: PagedAttentionKernels) -> None:
+def checks(say: Say, grid: Grid, kernels: PagedAttentionKernels) -> None:
     """The engine's start-up check for each shape: the verdict the engine would act on."""
-    say(f"kernel check (the engine's start-up check; variants {', '.join(plan.variants)}; split and unsplit):")
-    for check in plan.checks:
-        variants = [_variant(name, check.q_heads) for name in plan.variants]
+    say(f"kernel check (the engine's start-up check; variants {', '.join(grid.variants)}; split and unsplit):")
+    for check in grid.checks:
+        variants = [_variant(name, check.q_heads) for name in grid.variants]
         problem = kernels.warm(
             check.dtype, check.head_dim, 16, check.q_heads, check.kv_heads, check.kv_bits, 64, variants
         )
@@ -142,50 +142,50 @@ def _variant(name: str, q_heads: int) -> Variant:
     }[name]
 
 
-def decode(say: Say, plan: Plan, kernels: PagedAttentionKernels) -> None:
+def decode(say: Say, grid: Grid, kernels: PagedAttentionKernels) -> None:
     """K/V GB/s of a decode step, paged kernel against MLX's SDPA on the same K/V."""
     budget = speed.memory()
     say(
-        f"decode, K/V GB/s (float16, {plan.kv_heads} KV heads, head_dim {plan.head_dim}, pages of 16; "
+        f"decode, K/V GB/s (float16, {grid.kv_heads} KV heads, head_dim {grid.head_dim}, pages of 16; "
         "paged kernel vs mx.fast.scaled_dot_product_attention on the same K/V):"
     )
     say(f"{'batch':>6} {'context':>8} {'G':>3} {'paged GB/s':>11} {'SDPA GB/s':>10} {'paged/SDPA time':>16}")
-    for group, context, batch in itertools.product(plan.groups, plan.contexts, plan.batches):
-        geometry = speed.Geometry(group * plan.kv_heads, plan.kv_heads, plan.head_dim)
+    for group, context, batch in itertools.product(grid.groups, grid.contexts, grid.batches):
+        geometry = speed.Geometry(group * grid.kv_heads, grid.kv_heads, grid.head_dim)
         kv = geometry.kv_bytes(batch, context)
         why = speed.too_big(geometry, batch, context, budget)
         if why:
             say(f"{batch:>6} {context:>8} {group:>3}  left out: {why}")
             continue
-        paged, sdpa = speed.decode(kernels, geometry, batch, context, plan.repeats)
+        paged, sdpa = speed.decode(kernels, geometry, batch, context, grid.repeats)
         say(
             f"{batch:>6} {context:>8} {group:>3} {kv / paged / 1e9:>11.1f} {kv / sdpa / 1e9:>10.1f} "
             f"{paged / sdpa:>16.2f}"
         )
 
 
-def prefill(say: Say, plan: Plan, kernels: PagedAttentionKernels) -> None:
+def prefill(say: Say, grid: Grid, kernels: PagedAttentionKernels) -> None:
     """Milliseconds per prefill chunk, paged kernel against SDPA over the gathered pages."""
-    geometry = speed.Geometry(4 * plan.kv_heads, plan.kv_heads, plan.head_dim)
-    say(f"prefill chunks at context {plan.prefill_context} (float16, GQA 4), ms:")
+    geometry = speed.Geometry(4 * grid.kv_heads, grid.kv_heads, grid.head_dim)
+    say(f"prefill chunks at context {grid.prefill_context} (float16, GQA 4), ms:")
     say(f"{'chunk':>6} {'paged':>9} {'SDPA':>9} {'paged/SDPA':>11}")
-    for length in plan.prefill_chunks:
-        paged, sdpa = speed.prefill(kernels, geometry, length, plan.prefill_context, plan.repeats)
+    for length in grid.prefill_chunks:
+        paged, sdpa = speed.prefill(kernels, geometry, length, grid.prefill_context, grid.repeats)
         say(f"{length:>6} {paged * 1e3:>9.3f} {sdpa * 1e3:>9.3f} {paged / sdpa:>11.2f}")
 
 
-def modelled(say: Say, plan: Plan) -> None:
-    """The cost model's table for the plan's decode grid on the calibrated M5 Pro."""
+def modelled(say: Say, grid: Grid) -> None:
+    """The cost model's table for the grid's decode grid on the calibrated M5 Pro."""
     from ..attention.lab.cost_model import M5_PRO, estimate, paged_work
     from ..attention.lab.simulator import SimulatorError
 
     say(f"modelled instead (not measured): the paged kernel's decode on an {M5_PRO.name}, K/V GB/s and share of")
     say("its bandwidth, from the CPU simulator's counts (see docs/metal-kernels.md, 'The cost model'):")
     say(f"{'batch':>6} {'context':>8} {'G':>3} {'GB/s':>6} {'of BW':>6} {'bound':>8}")
-    for group, context, batch in itertools.product(plan.groups, plan.contexts, plan.batches):
-        replicas = batch * plan.kv_heads
+    for group, context, batch in itertools.product(grid.groups, grid.contexts, grid.batches):
+        replicas = batch * grid.kv_heads
         try:
-            work = paged_work(context, group, plan.head_dim, replicas, M5_PRO.cores)
+            work = paged_work(context, group, grid.head_dim, replicas, M5_PRO.cores)
         except SimulatorError as exc:
             say(f"(the model needs the CPU simulator: {str(exc).splitlines()[0]})")
             return
@@ -196,7 +196,7 @@ def modelled(say: Say, plan: Plan) -> None:
         )
 
 
-def parity(say: Say, plan: Plan, kernels: PagedAttentionKernels | None) -> None:
+def parity(say: Say, grid: Grid, kernels: PagedAttentionKernels | None) -> None:
     """The memory budget of an engine for the demo model, then its greedy tokens through mlxkv's
     engine against mlx-lm's own generation."""
     from mlx_lm.generate import generate_step
@@ -205,14 +205,14 @@ def parity(say: Say, plan: Plan, kernels: PagedAttentionKernels | None) -> None:
     prompt = tokenizer.encode(PARITY_PROMPT)
     theirs = []
     for token, _ in generate_step(
-        mx.array(prompt), model, max_tokens=plan.parity_tokens, sampler=lambda x: mx.argmax(x, axis=-1)
+        mx.array(prompt), model, max_tokens=grid.parity_tokens, sampler=lambda x: mx.argmax(x, axis=-1)
     ):
         theirs.append(int(token))
     attention = None if kernels else "reference"
     budget = LLMEngine(model, tokenizer, EngineConfig(attention=attention), kernels=kernels).memory
     say(f"memory: {budget} (the demo model, default settings; the device can use {budget.device / 1e9:.2f} GB)")
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, attention=attention), kernels=kernels)
-    params = SamplingParams(max_tokens=plan.parity_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=grid.parity_tokens, temperature=0.0, ignore_eos=True)
     request = engine.add_request(prompt, params)
     while engine.has_unfinished():
         engine.step()

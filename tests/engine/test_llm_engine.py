@@ -244,7 +244,7 @@ def test_kernels_that_fail_the_start_up_check_leave_the_reference_path(checkpoin
     """A Mac user gets one warning and the reference tokens, never a crash or wrong text."""
     engine = LLMEngine(*model, EngineConfig(page_size=8), kernels=PagedAttentionKernels(factory))
     [record] = caplog.records
-    assert record.levelname == "WARNING" and record.name == "mlxkv"
+    assert record.levelname == "WARNING" and record.name == "mlxkv.attention.backend"
     assert record.getMessage().startswith(
         "mlxkv's Metal kernels fail their start-up check for this model "
         f"(float32, head_dim 16, pages of 8, GQA 2): {why}"

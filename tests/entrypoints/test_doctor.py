@@ -8,9 +8,9 @@ from typer.testing import CliRunner
 
 from mlxkv.attention.kernels import PagedAttentionKernels
 from mlxkv.entrypoints.cli import app
-from mlxkv.entrypoints.doctor import KernelCheck, Plan, checks, report
+from mlxkv.entrypoints.doctor import Grid, KernelCheck, checks, report
 
-SMALL = Plan(
+SMALL = Grid(
     batches=(1, 8),
     contexts=(512,),
     groups=(4,),
@@ -33,7 +33,7 @@ BUDGET = (
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="the Mac branch runs on a Mac")
 def test_off_a_mac_it_says_so_and_prints_the_modelled_table(capsys):
-    report(plan=SMALL)
+    report(grid=SMALL)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "mlxkv doctor: paste everything below into an issue"
     assert lines[1].startswith("machine: ") and "no Metal GPU" in lines[1] and " GiB; Linux " in lines[1]
@@ -54,8 +54,8 @@ def test_with_the_simulator_standing_in_for_metal_it_runs_the_mac_report(capsys)
     verdicts, a decode and a prefill row, and parity through the kernels."""
     from mlxkv.attention.lab.simulator import metal_kernel
 
-    plan = replace(SMALL, batches=(1,), contexts=(64,), groups=(2,), kv_heads=1)
-    report(plan=plan, metal_kernel=metal_kernel)
+    grid = replace(SMALL, batches=(1,), contexts=(64,), groups=(2,), kv_heads=1)
+    report(grid=grid, metal_kernel=metal_kernel)
     lines = capsys.readouterr().out.splitlines()
     assert lines[3] == "kernel check (the engine's start-up check; variants plain, sinks; split and unsplit):"
     assert lines[4:6] == [
@@ -71,9 +71,9 @@ def test_with_the_simulator_standing_in_for_metal_it_runs_the_mac_report(capsys)
 
 
 def test_a_kernel_that_fails_its_check_is_named_with_the_reason(capsys):
-    plan = replace(SMALL, checks=SMALL.checks[:1], variants=("plain",))
+    grid = replace(SMALL, checks=SMALL.checks[:1], variants=("plain",))
     planted = mutant_kernels("static_cast<T>(acc / sum)", "static_cast<T>(-acc / sum)")
-    checks(print, plan, PagedAttentionKernels(planted))
+    checks(print, grid, PagedAttentionKernels(planted))
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith(
         "  float32, head_dim 64, 4/2 heads, float pages: FAILED: paged_attention differs from the reference attention"

@@ -30,7 +30,7 @@ def _gb(size: int) -> str:
 
 
 @dataclass(frozen=True)
-class KVCachePlan:
+class KVCacheSizing:
     """The cache `build_kv_cache` makes: how many sequences of how many tokens, the full-attention
     layers' pages (paged layout), and each sliding-window group's pages."""
 
@@ -42,7 +42,7 @@ class KVCachePlan:
     bytes: int  # of every page and recurrent state, the draft model's pages included
 
 
-def plan_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelKV | None = None) -> KVCachePlan:
+def size_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelKV | None = None) -> KVCacheSizing:
     """The KV cache for `model` within `room` bytes (what the memory budget leaves it), `draft`'s
     pages, as many as the model's, included.
 
@@ -98,7 +98,7 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelK
                 "raise kv_cache_memory or lower max_model_len"
             )
         pool_bytes = fixed_bytes + sequences * max_len * bytes_per_token
-        return KVCachePlan(sequences, max_len, None, windows, grouped, pool_bytes)
+        return KVCacheSizing(sequences, max_len, None, windows, grouped, pool_bytes)
     pages = config.num_pages or budget // (config.page_size * bytes_per_token)
     if pages <= 0:
         beside = "".join(
@@ -112,7 +112,7 @@ def plan_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelK
             f"less than one page of {config.page_size} tokens{beside}"
         )
     pool_bytes = fixed_bytes + pages * config.page_size * bytes_per_token
-    return KVCachePlan(config.max_num_seqs, max_len, pages, windows, grouped, pool_bytes)
+    return KVCacheSizing(config.max_num_seqs, max_len, pages, windows, grouped, pool_bytes)
 
 
 def draft_bytes_per_token(draft: ModelKV | None) -> int:
@@ -120,35 +120,35 @@ def draft_bytes_per_token(draft: ModelKV | None) -> int:
     return 0 if draft is None else kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, draft.dtype)
 
 
-def build_kv_cache(config: EngineConfig, model: ModelKV, plan: KVCachePlan) -> KVCacheManager:
-    """The KV cache `plan` (from `plan_kv_cache`) plans for `model`, allocated."""
+def build_kv_cache(config: EngineConfig, model: ModelKV, sizing: KVCacheSizing) -> KVCacheManager:
+    """The KV cache `sizing` (from `size_kv_cache`) plans for `model`, allocated."""
     return KVCacheManager(
         model.num_layers,
         model.num_kv_heads,
         model.head_dim,
-        max_num_seqs=plan.max_num_seqs,
-        max_model_len=plan.max_model_len,
+        max_num_seqs=sizing.max_num_seqs,
+        max_model_len=sizing.max_model_len,
         layout=config.kv_layout,
         page_size=config.page_size,
-        num_pages=plan.num_pages,
+        num_pages=sizing.num_pages,
         dtype=model.dtype,
         prefix_caching=config.prefix_caching,
         prefix_states=config.prefix_states,
         pinned_fraction=config.pinned_fraction,
         kv_bits=config.kv_bits,
         kv_group_size=config.kv_group_size,
-        layer_windows=plan.layer_windows,
-        window_pages=plan.window_pages,
+        layer_windows=sizing.layer_windows,
+        window_pages=sizing.window_pages,
         state_shapes=model.state_shapes,
     )
 
 
-def agreed(plan: KVCachePlan, group: mx.distributed.Group) -> KVCachePlan:
-    """`plan` cut to what every rank of a tensor-parallel `group` can hold (the fewest sequences and
+def agreed(sizing: KVCacheSizing, group: mx.distributed.Group) -> KVCacheSizing:
+    """`sizing` cut to what every rank of a tensor-parallel `group` can hold (the fewest sequences and
     pages any planned), so that one page table addresses the same pages everywhere."""
-    mine = mx.array([plan.max_num_seqs, plan.num_pages or 0])
+    mine = mx.array([sizing.max_num_seqs, sizing.num_pages or 0])
     seqs, pages = np.array(mx.distributed.all_min(mine, group=group, stream=mx.cpu)).tolist()
-    if (seqs, pages or None) == (plan.max_num_seqs, plan.num_pages):
-        return plan
-    scale = (pages or seqs) / (plan.num_pages or plan.max_num_seqs)  # about: the fixed pools scale too
-    return replace(plan, max_num_seqs=seqs, num_pages=pages or None, bytes=int(plan.bytes * scale))
+    if (seqs, pages or None) == (sizing.max_num_seqs, sizing.num_pages):
+        return sizing
+    scale = (pages or seqs) / (sizing.num_pages or sizing.max_num_seqs)  # about: the fixed pools scale too
+    return replace(sizing, max_num_seqs=seqs, num_pages=pages or None, bytes=int(sizing.bytes * scale))

@@ -19,10 +19,10 @@ import mlx.core as mx
 from ...config import EngineConfig
 from ..model_kv import ModelKV
 from .chunk_sizing import LEAST_CHUNK
-from .kv_budget import KVCachePlan, context_length, plan_kv_cache
+from .kv_budget import KVCacheSizing, context_length, size_kv_cache
 from .step_memory import StepMemory
 
-logger = logging.getLogger("mlxkv")
+logger = logging.getLogger(__name__)
 
 
 def device_memory() -> int:
@@ -137,9 +137,9 @@ class Reserve:
         return reserve
 
 
-def plan_memory(
+def split_memory(
     config: EngineConfig, model: ModelKV, step: StepMemory, draft: ModelKV | None = None
-) -> tuple[MemoryBudget, KVCachePlan]:
+) -> tuple[MemoryBudget, KVCacheSizing]:
     """The budget for `model` (and its `draft` model) under `config`, and the KV cache it buys:
     weights first, then the step reserve and as much again for MLX's buffer cache, the KV pool from
     the rest. The reserve holds a full token budget's chunk over as many keys as it has tokens
@@ -163,9 +163,9 @@ def plan_memory(
     wanted = max(least, step.worst(budget, seqs, context, samples, chunk_context=min(context, budget)))
     reserve = Reserve(wanted, least)
     if config.num_pages is not None or config.kv_cache_memory is not None:
-        plan = plan_kv_cache(config, model, room, draft)
-        kept = reserve.within(room, kv_fixed=plan.bytes)
+        sizing = size_kv_cache(config, model, room, draft)
+        kept = reserve.within(room, kv_fixed=sizing.bytes)
     else:
         kept = reserve.within(room, kv_share=config.kv_cache_fraction)
-        plan = plan_kv_cache(config, model, room - 2 * kept, draft)
-    return MemoryBudget(device, limit, model.weights_bytes, draft_weights, plan.bytes, kept, kept), plan
+        sizing = size_kv_cache(config, model, room - 2 * kept, draft)
+    return MemoryBudget(device, limit, model.weights_bytes, draft_weights, sizing.bytes, kept, kept), sizing

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from ...errors import TensorParallelError
 
-logger = logging.getLogger("mlxkv")
+logger = logging.getLogger(__name__)
 GRACE_S = 2.0  # how long a server's /health reports the failure before the process ends
 
 

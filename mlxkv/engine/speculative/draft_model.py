@@ -28,13 +28,13 @@ from ...config import EngineConfig
 from ...errors import KVCacheExhausted, ModelLoadError
 from ...models.loading import load
 from ...models.structure import text_model
-from ..memory.kv_budget import build_kv_cache, plan_kv_cache
+from ..memory.kv_budget import build_kv_cache, size_kv_cache
 from ..model_kv import ModelKV, attention_for, model_kv
 from ..model_runner import ModelRunner
 from ..request import Request, Status
 from ..sampling.sampler import sample
 
-COUNTED = 2**62  # room for the draft's pages, which the target's KV plan has counted already
+COUNTED = 2**62  # room for the draft's pages, which the target's KV sizing has counted already
 
 
 @dataclass
@@ -99,7 +99,7 @@ class DraftModel:
             own = replace(own, max_num_seqs=target.pool.capacity)
         else:
             own = replace(own, num_pages=target.pool.capacity)
-        cache = build_kv_cache(own, shape, plan_kv_cache(own, shape, room=COUNTED))
+        cache = build_kv_cache(own, shape, size_kv_cache(own, shape, room=COUNTED))
         runner = ModelRunner(model, cache, attention_for(model, cache, config.attention, kernels))
         return cls(model, cache, runner, vocab_size, config.max_num_batched_tokens)
 

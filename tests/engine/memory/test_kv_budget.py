@@ -5,14 +5,14 @@ import pytest
 
 from mlxkv import KVLayout
 from mlxkv.config import EngineConfig
-from mlxkv.engine.memory.kv_budget import build_kv_cache, plan_kv_cache
+from mlxkv.engine.memory.kv_budget import build_kv_cache, size_kv_cache
 from mlxkv.engine.model_kv import ModelKV
 
 ROOM = 16 * 10**9  # bytes the memory budget leaves the KV cache, unless a test says otherwise
 
 
 def built(config, shape, room=ROOM):
-    return build_kv_cache(config, shape, plan_kv_cache(config, shape, room))
+    return build_kv_cache(config, shape, size_kv_cache(config, shape, room))
 
 
 def test_paged_cache_is_sized_by_memory():
@@ -65,12 +65,12 @@ def test_a_cache_larger_than_the_room_the_budget_leaves_is_refused(sizing, asked
 
 def test_the_default_budget_is_a_fraction_of_the_room_and_no_more_than_the_sequences_need():
     per_token = 2 * 28 * 8 * 128 * 2
-    plan = plan_kv_cache(EngineConfig(max_num_seqs=16), ModelKV(28, 8, 128, mx.bfloat16, 40960), 148 * 10**8)
-    assert plan.num_pages == int(0.5 * 148 * 10**8) // (16 * per_token)
-    assert plan.bytes == plan.num_pages * 16 * per_token
+    sizing = size_kv_cache(EngineConfig(max_num_seqs=16), ModelKV(28, 8, 128, mx.bfloat16, 40960), 148 * 10**8)
+    assert sizing.num_pages == int(0.5 * 148 * 10**8) // (16 * per_token)
+    assert sizing.bytes == sizing.num_pages * 16 * per_token
     small = built(EngineConfig(max_num_seqs=1, max_model_len=30), ModelKV(28, 8, 128, mx.bfloat16, 40960))
     assert small.pool.capacity == 2  # 30 tokens in pages of 16
-    frugal = plan_kv_cache(EngineConfig(kv_cache_fraction=0.1), ModelKV(28, 8, 128, mx.bfloat16, 40960), ROOM)
+    frugal = size_kv_cache(EngineConfig(kv_cache_fraction=0.1), ModelKV(28, 8, 128, mx.bfloat16, 40960), ROOM)
     assert frugal.num_pages == int(0.1 * 16 * 10**9) // (16 * per_token)
 
 

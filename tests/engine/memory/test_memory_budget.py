@@ -7,7 +7,7 @@ import pytest
 
 from mlxkv import LLMEngine, SamplingParams
 from mlxkv.config import EngineConfig
-from mlxkv.engine.memory.memory_budget import memory_limit, plan_memory
+from mlxkv.engine.memory.memory_budget import memory_limit, split_memory
 from mlxkv.engine.memory.step_memory import StepMemory
 from mlxkv.engine.model_kv import ModelKV
 from mlxkv.models.loading import load
@@ -51,18 +51,18 @@ def test_a_limit_above_what_the_device_can_use_is_refused():
 
 def test_the_parts_are_weights_the_worst_step_twice_and_kv_from_the_rest(device):
     config = EngineConfig(max_num_seqs=16, max_model_len=4096, memory_limit="40GB")
-    budget, plan = plan_memory(config, LLAMA_8B, STEP)
+    budget, sizing = split_memory(config, LLAMA_8B, STEP)
     worst = 512 * 100_000 + 16 * 500_000 + 1_000 * 512  # 15 decodes and a 497-token chunk: 512 queries
     assert (budget.limit, budget.weights, budget.reserve, budget.cache) == (40 * GB, 16 * GB, worst, worst)
     per_token = 2 * 32 * 8 * 128 * 2
-    assert budget.kv == plan.num_pages * 16 * per_token == 16 * 4096 * per_token  # all 16 sequences fit
+    assert budget.kv == sizing.num_pages * 16 * per_token == 16 * 4096 * per_token  # all 16 sequences fit
     assert budget.planned <= budget.limit
 
 
 def test_a_tight_budget_cuts_the_reserve_before_the_kv_cache(device):
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32768, max_model_len=32768, num_pages=100)
     kv = 100 * 16 * 2 * 32 * 8 * 128 * 2
-    budget, _ = plan_memory(replace_limit(config, 16 * GB + kv + 2 * 10**9), LLAMA_8B, STEP)
+    budget, _ = split_memory(replace_limit(config, 16 * GB + kv + 2 * 10**9), LLAMA_8B, STEP)
     assert budget.reserve == budget.cache == 10**9 < 32768 * 100_000
     assert budget.planned == budget.limit
 
@@ -70,12 +70,12 @@ def test_a_tight_budget_cuts_the_reserve_before_the_kv_cache(device):
 def test_a_budget_without_room_for_the_smallest_step_names_the_fix(device):
     config = EngineConfig(max_num_seqs=4, num_pages=100, memory_limit=16 * GB + 100 * 16 * 131072 + 10)
     with pytest.raises(ValueError, match=r"the smallest step needs .*: raise memory_limit"):
-        plan_memory(config, LLAMA_8B, STEP)
+        split_memory(config, LLAMA_8B, STEP)
 
 
 def test_weights_larger_than_the_budget_are_refused(device):
     with pytest.raises(ValueError, match=r"the weights take 16.00 GB, more than the memory budget of 8.00 GB"):
-        plan_memory(EngineConfig(memory_limit="8GB"), LLAMA_8B, STEP)
+        split_memory(EngineConfig(memory_limit="8GB"), LLAMA_8B, STEP)
 
 
 def replace_limit(config, limit):
