@@ -16,10 +16,11 @@ import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import version
+from typing import Any
 
 import mlx.core as mx
 
-from ..attention.kernels import PagedAttentionKernels, gpu_cores
+from ..attention.kernels import Factory, PagedAttentionKernels, gpu_cores
 from ..attention.lab import speed
 from ..attention.variant import PLAIN, Variant
 from ..cache.storage import dtype_name
@@ -72,7 +73,7 @@ class Grid:
     parity_tokens: int = 32
 
 
-def report(say: Say = print, grid: Grid = Grid(), metal_kernel=None) -> None:
+def report(say: Say = print, grid: Grid = Grid(), metal_kernel: Factory | None = None) -> None:
     """Print the whole report. With `metal_kernel` (a factory with `mx.fast.metal_kernel`'s
     signature) the kernel sections run on it whether or not this is a Mac."""
     say("mlxkv doctor: paste everything below into an issue")
@@ -102,7 +103,7 @@ def machine(say: Say) -> None:
     )
 
 
-def _gpu(info: dict) -> str:
+def _gpu(info: dict[str, Any]) -> str:
     """The GPU's name, architecture and core count where the system says it."""
     if not info:
         return "no Metal GPU"

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
@@ -102,7 +102,7 @@ class Run:
     async def collect(self, request: HTTPRequest) -> list[Collected] | Response:
         """Every choice's whole reply; a 499 response if the client went away first (its requests
         are aborted); a failed request as a 500 `ServingError`."""
-        return await until_done(self._collect(), request)
+        return cast("list[Collected] | Response", await until_done(self._collect(), request))
 
     async def _collect(self) -> list[Collected]:
         replies = [Collected() for _ in self.splitters]

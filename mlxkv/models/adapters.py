@@ -7,7 +7,7 @@ sliding window, soft-cap and sinks. The model's own code computes everything els
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,7 +45,7 @@ class Adapter:
         self.variant = Variant(
             window=window, softcap=getattr(attn, "attn_logit_softcapping", None), sinks=getattr(attn, "sinks", None)
         )
-        self._rotations: dict[tuple, Rotation | None] = {}
+        self._rotations: dict[tuple[Any, ...], Rotation | None] = {}
         norms = [(q, k) for q, k in (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm")) if hasattr(attn, k)]
         self._norms = (getattr(attn, norms[0][0]), getattr(attn, norms[0][1])) if norms else None
         self.out_proj = _first(attn, "o_proj", "out_proj")  # LFM2's name
@@ -130,7 +130,7 @@ class Ministral3Adapter(Adapter):
     """Ministral 3: queries scaled by 1 + beta * log(1 + floor(position / original context)),
     computed here per token (the model computes it from one offset for the whole batch)."""
 
-    def __init__(self, attn: nn.Module, window: int | None, rope: dict) -> None:
+    def __init__(self, attn: nn.Module, window: int | None, rope: dict[str, Any]) -> None:
         super().__init__(attn, window)
         self.beta = rope["llama_4_scaling_beta"]
         self.original = rope["original_max_position_embeddings"]
@@ -148,9 +148,9 @@ def _window(model: nn.Module, attn: nn.Module, index: int) -> int | None:
     args = model.args
     layer_types = getattr(decoder(model), "layer_types", None) or getattr(args, "layer_types", None)
     if layer_types:
-        return args.sliding_window if layer_types[index] == "sliding_attention" else None
+        return cast(int, args.sliding_window) if layer_types[index] == "sliding_attention" else None
     if getattr(attn, "is_sliding", False):
-        return args.sliding_window
+        return cast(int, args.sliding_window)
     return None
 
 

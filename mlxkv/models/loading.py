@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -50,7 +51,7 @@ def resolve_model_path(path_or_repo: str | Path) -> Path:
         raise ModelLoadError(f"could not get {text!r} from the Hugging Face hub: {exc}") from None
 
 
-def check_config(path: Path) -> dict:
+def check_config(path: Path) -> dict[str, Any]:
     """The checkpoint's config.json, if mlxkv runs its architecture as mlx-lm does."""
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -77,7 +78,7 @@ def check_config(path: Path) -> dict:
     return config
 
 
-def rope_overrides(config: dict) -> dict:
+def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
     """`rope_theta` and `rope_scaling` lifted out of `rope_parameters` (where transformers 5 writes
     them) for the model code that reads only the old fields."""
     rope = config.get("rope_parameters")

@@ -34,13 +34,13 @@ def text_model(model: nn.Module) -> nn.Module:
 def decoder(model: nn.Module) -> nn.Module:
     """The module of a text model holding its embeddings, decoder layers and final norm:
     `model.model`, or Nemotron-H's `backbone`."""
-    return model.model if hasattr(model, "model") else model.backbone
+    return cast(nn.Module, model.model if hasattr(model, "model") else model.backbone)
 
 
 def embeddings(model: nn.Module) -> nn.Module:
     """A text model's token embeddings (Nemotron-H's are `embeddings`)."""
     inner = decoder(model)
-    return inner.embed_tokens if hasattr(inner, "embed_tokens") else inner.embeddings
+    return cast(nn.Module, inner.embed_tokens if hasattr(inner, "embed_tokens") else inner.embeddings)
 
 
 def logits(model: nn.Module, hidden: mx.array) -> mx.array:
