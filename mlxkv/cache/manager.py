@@ -65,7 +65,7 @@ class KVCacheManager:
     layers differ (Gemma 4's global layers have wider heads than its sliding ones).
 
     `layer_windows` gives each layer's sliding window (None: it sees every earlier token).
-    In the paged layout the layers of each window get pages of their own (a `WindowGroup`
+    In the paged layout the layers of each window get pages of their own (a `PageGroup`
     of `window_pages[window]` pages, by default enough that they never run out): a sequence holds
     there only the pages its window reaches, and the scheduler counts the full-attention
     layers' pages alone. Prefix caching is then off, since a windowed layer no longer holds

@@ -280,8 +280,10 @@ def serve(
     *,
     config: EngineConfig,
 ) -> None:
-    """Serve the model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, /v1/models),
-    with /health, /metrics and a chat page at /."""
+    """Serve the model over HTTP: OpenAI's Chat Completions, Completions and Responses APIs
+    (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models), Anthropic's Messages API
+    (/v1/messages) and Ollama's API (/api/chat, /api/generate, /api/tags), with /health, /metrics
+    and a chat page at /."""
     import uvicorn  # the server's imports wait until a server is asked for
 
     from .server import build_app
