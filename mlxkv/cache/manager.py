@@ -133,29 +133,25 @@ class KVCacheManager:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         if self.layout is KVLayout.PAGED:
-            pages_per_seq = -(-max_model_len // page_size)
-            self.pool = PagePool(num_pages if num_pages is not None else max_num_seqs * pages_per_seq, page_size)
+            self.max_pages_per_seq = -(-max_model_len // page_size)
+            pages = num_pages if num_pages is not None else max_num_seqs * self.max_pages_per_seq
+            self.pool = PagePool(pages, page_size)
         else:
-            pages_per_seq = 1
+            self.max_pages_per_seq = 1
             self.pool = PagePool(max_num_seqs, max_model_len)
-        self.max_pages_per_seq = pages_per_seq
         pinnable = int(pinned_fraction * self.pool.capacity)
         self.pins = PrefixPins(self.pool, pinnable) if self.prefix_caching and pinnable else None
-        matrix = np.zeros((max_num_seqs, pages_per_seq), np.int32)  # line i: the pages of the sequence of index i
         self._free_indices = list(range(max_num_seqs - 1, -1, -1))
         self._index_of: dict[int, int] = {}
-        keys = [None] + (sorted({w for w in windows if w}) if grouped else [])
         self.groups: dict[int | None, PageGroup] = {}
-        self._where: dict[int, tuple[int | None, int]] = {}
-        for window in keys:
+        self._where: dict[int, tuple[int | None, int]] = {}  # layer: (its group's window, its index there)
+        for window in [None] + (sorted({w for w in windows if w}) if grouped else []):
             layers = [i for i, w in enumerate(windows) if (w if grouped else None) == window]
             pool = self.pool if window is None else PagePool(self._window_pages(window, window_pages), page_size)
             shape = (len(layers), pool.capacity, [heads[i] for i in layers], pool.page_size, [dims[i] for i in layers])
-            storage = KVStorage(*shape, dtype, kv_bits, kv_group_size)
-            self.groups[window] = PageGroup(
-                window, layers, pool, storage, {}, matrix if window is None else matrix.copy()
+            self.groups[window] = self._page_group(
+                window, layers, pool, KVStorage(*shape, dtype, kv_bits, kv_group_size)
             )
-            self._where.update({layer: (window, index) for index, layer in enumerate(layers)})
         self._full = self.groups[None]
         self._tables = self._full.tables
         self.windowed = {window: group for window, group in self.groups.items() if window is not None}
@@ -163,6 +159,12 @@ class KVCacheManager:
         self._lock = threading.RLock()
         self._tensor_thread: int | None = None
         self.peak_usage = self.usage()  # of the step holding the most pages (see `reset_peak_usage`)
+
+    def _page_group(self, window: int | None, layers: list[int], pool: PagePool, storage: KVStorage) -> PageGroup:
+        """`layers`' page group, its page tables in a matrix of a line per sequence index."""
+        self._where.update({layer: (window, index) for index, layer in enumerate(layers)})
+        matrix = np.zeros((self.max_num_seqs, self.max_pages_per_seq), np.int32)
+        return PageGroup(window, layers, pool, storage, {}, matrix)
 
     def _window_pages(self, window: int, asked: dict[int, int] | None) -> int:
         """The pages of `window`'s group: as `asked`, else enough that it never runs out."""

@@ -9,7 +9,7 @@ Concurrent clients share one `AsyncLLM`, so their requests are batched by the sc
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.resources import files
 from typing import Any
 
@@ -47,12 +47,27 @@ def build_app(
     keepalive_s: float = KEEPALIVE_S,
 ) -> FastAPI:
     """The FastAPI app serving `llm` as `model_id`."""
+    app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorizer(api_key))])
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
+    handle_errors(app)
+    metrics = Metrics(llm.engine)
+    serve_own_paths(app, llm, metrics)
+    core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s)
+    for api in (openai_router, anthropic_router, ollama_router):
+        app.include_router(api.router(core))
+    return app
+
+
+def authorizer(api_key: str | None) -> Callable[[HTTPRequest], None]:
+    """The dependency that checks the API key: with one, every endpoint but /health and the chat
+    page wants it (the page holds no data and asks its user for the key), as `Authorization:
+    Bearer <key>` or Anthropic's `x-api-key: <key>`. A dependency: an HTTP middleware would hide
+    client disconnects from the handlers."""
 
     def authorize(request: HTTPRequest) -> None:
-        """With an API key, every endpoint but /health and the chat page wants it (the page holds no
-        data and asks its user for the key), as `Authorization: Bearer <key>` or Anthropic's
-        `x-api-key: <key>`. A dependency: an HTTP middleware would hide client disconnects from the
-        handlers."""
         if api_key and request.url.path not in OPEN_PATHS:
             bearer = request.headers.get("authorization", "").encode()
             header = request.headers.get("x-api-key", "").encode()
@@ -67,24 +82,11 @@ def build_app(
                     kind="authentication_error",
                 )
 
-    app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorize)])
-    metrics = Metrics(llm.engine)
-    core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s)
-    chat_page = files("mlxkv.entrypoints").joinpath("chat.html").read_text(encoding="utf-8")
-    if allowed_origins:
-        app.add_middleware(
-            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
-        )
+    return authorize
 
-    def render(request: HTTPRequest, error: ServingError) -> JSONResponse:
-        """`error` in the shape of the API the request called (OpenAI's unless another owns the path)."""
-        for paths, shape in (
-            (anthropic_router.PATHS, anthropic_protocol.error_response),
-            (ollama_router.PATHS, ollama_protocol.error_response),
-        ):
-            if request.url.path.startswith(paths):
-                return shape(error)
-        return openai_protocol.error_response(error)
+
+def handle_errors(app: FastAPI) -> None:
+    """Every refusal and failure answered in the shape of the API the request called."""
 
     @app.exception_handler(ServingError)
     async def refused(request: HTTPRequest, exc: ServingError) -> JSONResponse:
@@ -98,15 +100,6 @@ def build_app(
     async def invalid_json(request: HTTPRequest, exc: ValidationError) -> JSONResponse:
         return render(request, refusal(exc.errors()))
 
-    def refusal(errors: Sequence[Any]) -> ServingError:
-        """The first of a body's validation errors, naming the field."""
-        first = errors[0]
-        where = [str(part) for part in first.get("loc", ()) if part != "body"]
-        if first.get("type") == "json_invalid":
-            return ServingError(400, f"the body is not valid JSON: {first.get('msg')}")
-        param = ".".join(where) or None
-        return ServingError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param)
-
     @app.exception_handler(RequestTooLong)
     async def too_long(request: HTTPRequest, exc: RequestTooLong) -> JSONResponse:
         return render(request, ServingError(400, str(exc), None, "context_length_exceeded"))
@@ -114,6 +107,32 @@ def build_app(
     @app.exception_handler(RequestFailed)
     async def failed(request: HTTPRequest, exc: RequestFailed) -> JSONResponse:
         return render(request, ServingError(500, str(exc), kind="server_error"))
+
+
+def render(request: HTTPRequest, error: ServingError) -> JSONResponse:
+    """`error` in the shape of the API the request called (OpenAI's unless another owns the path)."""
+    for paths, shape in (
+        (anthropic_router.PATHS, anthropic_protocol.error_response),
+        (ollama_router.PATHS, ollama_protocol.error_response),
+    ):
+        if request.url.path.startswith(paths):
+            return shape(error)
+    return openai_protocol.error_response(error)
+
+
+def refusal(errors: Sequence[Any]) -> ServingError:
+    """The first of a body's validation errors, naming the field."""
+    first = errors[0]
+    where = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return ServingError(400, f"the body is not valid JSON: {first.get('msg')}")
+    param = ".".join(where) or None
+    return ServingError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param)
+
+
+def serve_own_paths(app: FastAPI, llm: AsyncLLM, metrics: Metrics) -> None:
+    """The server's own paths: `/health`, Prometheus' `/metrics` and the chat page at `/`."""
+    chat_page = files("mlxkv.entrypoints").joinpath("chat.html").read_text(encoding="utf-8")
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:
@@ -127,7 +146,3 @@ def build_app(
     @app.get("/", response_class=HTMLResponse)
     async def page() -> str:
         return chat_page
-
-    for api in (openai_router, anthropic_router, ollama_router):
-        app.include_router(api.router(core))
-    return app

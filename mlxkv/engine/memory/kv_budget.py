@@ -42,6 +42,23 @@ class KVCacheSizing:
     bytes: int  # of every page and recurrent state, the draft model's pages included
 
 
+@dataclass(frozen=True)
+class _KVCosts:
+    """What a model's cache costs before it has any pages: the bytes per token of the layers that
+    take pages from the budget, and the bytes taken first (window groups, recurrent states)."""
+
+    windows: list[int | None]  # each layer's window where it has a page group of its own
+    grouped: dict[int, int]  # pages of each window group
+    bytes_per_token: int  # of the full-attention layers (and the draft model)
+    window_bytes: int
+    state_bytes: int
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Taken before the full-attention layers' pages."""
+        return self.window_bytes + self.state_bytes
+
+
 def size_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelKV | None = None) -> KVCacheSizing:
     """The KV cache for `model` within `room` bytes (what the memory budget leaves it), `draft`'s
     pages, as many as the model's, included.
@@ -55,8 +72,42 @@ def size_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelK
     check_quantization(config.kv_bits, config.kv_group_size, model.head_dim)  # before sizing by its groups
     max_len = context_length(config.max_model_len, model.context)
     contiguous = config.kv_layout is KVLayout.CONTIGUOUS
+    costs = _kv_costs(config, model, draft)
+    available = max(0, room - costs.fixed_bytes)
+    per_seq = max_len if contiguous else -(-max_len // config.page_size) * config.page_size
+    asked_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None else None
+    budget = (
+        asked_memory - costs.fixed_bytes
+        if asked_memory
+        else min(config.max_num_seqs * per_seq * costs.bytes_per_token, int(config.kv_cache_fraction * available))
+    )
+    if config.num_pages is not None:
+        asked, what = config.num_pages * config.page_size * costs.bytes_per_token, f"num_pages={config.num_pages}"
+    else:
+        asked, what = budget, f"kv_cache_memory={_gb(budget)}"
+    if asked > available:
+        raise ValueError(
+            f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
+            f"in the memory budget (memory_limit) beside the weights and a step's temporaries"
+        )
+    if contiguous:
+        return _contiguous(config, costs, max_len, budget)
+    pages = config.num_pages or budget // (config.page_size * costs.bytes_per_token)
+    if pages <= 0:
+        source = "kv_cache_memory" if asked_memory else f"kv_cache_fraction={config.kv_cache_fraction}"
+        raise ValueError(
+            f"the KV budget ({source}) leaves {max(budget, 0)} bytes for the full-attention layers, "
+            f"less than one page of {config.page_size} tokens{_beside(costs)}"
+        )
+    pool_bytes = costs.fixed_bytes + pages * config.page_size * costs.bytes_per_token
+    return KVCacheSizing(config.max_num_seqs, max_len, pages, costs.windows, costs.grouped, pool_bytes)
+
+
+def _kv_costs(config: EngineConfig, model: ModelKV, draft: ModelKV | None) -> _KVCosts:
+    """`model`'s cache costs under `config`, `draft`'s pages counted with the model's."""
+    layout = KVLayout.CONTIGUOUS if config.kv_layout is KVLayout.CONTIGUOUS else KVLayout.PAGED
     windows: list[int | None] = [None] * model.num_layers
-    if not contiguous and model.layer_windows is not None:
+    if layout is KVLayout.PAGED and model.layer_windows is not None:
         windows = list(model.layer_windows)
     heads = per_layer("num_kv_heads", model.num_kv_heads, model.num_layers)
     dims = per_layer("head_dim", model.head_dim, model.num_layers)
@@ -66,53 +117,33 @@ def size_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelK
     bytes_per_token = sum(size for size, w in zip(layer_bytes, windows) if w is None) + draft_bytes_per_token(draft)
     grouped = {w: window_pages(config, w) for w in set(windows) if w is not None}
     window_bytes = sum(grouped[w] * config.page_size * size for size, w in zip(layer_bytes, windows) if w is not None)
-    hybrid = bool(model.state_shapes)
-    layout = KVLayout.CONTIGUOUS if contiguous else KVLayout.PAGED
     kept = config.max_num_seqs if config.prefix_states is None else config.prefix_states
+    hybrid = bool(model.state_shapes)
     shares = prefix_cached(layout, config.prefix_caching, bool(grouped), hybrid, config.kv_bits, kept)
     state_bytes = (config.max_num_seqs + (kept if shares else 0)) * model.state_bytes_per_sequence
-    fixed_bytes = window_bytes + state_bytes  # taken before the full-attention layers' pages
-    available = max(0, room - fixed_bytes)
-    per_seq = max_len if contiguous else -(-max_len // config.page_size) * config.page_size
-    asked_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None else None
-    budget = (
-        asked_memory - fixed_bytes
-        if asked_memory
-        else min(config.max_num_seqs * per_seq * bytes_per_token, int(config.kv_cache_fraction * available))
+    return _KVCosts(windows, grouped, bytes_per_token, window_bytes, state_bytes)
+
+
+def _contiguous(config: EngineConfig, costs: _KVCosts, max_len: int, budget: int) -> KVCacheSizing:
+    """The contiguous layout's cache: as many whole `max_len` pages as `budget` buys."""
+    sequences = min(config.max_num_seqs, budget // (max_len * costs.bytes_per_token))
+    if sequences == 0:
+        raise ValueError(
+            f"the contiguous layout needs {max_len * costs.bytes_per_token / 2**20:.1f} MiB per sequence "
+            f"(max_model_len={max_len}) but the KV budget is {budget / 2**20:.1f} MiB; "
+            "raise kv_cache_memory or lower max_model_len"
+        )
+    pool_bytes = costs.fixed_bytes + sequences * max_len * costs.bytes_per_token
+    return KVCacheSizing(sequences, max_len, None, costs.windows, costs.grouped, pool_bytes)
+
+
+def _beside(costs: _KVCosts) -> str:
+    """What else the budget paid for, where a page no longer fits."""
+    return "".join(
+        f" beside the {size} bytes of the {what}"
+        for size, what in ((costs.window_bytes, "sliding-window layers' pages"), (costs.state_bytes, "recurrent state"))
+        if size
     )
-    if config.num_pages is not None:
-        asked, what = config.num_pages * config.page_size * bytes_per_token, f"num_pages={config.num_pages}"
-    else:
-        asked, what = budget, f"kv_cache_memory={_gb(budget)}"
-    if asked > available:
-        raise ValueError(
-            f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
-            f"in the memory budget (memory_limit) beside the weights and a step's temporaries"
-        )
-    if contiguous:
-        sequences = min(config.max_num_seqs, budget // (max_len * bytes_per_token))
-        if sequences == 0:
-            raise ValueError(
-                f"the contiguous layout needs {max_len * bytes_per_token / 2**20:.1f} MiB per sequence "
-                f"(max_model_len={max_len}) but the KV budget is {budget / 2**20:.1f} MiB; "
-                "raise kv_cache_memory or lower max_model_len"
-            )
-        pool_bytes = fixed_bytes + sequences * max_len * bytes_per_token
-        return KVCacheSizing(sequences, max_len, None, windows, grouped, pool_bytes)
-    pages = config.num_pages or budget // (config.page_size * bytes_per_token)
-    if pages <= 0:
-        beside = "".join(
-            f" beside the {size} bytes of the {what}"
-            for size, what in ((window_bytes, "sliding-window layers' pages"), (state_bytes, "recurrent state"))
-            if size
-        )
-        source = "kv_cache_memory" if asked_memory else f"kv_cache_fraction={config.kv_cache_fraction}"
-        raise ValueError(
-            f"the KV budget ({source}) leaves {max(budget, 0)} bytes for the full-attention layers, "
-            f"less than one page of {config.page_size} tokens{beside}"
-        )
-    pool_bytes = fixed_bytes + pages * config.page_size * bytes_per_token
-    return KVCacheSizing(config.max_num_seqs, max_len, pages, windows, grouped, pool_bytes)
 
 
 def draft_bytes_per_token(draft: ModelKV | None) -> int:
