@@ -71,7 +71,7 @@ def new_request(
     tokenizer: TokenizerWrapper,
     structured: StructuredOutput,
 ) -> Request:
-    """A request of `prompt_ids`, with its text stream and its constraint's matcher; refused
+    """A request of `prompt_ids`, with its text stream and its constraint; refused
     (`RequestTooLong`) if prompt and `max_tokens` make more than `most_tokens`, with TypeError for
     settings of the wrong kind and ValueError for a constraint that cannot be compiled."""
     params = SamplingParams() if params is None else params
@@ -86,5 +86,5 @@ def new_request(
             f"{request.max_length} tokens; one request can have at most {most_tokens}"
         )
     request.stream = TextStream(tokenizer.detokenizer, params.stop)
-    request.matcher = structured.matcher(params)
+    request.constraint = structured.constraint(params)
     return request

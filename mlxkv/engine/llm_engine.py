@@ -275,10 +275,11 @@ class LLMEngine:
     def _read_for_masks(
         self, logits: mx.array | None, batch: ScheduledBatch, sampling: list[Request], previous: InFlight | None
     ) -> Resolved | None:
-        """A constrained row's mask needs every earlier token of its request: when one's last token
-        comes from `previous`, start this step's forward pass and read `previous` while it runs (its
-        tokens accepted, the matchers advanced). None when no row has to wait."""
-        if logits is None or previous is None or not any(r.matcher is not None and r.num_pending for r in sampling):
+        """A constrained row's mask (a lazy one's too: was its last token the trigger?) needs every
+        earlier token of its request: when one's last token comes from `previous`, start this step's
+        forward pass and read `previous` while it runs (its tokens accepted, the constraints
+        advanced). None when no row has to wait."""
+        if logits is None or previous is None or not any(r.constraint is not None and r.num_pending for r in sampling):
             return None
         self.cache.evaluate(logits, wait=False)
         return self._resolve(previous, batch.requests)

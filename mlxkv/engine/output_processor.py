@@ -93,15 +93,15 @@ class OutputProcessor:
             request.set_output(index, token)
         else:
             request.append_output(token)
-        matcher = request.matcher
-        if matcher is not None and not matcher.consume_token(token):  # the mask allowed it: a bug
-            request.error = MlxkvError(f"structured output failed: {matcher.get_error()}")
+        constraint = request.constraint
+        if constraint is not None and not constraint.consume(token):  # the mask allowed it: a bug
+            request.error = MlxkvError(f"structured output failed: {constraint.error()}")
             return "error"
         assert request.stream is not None  # every request the engine admits has its stream
         if request.stream.add(token):
             request.truncate_outputs(index + 1)
             return "stop"
-        if matcher is not None and matcher.is_stopped():  # its constraint allows nothing more
+        if constraint is not None and constraint.is_stopped():  # its constraint allows nothing more
             return "stop"
         if index + 1 >= request.params.max_tokens:
             return "length"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..cache.pins import Pin
+from .sampling.constraint import Constraint
 from .sampling.params import SamplingParams
 from .sampling.sampler import TokenSampler
 from .sampling.text import TextStream
@@ -54,7 +54,7 @@ class Request:
     num_pending: int = field(default=0, init=False)  # outputs still `PENDING` (always the last ones)
     sampler: TokenSampler = field(init=False)
     pinned_tokens: int | None = field(default=None, init=False)  # tokens `pin` pinned, once it has
-    matcher: Any = field(default=None, init=False)  # llguidance's, following a constrained output
+    constraint: Constraint | None = field(default=None, init=False)  # following a constrained output
     draft: list[int] = field(default_factory=list, init=False)  # tokens proposed to follow, for the next step
     speculation: Speculation = field(default_factory=Speculation, init=False)
     held_steps: int = field(default=0, init=False)  # steps its first token waited for other prompts

@@ -99,12 +99,20 @@ class SamplingParams:
     grammar: str | None = setting(
         None, "A Lark grammar the output must follow (llguidance's dialect, rule `start`).", optional(TEXT)
     )
+    grammar_trigger: str | None = setting(
+        None,
+        "Make the grammar lazy: it holds the output from each time the output writes this token until it "
+        "completes (a tool call from its opening marker to its end), and the output is free elsewhere.",
+        optional(TEXT),
+    )
 
     def __post_init__(self) -> None:
         validate(self)
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"give at most one of {', '.join(CONSTRAINTS)}; got {' and '.join(given)}")
+        if self.grammar_trigger is not None and self.grammar is None:
+            raise ValueError("grammar_trigger needs a grammar to trigger")
 
     @property
     def constrained(self) -> bool:

@@ -130,11 +130,15 @@ def draw(
     structured: StructuredOutput,
 ) -> tuple[mx.array, tuple[mx.array, ...]]:
     """A step's draws (lazy): row i's `1 + len(drafts[i])` tokens (its last token's and one for each
-    draft token) for `requests[i]` from its output number `indices[i]` on, each constrained row
+    draft token) for `requests[i]` from its output number `indices[i]` on, each row under an active constraint
     masked; and the log-probabilities the requests asked for (`logprobs`, or none)."""
     widths = [1 + len(d) for d in drafts]
     firsts = np.cumsum(widths) - widths  # each row's first row of logits
-    constrained = [(r.matcher, int(f), d) for r, f, d in zip(requests, firsts, drafts) if r.matcher is not None]
+    constrained = [
+        (r.constraint.matcher, int(f), d)
+        for r, f, d in zip(requests, firsts, drafts)
+        if r.constraint is not None and r.constraint.active
+    ]
     if constrained:
         logits = structured.masked(logits, constrained)
     samplers = [r.sampler for r, w in zip(requests, widths) for _ in range(w)]

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .constraint import Constraint
 from .params import SamplingParams
 
 CACHE_SIZE = 64  # distinct constraints kept compiled
@@ -66,6 +67,8 @@ class StructuredOutput:
         if found is None:
             return None
         name, grammar = found
+        if params.grammar_trigger is not None:
+            self.trigger_token(params.grammar_trigger)
         with self._lock:
             compiled = self._compiled.get(grammar)
             if compiled is None:
@@ -76,10 +79,21 @@ class StructuredOutput:
                 self._compiled.popitem(last=False)
             return compiled
 
-    def matcher(self, params: SamplingParams) -> llguidance.LLMatcher | None:
-        """A fresh matcher for one request with `params` (see `compile`): a copy of the compiled one."""
+    def constraint(self, params: SamplingParams) -> Constraint | None:
+        """One request's constraint (see `compile`): a copy of the compiled matcher, lazy if
+        `params` has a `grammar_trigger`."""
         compiled = self.compile(params)
-        return None if compiled is None else compiled.deep_copy()
+        if compiled is None:
+            return None
+        trigger = params.grammar_trigger
+        return Constraint(compiled, None if trigger is None else self.trigger_token(trigger))
+
+    def trigger_token(self, trigger: str) -> int:
+        """The token that spells `trigger`; ValueError unless it is exactly one."""
+        ids = self._tokenizer.encode(trigger, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"grammar_trigger must be one token of the model's vocabulary; {trigger!r} is {len(ids)}")
+        return int(ids[0])
 
     def _compile(self, name: str, grammar: str) -> llguidance.LLMatcher:
         if self._lltokenizer is None:

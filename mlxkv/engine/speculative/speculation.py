@@ -169,8 +169,8 @@ class Speculator:
             self.draft_step += RATE_WEIGHT * ((time.perf_counter() - started) / max(lengths) - self.draft_step)
         for request, proposal, most in zip(requests, proposals, lengths):
             request.draft = proposal[:most]
-            if request.matcher is not None and request.draft:
-                del request.draft[request.matcher.validate_tokens(request.draft) :]
+            if request.constraint is not None and request.draft:
+                del request.draft[request.constraint.draftable(request.draft) :]
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:
         request.speculation.record(drafted, accepted)
