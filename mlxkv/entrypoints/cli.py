@@ -277,6 +277,12 @@ def serve(
     ),
     allowed_origins: list[str] = typer.Option([], help="Origins browsers may call from (CORS); repeatable."),
     max_queue: int = typer.Option(1024, min=0, help="Most requests waiting; more are answered 503."),
+    max_request_bytes: Optional[int] = typer.Option(  # noqa: UP045
+        None,
+        min=1,
+        help="Largest request body taken; larger ones are answered 413. Default: 4 MiB plus 32 bytes "
+        "per token of the context.",
+    ),
     *,
     config: EngineConfig,
 ) -> None:
@@ -302,7 +308,14 @@ def serve(
         fail(exc)
     logger.info("loaded in %.1f s", time.perf_counter() - started)
     llm = AsyncLLM(engine)
-    app_ = build_app(llm, model or "mlxkv-demo", api_key=api_key, allowed_origins=allowed_origins, max_queue=max_queue)
+    app_ = build_app(
+        llm,
+        model or "mlxkv-demo",
+        api_key=api_key,
+        allowed_origins=allowed_origins,
+        max_queue=max_queue,
+        max_request_bytes=max_request_bytes,
+    )
     logger.info("serving on http://%s:%d (chat page at /)", host, listener.getsockname()[1])
     server = uvicorn.Server(uvicorn.Config(app_, log_level="warning"))
     threading.Thread(target=end_when_lost, args=(engine, server), daemon=True).start()

@@ -4,7 +4,7 @@ plugs its framing into, or one whole reply per choice.
 The stream skeleton is the same for every API, so no API drifts: while a choice has nothing to send
 (a long prefill, a queue) the client gets the API's keepalive every `keepalive_s`; each output's new
 text comes split into content and tool calls; a request that fails after the status line has gone
-ends the stream with the API's error event; and a client that goes away is aborted at once, its
+ends the stream with the API's error event, whatever went wrong; and a client that goes away is aborted at once, its
 pages freed (Starlette cancels a streaming response when its client disconnects; `collect` watches
 for the disconnect itself).
 """
@@ -92,8 +92,8 @@ class Run:
                     index, output = event
                     for chunk in framer.output(index, output, split(self.splitters[index], output)):
                         yield chunk
-            except RequestFailed as exc:  # the status line has gone: the error travels as an event
-                for chunk in framer.failed(ServingError(500, str(exc), kind="server_error")):
+            except Exception as exc:  # the status line has gone: the error travels as an event
+                for chunk in framer.failed(failure(exc)):
                     yield chunk
                 return
         for chunk in framer.closing():
@@ -117,8 +117,18 @@ class Run:
                         reply.logprobs += output.logprobs
                         reply.last = output
         except RequestFailed as exc:
-            raise ServingError(500, str(exc), kind="server_error") from None
+            raise failure(exc) from None
         return replies
+
+
+def failure(exc: Exception) -> ServingError:
+    """What a client is told of a request that failed once started: a refusal as it is, a failed
+    request (`RequestFailed`) as a 500 with its reason, anything else as a 500 naming it."""
+    if isinstance(exc, ServingError):
+        return exc
+    return ServingError(
+        500, str(exc) if isinstance(exc, RequestFailed) else f"the server failed: {exc!r}", kind="server_error"
+    )
 
 
 def split(splitter: ToolCallStream | None, output: RequestOutput) -> list[Piece]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 from importlib.resources import files
 from typing import Any
 
@@ -20,11 +21,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_llm import AsyncLLM
 from ..errors import RequestFailed, RequestTooLong
 from .anthropic import protocol as anthropic_protocol
 from .anthropic import router as anthropic_router
+from .body_limit import BodyLimit
 from .core import ServingCore
 from .errors import ServingError
 from .metrics import Metrics
@@ -34,7 +37,10 @@ from .openai import protocol as openai_protocol
 from .openai import router as openai_router
 
 KEEPALIVE_S = 2.0  # a stream's keepalive this often while it has nothing to send (a long prefill)
+VERSION = version("mlxkv")
 OPEN_PATHS = ("/health", "/")  # what answers without the API key
+SLACK_BYTES = 4 * 2**20  # of a request body beyond its prompt's text: messages' fields, tools, schemas
+BYTES_PER_TOKEN = 32  # of prompt text, as JSON, at most (a token is 4 characters on average)
 
 
 def build_app(
@@ -45,10 +51,14 @@ def build_app(
     allowed_origins: Sequence[str] = (),
     max_queue: int = 1024,
     keepalive_s: float = KEEPALIVE_S,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `llm` as `model_id`."""
+    """The FastAPI app serving `llm` as `model_id`; bodies over `max_request_bytes` (default: a few
+    MiB above the longest prompt the context holds, `request_bytes_for`) are refused."""
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorizer(api_key))])
-    if allowed_origins:
+    limit = max_request_bytes if max_request_bytes is not None else request_bytes_for(llm.engine.max_request_tokens)
+    app.add_middleware(BodyLimit, limit=limit, refuse=lambda path, error: shape_of(path)(error))
+    if allowed_origins:  # outermost, so that refusals carry the CORS headers too
         app.add_middleware(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
         )
@@ -85,8 +95,16 @@ def authorizer(api_key: str | None) -> Callable[[HTTPRequest], None]:
     return authorize
 
 
+def request_bytes_for(tokens: int) -> int:
+    """The default body limit for a context of `tokens`: room for that many tokens of text, escaped
+    as JSON (a generous `BYTES_PER_TOKEN` each), and `SLACK_BYTES` for the rest of the body."""
+    return SLACK_BYTES + BYTES_PER_TOKEN * tokens
+
+
 def handle_errors(app: FastAPI) -> None:
-    """Every refusal and failure answered in the shape of the API the request called."""
+    """Every refusal and failure answered in the shape of the API the request called: the server's
+    own refusals, bodies that do not parse or validate, unknown routes and methods, and whatever
+    else goes wrong (a 500, never a plain-text one)."""
 
     @app.exception_handler(ServingError)
     async def refused(request: HTTPRequest, exc: ServingError) -> JSONResponse:
@@ -108,16 +126,40 @@ def handle_errors(app: FastAPI) -> None:
     async def failed(request: HTTPRequest, exc: RequestFailed) -> JSONResponse:
         return render(request, ServingError(500, str(exc), kind="server_error"))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HTTPRequest, exc: StarletteHTTPException) -> Response:
+        return render(request, _http_error(request, exc))
+
+    @app.exception_handler(Exception)
+    async def crashed(request: HTTPRequest, exc: Exception) -> JSONResponse:  # Starlette logs it after
+        return render(request, ServingError(500, f"the server failed: {exc!r}", kind="server_error"))
+
+
+def _http_error(request: HTTPRequest, exc: StarletteHTTPException) -> ServingError:
+    """Starlette's and FastAPI's own refusals, said as the server's: no such route, a method the
+    route does not take, a body that is not JSON (FastAPI keeps why as the cause)."""
+    if exc.status_code == 404:
+        return ServingError(404, f"there is no {request.url.path} here", code="not_found", kind="not_found_error")
+    if exc.status_code == 405:
+        return ServingError(405, f"{request.url.path} does not take {request.method}", code="method_not_allowed")
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        return ServingError(400, f"the body is not valid JSON: {exc.__cause__}")
+    return ServingError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}) or None)
+
 
 def render(request: HTTPRequest, error: ServingError) -> JSONResponse:
-    """`error` in the shape of the API the request called (OpenAI's unless another owns the path)."""
+    return shape_of(request.url.path)(error)
+
+
+def shape_of(path: str) -> Callable[[ServingError], JSONResponse]:
+    """How the API that owns `path` answers an error (OpenAI's unless another owns it)."""
     for paths, shape in (
         (anthropic_router.PATHS, anthropic_protocol.error_response),
         (ollama_router.PATHS, ollama_protocol.error_response),
     ):
-        if request.url.path.startswith(paths):
-            return shape(error)
-    return openai_protocol.error_response(error)
+        if path.startswith(paths):
+            return shape
+    return openai_protocol.error_response
 
 
 def refusal(errors: Sequence[Any]) -> ServingError:
@@ -137,7 +179,9 @@ def serve_own_paths(app: FastAPI, llm: AsyncLLM, metrics: Metrics) -> None:
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:
         lost = llm.engine.lost  # a tensor-parallel group that failed: the server is ending
-        return {"status": "ok"} if lost is None else JSONResponse({"status": "error", "error": str(lost)}, 503)
+        if lost is not None:
+            return JSONResponse({"status": "error", "error": str(lost), "version": VERSION}, 503)
+        return {"status": "ok", "version": VERSION}
 
     @app.get("/metrics")
     def prometheus() -> Response:  # a plain def: FastAPI runs it off the event loop, as stats() takes the engine lock

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -22,11 +23,12 @@ from mlxkv.entrypoints.prompts import prompt_ids
 
 MODEL = "mlxkv-demo"
 HELLO = [{"role": "user", "content": "The import statement"}]
+LIMIT = 2**16  # the request body limit the module's server has
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server("--max-num-seqs", "16", "--max-model-len", "256")
+    proc, url = start_server("--max-num-seqs", "16", "--max-model-len", "256", "--max-request-bytes", str(LIMIT))
     yield url
     stop_server(proc)
 
@@ -394,8 +396,9 @@ def test_a_request_that_fails_gets_a_500_or_an_error_event_and_the_rest_go_on(mo
         llm.shutdown()
     assert plain.status_code == 500 and plain.json()["error"]["type"] == "server_error"
     assert "sampler exploded" in plain.json()["error"]["message"]
-    last = [e for e in streamed.text.split("\n\n") if e][-1]
-    assert json.loads(last.removeprefix("data: "))["error"]["message"].endswith("sampler exploded")
+    *_, error, done = [e for e in streamed.text.split("\n\n") if e]
+    assert json.loads(error.removeprefix("data: "))["error"]["message"].endswith("sampler exploded")
+    assert done == "data: [DONE]"
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 4
 
 
@@ -512,3 +515,34 @@ def test_long_prompts_under_a_tight_budget_get_200_or_503_and_memory_stays_withi
         assert settled(url) > 0
     finally:
         stop_server(proc)
+
+
+SHAPES = {  # a path of each API, and where its error bodies keep the message
+    "openai": ("/v1/chat/completions", lambda body: body["error"]["message"]),
+    "responses": ("/v1/responses", lambda body: body["error"]["message"]),
+    "anthropic": ("/v1/messages", lambda body: body["type"] == "error" and body["error"]["message"]),
+    "ollama": ("/api/chat", lambda body: body["error"]),
+}
+
+
+@pytest.mark.parametrize("api", list(SHAPES))
+def test_every_refusal_takes_the_shape_of_the_api_it_was_sent_to(server, api):
+    """Bodies that are not JSON (bad UTF-8, nesting past the parser's limit) or over the body
+    limit, an unknown route under the API's path and a wrong method: each answered in the API's
+    error shape, never FastAPI's `{"detail": ...}`."""
+    path, message = SHAPES[api]
+    headers = {"content-type": "application/json"}
+    cases = [
+        (httpx.post(f"{server}{path}", content=b'{"model": "\xff\xfe"}', headers=headers), 400, "not valid JSON"),
+        (httpx.post(f"{server}{path}", content=b"[" * 10**4 + b"]" * 10**4, headers=headers), 400, "not valid JSON"),
+        (httpx.post(f"{server}{path}", content=b" " * (LIMIT + 1), headers=headers), 413, f"({LIMIT} bytes"),
+        (httpx.post(f"{server}{path}/no/such", json={}), 404, f"there is no {path}/no/such here"),
+        (httpx.delete(f"{server}{path}"), 405, f"{path} does not take DELETE"),
+    ]
+    for reply, status, text in cases:
+        assert (reply.status_code, "detail" in reply.json()) == (status, False), reply.text
+        assert text in message(reply.json()), reply.text
+
+
+def test_health_tells_mlxkv_s_version(server):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok", "version": version("mlxkv")}
