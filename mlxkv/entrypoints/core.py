@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..cache.pins import Pin
 from ..engine.async_llm import AsyncLLM
 from ..engine.outputs import RequestOutput
-from ..engine.sampling.params import SamplingParams
-from .errors import ServingError, refused_as
+from ..engine.sampling.params import CONSTRAINTS, SamplingParams
+from .errors import ServingError, UnsupportedContent, refused_as
 from .metrics import Metrics
 from .prompts import prompt_ids
 from .replies import Event, Run
-from .tool_calls import ToolCallStream, tool_grammar
+from .tool_calls import ToolCallStream, lazy_tool_grammar, tool_grammar
 
 Choice = tuple[list[int], SamplingParams]  # one choice's prompt and sampling
 
@@ -30,12 +30,34 @@ Choice = tuple[list[int], SamplingParams]  # one choice's prompt and sampling
 @dataclass(frozen=True)
 class Tools:
     """What a chat request does with tools: those its template shows (OpenAI's entries), and the
-    grammar that holds the reply to calls (for a required or named tool; None: the model decides)."""
+    grammar that holds its calls: from the first token for a required or named tool, or, under
+    'auto', lazily from each call's opening marker (`trigger`) to its end. None: calls are free."""
 
     shown: list[dict[str, Any]]
     grammar: str | None = None
+    trigger: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.grammar is not None and self.trigger is None
+
+    @property
+    def source(self) -> str:
+        """The field to name when the grammar cannot be compiled."""
+        return "tool_choice" if self.forced else "tools"
+
+    def constrain(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """`SamplingParams` fields with the calls' grammar: a forced one always (a second constraint
+        is then refused), a lazy one only where the request brings no constraint of its own."""
+        if self.grammar is None or (not self.forced and any(fields.get(name) for name in CONSTRAINTS)):
+            return fields
+        return fields | {"grammar": self.grammar, "grammar_trigger": self.trigger}
 
 
+EMPTY_CHAT = (
+    "there is nothing to reply to (a model without a chat template reads only the user and assistant "
+    "messages' text, leaving system prompts out)"
+)
 TTL = re.compile(r"(\d+(?:\.\d+)?)\s*([smh])")
 SECONDS = {"s": 1, "m": 60, "h": 3600}
 
@@ -102,26 +124,53 @@ class ServingCore:
                 "not_found_error",
             )
 
+    @contextmanager
+    def reading(self, field: str) -> Iterator[None]:
+        """Reading a request's conversation: content the model cannot read (`UnsupportedContent`) is
+        a 400 naming its kind and the model, any other ValueError a 400 naming `field`."""
+        try:
+            yield
+        except UnsupportedContent as exc:
+            message = f"{exc.kind} content is not supported by {self.model_id} ({exc.block} in {field}; it reads text)"
+            raise ServingError(400, message, field, "unsupported_content") from None
+        except ValueError as exc:
+            raise ServingError(400, str(exc), field) from None
+
     def tools(self, shown: list[dict[str, Any]], forced: list[dict[str, Any]], parallel: bool, field: str) -> Tools:
         """The tools of a chat request (OpenAI's entries): `forced` are those the reply must call
-        one of (none: the model decides); a 400 naming `field` if the model cannot call them."""
+        one of (none: the model decides, each call it opens held to its tool's schema where the
+        format allows, see `lazy_tool_grammar`); a 400 naming `field` if the model cannot call them."""
         if shown and not self.tokenizer.has_tool_calling:
             raise ServingError(
                 400, "this model's chat template has no tool calls (mlx-lm finds no tool-call format)", field
             )
         with refused_as(field):
-            return Tools(shown, tool_grammar(self.tokenizer, forced, parallel) if forced else None)
+            if forced:
+                return Tools(shown, tool_grammar(self.tokenizer, forced, parallel))
+            lazy = lazy_tool_grammar(self.tokenizer, shown, parallel) if shown else None
+            return Tools(shown, *lazy) if lazy else Tools(shown)
 
-    def chat_prompt(self, messages: list[dict[str, Any]], tools: Tools | None = None) -> list[int]:
-        """The prompt of a conversation (role/content dicts, as chat templates read them)."""
+    async def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: Tools | None = None, field: str = "messages"
+    ) -> list[int]:
+        """The prompt of a conversation (role/content dicts, as chat templates read them), built on a
+        worker thread (a long conversation takes the template and tokenizer seconds: the event loop
+        keeps serving everyone else meanwhile); a 400 naming `field` if it gives nothing to reply to."""
         try:
-            return prompt_ids(self.tokenizer, messages, tools=tools.shown if tools else None)
+            prompt = await asyncio.to_thread(prompt_ids, self.tokenizer, messages, tools=tools.shown if tools else None)
         except Exception as exc:
-            raise ServingError(400, f"the messages do not fit the model's chat template: {exc}", "messages") from None
+            raise ServingError(400, f"the messages do not fit the model's chat template: {exc}", field) from None
+        if not prompt:
+            raise ServingError(400, f"the prompt made of {field} is empty: {EMPTY_CHAT}", field, "empty_prompt")
+        return prompt
 
-    def encode(self, text: str | list[int]) -> list[int]:
-        """A completion prompt's token ids (text with the tokenizer's BOS, or ids checked)."""
-        return self.llm.engine.encode(text)
+    async def encode(self, text: str | list[int], field: str = "prompt") -> list[int]:
+        """A completion prompt's token ids (text with the tokenizer's BOS, or ids checked), encoded on
+        a worker thread; a 400 naming `field` if it is empty or not a prompt."""
+        try:
+            return await asyncio.to_thread(self.llm.engine.encode, text)
+        except (TypeError, ValueError) as exc:
+            raise ServingError(400, str(exc), field) from None
 
     def room(self, prompt: list[int], max_tokens: int | None) -> int:
         """`max_tokens` (None: as many as fit) cut to what the context leaves after `prompt`;

@@ -33,3 +33,12 @@ def refused_as(param: str | None = None, names: dict[str, str] | None = None) ->
     except ValueError as exc:
         field = str(exc).split()[0]
         raise ServingError(400, str(exc), param or (names or {}).get(field, field)) from None
+
+
+class UnsupportedContent(ValueError):
+    """A content block of a kind (`kind`: image, audio, file, document) the model cannot read, sent
+    as `block` (the API's name for it): each API refuses it naming both, and the model."""
+
+    def __init__(self, kind: str, block: str) -> None:
+        super().__init__(f"{kind} content ({block}) is not supported")
+        self.kind, self.block = kind, block

@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 from helpers import start_server, stop_server
 
+from mlxkv.entrypoints.anthropic.protocol import MessageParam
 from mlxkv.models.random_model import TOOLS_CHAT_TEMPLATE, make_checkpoint
 
 anthropic = pytest.importorskip("anthropic", reason="the anthropic package could not be installed")
@@ -186,3 +187,43 @@ def test_cache_control_pins_the_prompt_up_to_the_marked_block_and_says_what_it_w
             ],
         )
     assert refused.value.body["error"]["message"] == "cache_control.ttl must be like '5m' or '1h', got 'soon'"
+
+
+def test_a_history_with_an_image_in_a_tool_result_and_thinking_blocks(client):
+    """What Claude Code sends after reading a screenshot: the image is refused naming it (a text
+    model); without it, the thinking blocks passed back are taken (left out by a template that
+    renders no reasoning) and the reply is a normal one."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    thought = [
+        {"type": "thinking", "thinking": "The user wants a screenshot.", "signature": "c2ln"},
+        {"type": "redacted_thinking", "data": "ZW5jcnlwdGVk"},
+    ]
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo", "days": 1}}
+
+    def history(result):
+        return [
+            *HELLO,
+            {"role": "assistant", "content": [*thought, call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]},
+        ]
+
+    shown = [{"type": "text", "text": "Sunny."}]
+    with pytest.raises(anthropic.BadRequestError, match=f"image content is not supported by {MODEL}"):
+        create(client, tools=[WEATHER], messages=history([*shown, image]))
+    reply = create(client, tools=[WEATHER], messages=history(shown))
+    assert reply.stop_reason == "max_tokens" and reply.usage.output_tokens == 12
+    without = history(shown)
+    without[1]["content"] = [call]
+    counted = [
+        client.messages.count_tokens(model=MODEL, tools=[WEATHER], messages=m).input_tokens
+        for m in (history(shown), without)
+    ]
+    assert counted[0] == counted[1]
+
+
+def test_thinking_passed_back_is_the_reasoning_templates_render():
+    thought = {"type": "thinking", "thinking": "Two steps.", "signature": "c2ln"}
+    message = MessageParam(role="assistant", content=[thought, {"type": "text", "text": "Done."}])
+    assert message.as_template_inputs() == [
+        {"role": "assistant", "content": "Done.", "reasoning_content": "Two steps."}
+    ]

@@ -7,6 +7,7 @@ import jsonschema
 import pytest
 from helpers import start_server, stop_server
 
+from mlxkv.entrypoints.ollama.protocol import OLLAMA_VERSION
 from mlxkv.entrypoints.prompts import prompt_ids
 from mlxkv.models import load
 from mlxkv.models.random_model import TOOLS_CHAT_TEMPLATE, make_checkpoint
@@ -85,7 +86,7 @@ def test_tags_show_and_version_describe_the_one_model(server):
     shown = httpx.post(f"{server}/api/show", json={"model": MODEL}).json()
     assert shown["capabilities"] == ["completion", "tools"] and "<tool_call>" in shown["template"]
     assert shown["model_info"]["general.architecture"] == "llama"
-    assert httpx.get(f"{server}/api/version").json()["version"]
+    assert httpx.get(f"{server}/api/version").json() == {"version": OLLAMA_VERSION}
 
 
 def test_errors_have_ollamas_shape(server):
@@ -105,3 +106,30 @@ def test_the_ollama_package(server):
     parts = list(client.generate(model=MODEL, prompt="Hello there", stream=True, options=GREEDY))
     assert reply.message.role == "assistant" and reply.done_reason == "length" and reply.eval_count == 8
     assert parts[-1].done and sum(1 for p in parts if p.response) <= 8
+
+
+def test_load_unload_and_warm_up_answer_at_once_as_ollama_does(server):
+    """Open WebUI's unload (`prompt: ""`, `keep_alive: 0`), a client's warm-up (a model and nothing
+    else) and a chat of no messages generate nothing: they answer `done` with Ollama's reason."""
+    ollama = pytest.importorskip("ollama", reason="the ollama package could not be installed")
+    client = ollama.Client(host=server)
+    unloaded = client.generate(model=MODEL, prompt="", keep_alive=0)
+    warmed = client.generate(model=MODEL)
+    loaded = client.chat(model=MODEL, messages=[], keep_alive="5m")
+    streamed = list(client.generate(model=MODEL, keep_alive=-1, stream=True))
+    assert (unloaded.done_reason, unloaded.response, unloaded.eval_count) == ("unload", "", None)
+    assert (warmed.done_reason, loaded.done_reason, loaded.message.content) == ("load", "load", "")
+    assert [(part.done, part.done_reason) for part in streamed] == [(True, "load")]
+
+
+def test_ps_lists_the_one_model_loaded_for_good(server):
+    ollama = pytest.importorskip("ollama", reason="the ollama package could not be installed")
+    [running] = ollama.Client(host=server).ps().models
+    assert (running.name, running.model, running.context_length) == (MODEL, MODEL, 512)
+    assert running.size == running.size_vram > 0 and running.expires_at.year == 2318
+    assert len(running.digest) == 64 and running.details.family == "llama"
+
+
+def test_keep_alive_must_be_seconds_or_a_duration(server):
+    bad = httpx.post(f"{server}/api/generate", json={"model": MODEL, "keep_alive": "soon"})
+    assert bad.status_code == 400 and "keep_alive must be seconds or a duration such as '5m'" in bad.json()["error"]

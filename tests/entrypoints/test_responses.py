@@ -122,3 +122,40 @@ def test_unsupported_input_items_are_400s(client):
     with pytest.raises(openai.BadRequestError) as refused:
         create(client, input=[{"type": "image_generation_call", "id": "x"}])
     assert "input items of type 'image_generation_call' are not supported" in refused.value.body["message"]
+
+
+def test_a_kept_response_can_be_fetched_and_deleted(client):
+    made = create(client)
+    fetched = client.responses.retrieve(made.id)
+    assert fetched.model_dump() == made.model_dump()
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError, match=f"response '{made.id}' is not kept here"):
+        client.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(made.id)
+    unkept = create(client, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
+def test_logprobs_come_with_each_delta_and_the_done_text(client):
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = create(client, **asked)
+    events = list(create(client, stream=True, **asked))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    scores = [s for d in deltas for s in d.logprobs]
+    assert [s.model_dump() for s in done.logprobs[: len(scores)]] == [s.model_dump() for s in scores]
+    assert len(done.logprobs) == whole.usage.output_tokens == 8
+    assert all(len(s.top_logprobs) == 2 and s.logprob <= 0 for s in scores)
+    assert [s.model_dump() for s in whole.output[0].content[0].logprobs] == [s.model_dump() for s in done.logprobs]
+    plain = list(create(client, stream=True))
+    assert all(e.logprobs == [] for e in plain if e.type == "response.output_text.delta")
+
+
+def test_usage_counts_cached_and_written_tokens(client):
+    first, again = create(client, input="Count the tokens"), create(client, input="Count the tokens")
+    assert (
+        first.usage.input_tokens_details.cache_write_tokens == again.usage.input_tokens_details.cache_write_tokens == 0
+    )
+    assert again.usage.input_tokens_details.cached_tokens > first.usage.input_tokens_details.cached_tokens

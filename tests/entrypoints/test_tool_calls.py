@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mlxkv.entrypoints.tool_calls import ToolCall, ToolCallStream, tool_grammar
+from mlxkv.entrypoints.tool_calls import ToolCall, ToolCallStream, lazy_tool_grammar, tool_grammar
 from mlxkv.models import load
 from mlxkv.models.random_model import TOOLS_CHAT_TEMPLATE, make_checkpoint
 
@@ -71,3 +71,24 @@ def test_the_grammar_of_a_forced_call_wants_json_between_the_marker_tokens(token
     assert '%json {"type": "object", "properties": {"name": {"const": "get_weather"}' in grammar
     assert grammar.startswith("start: r1\n") and "(" not in grammar.splitlines()[0]
     assert tool_grammar(tokenizer, TOOLS, parallel=True).startswith('start: r1 ("\\n" r1)*\n')
+
+
+@pytest.mark.parametrize("arguments", ['"Paris"', "[1, 2]", "7", '"{not json"'])
+def test_a_call_whose_arguments_are_not_an_object_is_given_back_as_text(tokenizer, arguments):
+    """Every API hands a call's arguments to its client as an object: a call with other arguments
+    stays the model's text, end marker included."""
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    assert split(tokenizer, "ok " + text, 5) == ("ok " + text, [])
+
+
+def test_under_auto_each_call_is_held_lazily_from_its_opening_marker(tokenizer):
+    """The lazy grammar is the one-call grammar; its trigger the opening marker, one token."""
+    assert lazy_tool_grammar(tokenizer, TOOLS, parallel=True) == (
+        tool_grammar(tokenizer, TOOLS, parallel=True),
+        "<tool_call>",
+    )
+
+
+def test_a_marker_spelled_in_several_tokens_has_no_lazy_grammar(tmp_path):
+    path = make_checkpoint(tmp_path, chat_template=TOOLS_CHAT_TEMPLATE, markers=())
+    assert lazy_tool_grammar(load(str(path))[1], TOOLS, parallel=True) is None

@@ -4,12 +4,16 @@ markers): even a random model, constrained, calls tools with arguments valid und
 
 import asyncio
 import json
+from collections import Counter
 
+import httpx
 import jsonschema
+import mlx.core as mx
 import openai
 import pytest
 from helpers import start_server, stop_server
 
+from mlxkv import LLM, SamplingParams
 from mlxkv.entrypoints.prompts import prompt_ids
 from mlxkv.models import load
 from mlxkv.models.random_model import TOOLS_CHAT_TEMPLATE, make_checkpoint
@@ -347,3 +351,89 @@ def test_forced_calls_are_valid_for_32_draws_at_temperature_1_on_every_api(serve
         assert wanted in (None, name)
         jsonschema.validate(json.loads(arguments), schema_of(name))
     assert len(results) == 3 * SEEDS and len({call for _, [call] in results}) > 1  # the draws differ
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory):
+    """A server of a random tools model that opens calls often: its `<tool_call>` token's output
+    row is that of the token it writes most after the tools prompt, so at temperature 1 it calls
+    a few times a reply, each call, unheld, as random as the rest of its text."""
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("eager") / MODEL, chat_template=TOOLS_CHAT_TEMPLATE, max_position_embeddings=4096
+    )
+    tokenizer = load(str(path))[1]
+    prompt = prompt_ids(tokenizer, ASK, tools=TOOLS)
+    drawn = LLM(model=str(path)).generate(
+        [prompt] * 4, [SamplingParams(max_tokens=100, temperature=1, seed=s) for s in range(4)]
+    )
+    common = Counter(t for output in drawn for t in output.token_ids).most_common(1)[0][0]
+    weights = mx.load(str(path / "model.safetensors"))
+    weights["lm_head.weight"][tokenizer.convert_tokens_to_ids("<tool_call>")] = weights["lm_head.weight"][common]
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    proc, url = start_server("--model", MODEL, "--max-num-seqs", "32", cwd=path.parent)
+    yield url
+    stop_server(proc)
+
+
+def test_under_auto_every_call_a_random_model_opens_validates_on_every_api(eager):
+    """`tool_choice` 'auto' (Ollama's only way): the model writes freely, and each call it opens is
+    held to its tool's schema from the `<tool_call>` token on, so 32 draws at temperature 1 on each
+    API make many calls, every one valid."""
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic package could not be installed")
+    most = 120
+
+    async def openai_chat(seed):
+        reply = await chat.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, max_tokens=most, temperature=1, seed=seed
+        )
+        return [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls or []]
+
+    async def openai_responses(seed):
+        tools = [responses_tool(t) for t in TOOLS]
+        reply = await chat.responses.create(model=MODEL, input=ASK, tools=tools, max_output_tokens=most, temperature=1)
+        return [(item.name, item.arguments) for item in reply.output if item.type == "function_call"]
+
+    async def anthropic_messages(seed):
+        reply = await messages.messages.create(
+            model=MODEL,
+            max_tokens=most,
+            messages=ASK,
+            tools=[anthropic_tool(t) for t in TOOLS],
+            extra_body={"temperature": 1},
+        )
+        return [(b.name, json.dumps(b.input)) for b in reply.content if b.type == "tool_use"]
+
+    async def ollama_chat(seed):  # as JSON: the ollama package drops the schemas' bounds (maxLength, minimum)
+        options = {"temperature": 1, "seed": seed, "num_predict": most}
+        body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "options": options, "stream": False}
+        reply = (await local.post(f"{eager}/api/chat", json=body, timeout=120)).json()
+        return [
+            (c["function"]["name"], json.dumps(c["function"]["arguments"]))
+            for c in reply["message"].get("tool_calls", [])
+        ]
+
+    async def run():
+        apis = (openai_chat, openai_responses, anthropic_messages, ollama_chat)
+        return await asyncio.gather(*(api(seed) for api in apis for seed in range(SEEDS)))
+
+    chat = openai.AsyncOpenAI(base_url=f"{eager}/v1", api_key="unused")
+    messages = anthropic.AsyncAnthropic(base_url=eager, api_key="unused")
+    local = httpx.AsyncClient()
+    results = asyncio.run(run())
+    per_api = [sum(len(calls) for calls in results[i * SEEDS : (i + 1) * SEEDS]) for i in range(4)]
+    assert min(per_api) >= SEEDS // 2, per_api  # about one call a reply
+    for name, arguments in (call for calls in results for call in calls):
+        jsonschema.validate(json.loads(arguments), schema_of(name))
+
+
+def test_a_tool_schema_llguidance_refuses_is_a_400_under_auto_too(client):
+    bad = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "(unclosed"}}},
+        },
+    }
+    with pytest.raises(openai.BadRequestError) as refused:
+        call(client, tools=[bad])
+    assert refused.value.body["param"] == "tools" and "grammar cannot be used" in refused.value.body["message"]

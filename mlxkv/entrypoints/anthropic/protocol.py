@@ -1,7 +1,9 @@
 """Anthropic's Messages API: the request bodies as mlxkv reads them, and the response bodies, stream
 events and error shape it sends.
 
-Content blocks of type `text`, `tool_use` and `tool_result` are read; `cache_control` is accepted
+Content blocks of type `text`, `tool_use` and `tool_result` are read, `thinking` passed back as the
+template renders reasoning (`redacted_thinking` left out), and `image` and `document` refused with
+a 400 naming them (mlxkv serves text models); `cache_control` is accepted
 (the prefix cache keeps every prompt's pages while the pool has room). Unknown fields, such as
 `metadata`, are ignored, as Anthropic's clients send some of their own.
 """
@@ -14,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core import forced_tools
-from ..errors import ServingError
+from ..errors import ServingError, UnsupportedContent
 
 ANTHROPIC_DEFAULTS = {"temperature": 1.0}  # Anthropic's documented default; SamplingParams' own is greedy
 ANTHROPIC_KINDS = {"server_error": "api_error"}  # the core's kinds Anthropic names otherwise
@@ -39,20 +41,61 @@ class ToolUseBlock(BaseModel):
     cache_control: CacheControl | None = None
 
 
+class MediaBlock(BaseModel):
+    """An image or a document: read only to be refused, as mlxkv serves text models."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image", "document"]
+    cache_control: CacheControl | None = None
+
+    def refuse(self) -> None:
+        raise UnsupportedContent(self.type, self.type)
+
+
+class ThinkingBlock(BaseModel):
+    """A reply's reasoning, passed back in the history: the template renders it as reasoning
+    (`reasoning_content`, as mlx-lm's templates read it) or leaves it out."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: CacheControl | None = None
+
+
+class RedactedThinkingBlock(BaseModel):
+    """Reasoning passed back encrypted: accepted, and left out of the prompt."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["redacted_thinking"]
+    data: str
+    cache_control: CacheControl | None = None
+
+
+ResultPart = Annotated[TextBlock | MediaBlock, Field(discriminator="type")]
+
+
 class ToolResultBlock(BaseModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[ResultPart] | None = None
     is_error: bool = False
     cache_control: CacheControl | None = None
 
     def text(self) -> str:
         content = self.content or ""
-        text = content if isinstance(content, str) else "".join(block.text for block in content)
+        if isinstance(content, list):
+            for block in content:
+                if isinstance(block, MediaBlock):
+                    block.refuse()
+        text = content if isinstance(content, str) else "".join(b.text for b in content if isinstance(b, TextBlock))
         return f"Error: {text}" if self.is_error else text
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | MediaBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 class MessageParam(BaseModel):
@@ -63,9 +106,15 @@ class MessageParam(BaseModel):
         """The message as chat templates read it (mlx-lm's way): a user's tool results as `tool`
         messages before its text, an assistant's tool uses as `tool_calls` with object arguments."""
         blocks = [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+        for block in blocks:
+            if isinstance(block, MediaBlock):
+                block.refuse()
         text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
         if self.role == "assistant":
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            thought = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+            if thought:
+                message["reasoning_content"] = thought
             uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
             if uses:
                 message["tool_calls"] = [

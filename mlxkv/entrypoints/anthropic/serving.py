@@ -57,11 +57,11 @@ class AnthropicServing:
         self.core = core
 
     async def messages(self, body: MessagesBody, request: HTTPRequest) -> Any:
-        prompt, tools = self._prompt(body)
-        fields: dict[str, Any] = body.sampling_fields() | ({"grammar": tools.grammar} if tools.grammar else {})
+        prompt, tools = await self._prompt(body)
+        fields = tools.constrain(body.sampling_fields())
         params = self.core.sampling(prompt, body.max_tokens, fields, {"stop": "stop_sequences"})
-        source = "tool_choice" if tools.grammar else "output_config" if body.output_config else None
-        run = await self.core.start([(prompt, params)], tools, source, pin=self._pin(body, prompt, tools))
+        source = tools.source if fields.get("grammar") else "output_config" if body.output_config else None
+        run = await self.core.start([(prompt, params)], tools, source, pin=await self._pin(body, prompt, tools))
         ident = f"msg_{uuid.uuid4().hex[:24]}"
         if body.stream:
             framer = _Events(self._message(ident, [], None, Usage(input_tokens=len(prompt))))
@@ -73,16 +73,18 @@ class AnthropicServing:
         return self._message(ident, _blocks(reply.pieces), reply.last, _usage(reply.usage)).model_dump()
 
     async def count_tokens(self, body: CountTokensBody) -> TokenCount:
-        return TokenCount(input_tokens=len(self._prompt(body)[0]))
+        return TokenCount(input_tokens=len((await self._prompt(body))[0]))
 
-    def _prompt(self, body: CountTokensBody) -> tuple[list[int], Tools]:
+    async def _prompt(self, body: CountTokensBody) -> tuple[list[int], Tools]:
         self.core.check_model(body.model)
         parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
         field = "tool_choice" if body.tool_choice else "tools"
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), parallel, field)
-        return self.core.chat_prompt(body.template_inputs(), tools), tools
+        with self.core.reading("messages"):
+            messages = body.template_inputs()
+        return await self.core.chat_prompt(messages, tools), tools
 
-    def _pin(self, body: MessagesBody, prompt: list[int], tools: Tools) -> Pin | None:
+    async def _pin(self, body: MessagesBody, prompt: list[int], tools: Tools) -> Pin | None:
         """What `cache_control` pins: the whole prompt for the request's own (top-level) mark,
         else the prompt up to the last marked block (the tokens it shares with the conversation
         cut there)."""
@@ -94,7 +96,7 @@ class AnthropicServing:
             return None
         cut, mark = upto
         try:
-            head = self.core.chat_prompt(cut.template_inputs(), tools)
+            head = await self.core.chat_prompt(cut.template_inputs(), tools)
         except ServingError:  # the template will not render the conversation cut there
             return None
         shared = next((k for k, (a, b) in enumerate(zip(head, prompt)) if a != b), min(len(head), len(prompt)))

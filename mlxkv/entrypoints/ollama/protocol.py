@@ -2,17 +2,26 @@
 
 `options` maps to `SamplingParams` (`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
 `num_predict`); the options that tune Ollama's own runner (`num_ctx`, `num_gpu`, `repeat_penalty`,
-...) and `keep_alive`, `think` and `images` are accepted and ignored.
+...) and `think` are accepted and ignored. `keep_alive` is checked (a duration such as "5m", or
+seconds; negative: forever; 0: unload) but the one model stays loaded while the server runs.
+`images` are refused with a 400, as mlxkv serves text models.
 """
 
 from __future__ import annotations
 
+import re
+from datetime import datetime
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..errors import ServingError
+from ..errors import ServingError, UnsupportedContent
+
+OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these routes follow, for apps that check it
+PART = re.compile(r"(\d+(\.\d+)?)(ns|us|µs|ms|s|m|h)")
+DURATION = re.compile(rf"-?({PART.pattern})+")  # Go's durations, as Ollama reads keep_alive
+UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 # Ollama's documented defaults where a Modelfile sets none; SamplingParams' own are greedy and unfiltered.
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
@@ -55,10 +64,13 @@ class OllamaMessage(BaseModel):
     content: str = ""
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None  # a tool's answer: from which function
+    images: list[str] | None = None
 
     def as_template_input(self, index: int) -> dict[str, Any]:
         """The message as chat templates read it; calls get ids (Ollama's have none), a tool's
         answer the id of the call before it of that function."""
+        if self.images:
+            raise UnsupportedContent("image", "images")
         message: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             message["tool_calls"] = [
@@ -78,6 +90,17 @@ class Body(BaseModel):
     format: Literal["json"] | dict[str, Any] | None = None
     options: Options | None = None
     stream: bool = True
+    keep_alive: float | None = None  # seconds; negative: forever
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> Any:
+        return seconds(value) if isinstance(value, str) else value
+
+    @property
+    def unloads(self) -> bool:
+        """Whether `keep_alive` asks for the model to be unloaded now (0)."""
+        return self.keep_alive == 0
 
     def constraint(self) -> dict[str, Any]:
         if self.format is None:
@@ -85,9 +108,26 @@ class Body(BaseModel):
         return {"json_schema": {"type": "object"} if self.format == "json" else self.format}
 
 
+def seconds(duration: str) -> float:
+    """A `keep_alive` given as text in seconds: a number, or a Go duration ("5m", "1h30m", "-1s")."""
+    try:
+        return float(duration)
+    except ValueError:
+        pass
+    if not DURATION.fullmatch(duration):
+        raise ValueError(f"keep_alive must be seconds or a duration such as '5m' or '1h', got {duration!r}")
+    total = sum(float(count) * UNITS[unit] for count, _, unit in PART.findall(duration))
+    return -total if duration.startswith("-") else total
+
+
 class ChatBody(Body):
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None  # OpenAI's function entries, as Ollama takes them
+
+    @property
+    def loads_only(self) -> bool:
+        """Ollama's idiom to load (or, with `keep_alive` 0, unload) a model: a chat of no messages."""
+        return not self.messages
 
     def template_inputs(self) -> list[dict[str, Any]]:
         return [message.as_template_input(i) for i, message in enumerate(self.messages)]
@@ -97,6 +137,12 @@ class GenerateBody(Body):
     prompt: str = ""
     system: str | None = None
     raw: bool = False  # True: the prompt as is, without the chat template
+    images: list[str] | None = None
+
+    @property
+    def loads_only(self) -> bool:
+        """Ollama's idiom to load (or, with `keep_alive` 0, unload) a model: no prompt."""
+        return not self.prompt and not self.images
 
 
 class ShowBody(BaseModel):
@@ -152,6 +198,18 @@ class ModelEntry(BaseModel):
 
 class Tags(BaseModel):
     models: list[ModelEntry]
+
+
+class RunningModel(ModelEntry):
+    """A loaded model, as `/api/ps` lists it: all in memory the GPU reads (Apple's unified memory)."""
+
+    expires_at: datetime
+    size_vram: int
+    context_length: int
+
+
+class Running(BaseModel):
+    models: list[RunningModel]
 
 
 class ModelInfo(BaseModel):

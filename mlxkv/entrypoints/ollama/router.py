@@ -1,4 +1,4 @@
-"""Ollama's routes: `/api/chat`, `/api/generate`, `/api/tags`, `/api/show` and `/api/version`."""
+"""Ollama's routes: `/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/ps` and `/api/version`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def router(core: ServingCore) -> APIRouter:
     @api.post("/api/show")
     async def show(request: HTTPRequest) -> dict[str, Any]:
         return ollama.show(await json_body(request, ShowBody)).model_dump()
+
+    @api.get("/api/ps")
+    async def running() -> dict[str, Any]:
+        return ollama.running().model_dump(mode="json")
 
     @api.get("/api/version")
     async def version() -> dict[str, str]:

@@ -1,6 +1,8 @@
 """Ollama's API over the serving core: `/api/chat` and `/api/generate` (newline-delimited JSON
-streams by default, one object with `"stream": false`), and `/api/tags`, `/api/show` and
-`/api/version`, so that apps set up for Ollama work against `mlxkv serve --port 11434`.
+streams by default, one object with `"stream": false`), and `/api/tags`, `/api/show`, `/api/ps` and
+`/api/version`, so that apps set up for Ollama work against `mlxkv serve --port 11434`. A chat
+without messages or a generate without a prompt is Ollama's idiom to load a model (or, with
+`keep_alive` 0, unload it): it is answered at once, as the one model stays loaded.
 
 Model names: the server's model id, with or without Ollama's `:latest` tag. While a stream has
 nothing to send (a long prefill) it sends an empty piece of reply, which clients append as nothing.
@@ -13,7 +15,6 @@ import time
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from hashlib import sha256
-from importlib.metadata import version
 from typing import Any, cast
 
 import mlx.core as mx
@@ -24,11 +25,12 @@ from mlx.utils import tree_flatten
 from ...engine.outputs import RequestOutput
 from ...models.structure import text_model
 from ..core import ServingCore, Tools
-from ..errors import ServingError
+from ..errors import ServingError, UnsupportedContent
 from ..replies import Collected
 from ..tool_calls import Piece, ToolCall
 from .protocol import (
     OLLAMA_DEFAULTS,
+    OLLAMA_VERSION,
     Body,
     CalledFunction,
     ChatBody,
@@ -39,10 +41,14 @@ from .protocol import (
     ModelInfo,
     OllamaToolCall,
     ResponseMessage,
+    Running,
+    RunningModel,
     ShowBody,
     Tags,
     Version,
 )
+
+FOREVER = datetime(2318, 1, 1, tzinfo=timezone.utc)  # when a model kept forever expires, as Ollama says it
 
 
 class OllamaServing:
@@ -61,25 +67,36 @@ class OllamaServing:
 
     async def chat(self, body: ChatBody, request: HTTPRequest) -> Any:
         self._check_model(body.model)
+        if body.loads_only:
+            return _loaded(body, self.core.model_id, "message")
         tools = self.core.tools(body.tools or [], [], True, "tools")
-        prompt = self.core.chat_prompt(body.template_inputs(), tools)
+        with self.core.reading("messages"):
+            messages = body.template_inputs()
+        prompt = await self.core.chat_prompt(messages, tools)
         return await self._respond(body, prompt, request, "message", tools)
 
     async def generate(self, body: GenerateBody, request: HTTPRequest) -> Any:
         self._check_model(body.model)
+        if body.images:
+            with self.core.reading("images"):
+                raise UnsupportedContent("image", "images")
+        if body.loads_only:
+            return _loaded(body, self.core.model_id, "response")
         if body.raw or not self.core.tokenizer.has_chat_template:
-            prompt = self.core.encode((body.system + "\n" if body.system else "") + body.prompt)
+            prompt = await self.core.encode((body.system + "\n" if body.system else "") + body.prompt)
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
-            prompt = self.core.chat_prompt(system + [{"role": "user", "content": body.prompt}])
+            prompt = await self.core.chat_prompt(system + [{"role": "user", "content": body.prompt}], field="prompt")
         return await self._respond(body, prompt, request, "response", None)
 
     async def _respond(self, body: Body, prompt: list[int], request: HTTPRequest, key: str, tools: Tools | None) -> Any:
         options = body.options
         wanted = options.num_predict if options is not None and options.num_predict not in (None, -1) else None
         fields = OLLAMA_DEFAULTS | (options.sampling_fields() if options else {}) | body.constraint()
+        fields = tools.constrain(fields) if tools else fields
         params = self.core.sampling(prompt, wanted, fields)
-        run = await self.core.start([(prompt, params)], tools, "format" if body.format is not None else None)
+        source = tools.source if fields.get("grammar") and tools else "format" if body.format is not None else None
+        run = await self.core.start([(prompt, params)], tools, source)
         lines = _Lines(self.core.model_id, key, time.perf_counter_ns())
         if body.stream:
             return StreamingResponse(run.stream(lines), media_type="application/x-ndjson")
@@ -88,6 +105,12 @@ class OllamaServing:
 
     def tags(self) -> Tags:
         return Tags(models=[self._entry()])
+
+    def running(self) -> Running:
+        """The one model, loaded while the server runs (Ollama's `/api/ps`)."""
+        entry = self._entry().model_dump()
+        context = self.core.llm.engine.max_request_tokens
+        return Running(models=[RunningModel(**entry, expires_at=FOREVER, size_vram=self.size, context_length=context)])
 
     def show(self, body: ShowBody) -> ModelInfo:
         self._check_model(body.model or body.name)
@@ -119,7 +142,7 @@ class OllamaServing:
 
     @staticmethod
     def version() -> Version:
-        return Version(version=version("mlxkv"))
+        return Version(version=OLLAMA_VERSION)
 
 
 class _Lines:
@@ -181,6 +204,17 @@ class _Lines:
                 "eval_duration": now - first,
             }
         )
+
+
+def _loaded(body: Body, model: str, key: str) -> Any:
+    """The answer to Ollama's load or unload idiom, at once: the model stays loaded whatever
+    `keep_alive` says (the server runs one), and nothing is generated."""
+    now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    empty: dict[str, Any] = {"response": ""} if key == "response" else {"message": ResponseMessage()}
+    chunk = Chunk(model=model, created_at=now, done=True, done_reason="unload" if body.unloads else "load", **empty)
+    if body.stream:
+        return StreamingResponse(iter([chunk.line()]), media_type="application/x-ndjson")
+    return chunk.model_dump(exclude_none=True)
 
 
 def _grouped(pieces: list[Piece]) -> list[str | list[ToolCall]]:

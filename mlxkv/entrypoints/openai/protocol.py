@@ -12,16 +12,18 @@ Unknown fields are ignored, as OpenAI's clients send some of their own.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import fields
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.outputs import Usage
 from ...engine.sampling.params import CONSTRAINTS, SamplingParams
+from ...engine.sampling.sampler import TokenLogprob as TokenScore
 from ..core import forced_tools
-from ..errors import ServingError
+from ..errors import ServingError, UnsupportedContent
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "logprobs"}
@@ -100,8 +102,8 @@ class Body(BaseModel):
             )
             if part
         ]
-        if len(sources) > 1 or sum(len(part) for _, part in sources) > 1:
-            named = ", ".join(f"{k} ({name})" for name, part in sources for k in part)
+        if sum(k in CONSTRAINTS for _, part in sources for k in part) > 1:  # a grammar's trigger is not one
+            named = ", ".join(f"{k} ({name})" for name, part in sources for k in part if k in CONSTRAINTS)
             raise ValueError(f"constraints: give at most one; got {named}")
         given.update(sources[0][1] if sources else {})
         return SamplingParams(**{**OPENAI_DEFAULTS, **given, "max_tokens": max_tokens, "logprobs": logprobs})
@@ -110,6 +112,17 @@ class Body(BaseModel):
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+
+
+class MediaPart(BaseModel):
+    """An image, audio or file part: read only to be refused, as mlxkv serves text models."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file"]
+
+
+MEDIA = {"image_url": "image", "input_audio": "audio", "file": "file"}
+Part = Annotated[TextPart | MediaPart, Field(discriminator="type")]
 
 
 class CalledFunction(BaseModel):
@@ -125,7 +138,7 @@ class MessageToolCall(BaseModel):
 
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Part] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's answer: to which call
 
@@ -133,7 +146,10 @@ class Message(BaseModel):
         """The message as chat templates read it (mlx-lm's way): an assistant's calls with their
         arguments as objects, a tool's answer with the id of its call."""
         content = self.content or ""
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        media = next((p.type for p in content if isinstance(p, MediaPart)), None) if isinstance(content, list) else None
+        if media is not None:
+            raise UnsupportedContent(MEDIA[media], media)
+        text = content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, TextPart))
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             message["tool_calls"] = [
@@ -221,6 +237,20 @@ class TokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
+
+
+def token_logprobs(decode: Callable[[list[int]], str], scores: Sequence[TokenScore]) -> list[TokenLogprob]:
+    """Each token's log-probability and its alternatives', as Chat Completions and Responses send
+    them: the token's text (`decode`) and bytes beside each."""
+
+    def top(token: int, logprob: float) -> TopLogprob:
+        text = decode([token])
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    return [
+        TokenLogprob(**top(s.token, s.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in s.top])
+        for s in scores
+    ]
 
 
 class AssistantMessage(BaseModel):
@@ -318,6 +348,7 @@ class ModelList(BaseModel):
 OPENAI_KINDS = {  # OpenAI's error types for the core's kinds it names otherwise
     "overloaded_error": "server_error",
     "not_found_error": "invalid_request_error",
+    "request_too_large": "invalid_request_error",
     "authentication_error": "invalid_request_error",
 }
 

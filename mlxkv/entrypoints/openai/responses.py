@@ -20,10 +20,13 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from ...engine.outputs import RequestOutput
+from ...engine.sampling.sampler import TokenLogprob as TokenScore
 from ..core import ServingCore
-from ..errors import ServingError, refused_as
+from ..errors import ServingError
 from ..tool_calls import Piece
+from .protocol import TokenLogprob, token_logprobs
 from .responses_protocol import (
+    Deleted,
     Event,
     FunctionCallItem,
     IncompleteDetails,
@@ -43,25 +46,45 @@ STORE_SIZE = 1024  # responses kept for previous_response_id, the least recently
 
 
 class ResponseStore:
-    """The conversations of kept responses (their messages, the reply's included), by id; the
-    `STORE_SIZE` most recently used are kept."""
+    """The kept responses by id, each with its conversation (its messages, the reply's included);
+    the `STORE_SIZE` most recently used are kept."""
 
     def __init__(self) -> None:
-        self._kept: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._kept: OrderedDict[str, tuple[Response, list[dict[str, Any]]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, ident: str) -> list[dict[str, Any]]:
-        with self._lock:
-            if ident not in self._kept:
-                raise ServingError(400, f"previous response {ident!r} is not kept here", "previous_response_id")
-            self._kept.move_to_end(ident)
-            return list(self._kept[ident])
+    def conversation(self, ident: str) -> list[dict[str, Any]]:
+        """The messages of response `ident`'s conversation, for a `previous_response_id`."""
+        try:
+            return list(self._get(ident)[1])
+        except ServingError:
+            raise ServingError(400, f"previous response {ident!r} is not kept here", "previous_response_id") from None
 
-    def put(self, ident: str, messages: list[dict[str, Any]]) -> None:
+    def response(self, ident: str) -> Response:
+        return self._get(ident)[0]
+
+    def delete(self, ident: str) -> Deleted:
         with self._lock:
-            self._kept[ident] = messages
+            if self._kept.pop(ident, None) is None:
+                raise _not_kept(ident)
+        return Deleted(id=ident)
+
+    def put(self, response: Response, messages: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._kept[response.id] = (response, messages)
             while len(self._kept) > STORE_SIZE:
                 self._kept.popitem(last=False)
+
+    def _get(self, ident: str) -> tuple[Response, list[dict[str, Any]]]:
+        with self._lock:
+            if ident not in self._kept:
+                raise _not_kept(ident)
+            self._kept.move_to_end(ident)
+            return self._kept[ident]
+
+
+def _not_kept(ident: str) -> ServingError:
+    return ServingError(404, f"response {ident!r} is not kept here", None, "not_found", "not_found_error")
 
 
 class ResponsesServing:
@@ -73,18 +96,20 @@ class ResponsesServing:
 
     async def create(self, body: ResponsesBody, request: HTTPRequest) -> Any:
         self.core.check_model(body.model)
-        history = self.store.get(body.previous_response_id) if body.previous_response_id else []
-        with refused_as("input"):
+        history = self.store.conversation(body.previous_response_id) if body.previous_response_id else []
+        with self.core.reading("input"):
             messages = history + template_inputs(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         field = "tool_choice" if body.tool_choice else "tools"
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
-        prompt = self.core.chat_prompt(system + messages, tools)
+        prompt = await self.core.chat_prompt(system + messages, tools, "input")
         given = {"temperature": body.temperature, "top_p": body.top_p}
         fields: dict[str, Any] = {"temperature": 1.0} | {k: v for k, v in given.items() if v is not None}
-        fields |= {"grammar": tools.grammar} if tools.grammar else body.constraint()
-        params = self.core.sampling(prompt, body.max_output_tokens, fields)
-        source = "tool_choice" if tools.grammar else "text.format" if body.constraint() else None
+        fields = tools.constrain(fields | body.constraint())
+        params = self.core.sampling(
+            prompt, body.max_output_tokens, fields | {"logprobs": body.logprobs}, {"logprobs": "top_logprobs"}
+        )
+        source = tools.source if fields.get("grammar") else "text.format" if body.constraint() else None
         run = await self.core.start([(prompt, params)], tools, source)
         reply = _Reply(self, body, messages, f"resp_{uuid.uuid4().hex}")
         if body.stream:
@@ -93,6 +118,7 @@ class ResponsesServing:
         if not isinstance(replies, list):
             return replies
         reply.last = replies[0].last
+        reply.pending = list(replies[0].logprobs)
         for piece in replies[0].pieces:
             reply.add(piece)
         reply.close_message()
@@ -110,6 +136,7 @@ class _Reply:
         self.created = int(time.time())
         self.items: list[OutputItem] = []
         self.last: RequestOutput | None = None
+        self.pending: list[TokenScore] = []  # log-probabilities of tokens whose text has not gone yet
         self.sequence = 0
 
     def opening(self) -> Iterable[str]:
@@ -123,7 +150,9 @@ class _Reply:
         return ": keepalive\n\n"
 
     def output(self, index: int, output: RequestOutput, pieces: list[Piece]) -> Iterable[str]:
+        """The pieces' events; the log-probabilities of tokens so far go with the next text."""
         self.last = output
+        self.pending += output.logprobs
         return [event for piece in pieces for event in self.add(piece)]
 
     def failed(self, error: ServingError) -> Iterable[str]:
@@ -137,7 +166,8 @@ class _Reply:
         return events + [self._event(done, response=final)]
 
     def add(self, piece: Piece) -> list[str]:
-        """The events of one piece: text grows the open message item, a call is an item of its own."""
+        """The events of one piece: text grows the open message item (with the log-probabilities
+        of the tokens since the last text, where they were asked for), a call is an item of its own."""
         if isinstance(piece, str):
             events = []
             if not self.items or not isinstance(self.items[-1], MessageItem):
@@ -153,7 +183,11 @@ class _Reply:
             message = self.items[-1]
             assert isinstance(message, MessageItem)
             message.content[0].text += piece
-            return events + [self._at("response.output_text.delta", item_id=message.id, content_index=0, delta=piece)]
+            logprobs, self.pending = self.scored(self.pending), []
+            delta = self._at(
+                "response.output_text.delta", item_id=message.id, content_index=0, delta=piece, logprobs=logprobs
+            )
+            return events + [delta]
         events = self.close_message()
         call = FunctionCallItem(
             type="function_call",
@@ -178,12 +212,25 @@ class _Reply:
         if not isinstance(item, MessageItem) or item.status == "completed":
             return []
         item.status = "completed"
+        self.scored(self.pending)  # those of tokens that made no text (yet): the message's all the same
+        self.pending = []
         part = item.content[0]
         return [
-            self._at("response.output_text.done", item_id=item.id, content_index=0, text=part.text),
+            self._at(
+                "response.output_text.done", item_id=item.id, content_index=0, text=part.text, logprobs=part.logprobs
+            ),
             self._at("response.content_part.done", item_id=item.id, content_index=0, part=part),
             self._at("response.output_item.done", item=item),
         ]
+
+    def scored(self, scores: list[TokenScore]) -> list[TokenLogprob]:
+        """`scores` as the Responses API sends them, added to the open message's text part."""
+        logprobs = token_logprobs(self.serving.core.tokenizer.decode, scores)
+        message = next((item for item in reversed(self.items) if isinstance(item, MessageItem)), None)
+        if message is not None:
+            part = message.content[0]
+            part.logprobs = part.logprobs + logprobs  # assigned, so that a dump with exclude_unset has it
+        return logprobs
 
     def response(self, status: Literal["in_progress", "completed"]) -> Response:
         body, last = self.body, self.last
@@ -214,7 +261,10 @@ class _Reply:
             if usage is None
             else ResponseUsage(
                 input_tokens=usage.prompt_tokens,
-                input_tokens_details=InputDetails(cached_tokens=usage.cached_tokens),
+                input_tokens_details=InputDetails(
+                    cached_tokens=usage.cached_tokens,
+                    cache_write_tokens=max(0, usage.pinned_tokens - usage.cached_tokens),
+                ),
                 output_tokens=usage.completion_tokens,
                 output_tokens_details=OutputDetails(reasoning_tokens=0),
                 total_tokens=usage.prompt_tokens + usage.completion_tokens,
@@ -232,7 +282,7 @@ class _Reply:
             else:
                 call = {"name": item.name, "arguments": json.loads(item.arguments)}
                 reply.setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": call})
-        self.serving.store.put(self.ident, self.messages + [reply])
+        self.serving.store.put(self.response("completed"), self.messages + [reply])
 
     def _at(self, name: str, **data: Any) -> str:
         """An event of the last output item, with that item's index in the response's output."""

@@ -10,6 +10,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core import forced_tools
+from ..errors import UnsupportedContent
+from .protocol import TokenLogprob
+
+LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the text's log-probabilities
 
 
 class FunctionTool(BaseModel):
@@ -59,6 +63,16 @@ class ResponsesBody(BaseModel):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+
+    @property
+    def logprobs(self) -> int | None:
+        """How many alternatives each output token's log-probability comes with (None: no
+        log-probabilities), as `include` and `top_logprobs` ask."""
+        if self.top_logprobs is None and LOGPROBS not in (self.include or []):
+            return None
+        return self.top_logprobs or 0
 
     def shown_tools(self) -> list[dict[str, Any]]:
         return [] if self.tool_choice == "none" else [t.as_chat() for t in self.tools or []]
@@ -86,7 +100,7 @@ def template_inputs(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             content = item.get("content", "")
-            text = content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+            text = content if isinstance(content, str) else _text(content)
             role = "system" if item.get("role") == "developer" else item.get("role", "user")
             messages.append({"role": role, "content": text})
         elif kind == "function_call":
@@ -105,10 +119,22 @@ def template_inputs(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+MEDIA = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
+
+
+def _text(parts: list[dict[str, Any]]) -> str:
+    """A message's text parts joined; an image, file or audio part is refused (`UnsupportedContent`)."""
+    media = next((part["type"] for part in parts if part.get("type") in MEDIA), None)
+    if media is not None:
+        raise UnsupportedContent(MEDIA[media], media)
+    return "".join(part.get("text", "") for part in parts)
+
+
 class OutputText(BaseModel):
     type: Literal["output_text"]
     text: str
     annotations: list[Any]
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
 
 
 class MessageItem(BaseModel):
@@ -137,6 +163,7 @@ OutputItem = MessageItem | FunctionCallItem
 
 class InputDetails(BaseModel):
     cached_tokens: int
+    cache_write_tokens: int
 
 
 class OutputDetails(BaseModel):
@@ -149,6 +176,12 @@ class ResponseUsage(BaseModel):
     output_tokens: int
     output_tokens_details: OutputDetails
     total_tokens: int
+
+
+class Deleted(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool = True
 
 
 class IncompleteDetails(BaseModel):
@@ -193,6 +226,7 @@ class Event(BaseModel):
     part: OutputText | None = None
     delta: str | None = None
     text: str | None = None
+    logprobs: list[TokenLogprob] | None = None
     arguments: str | None = None
     code: str | None = None
     message: str | None = None

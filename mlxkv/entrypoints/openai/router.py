@@ -1,4 +1,5 @@
-"""OpenAI's routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions` and `/v1/responses`."""
+"""OpenAI's routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions` and `/v1/responses` (created,
+fetched and deleted)."""
 
 from __future__ import annotations
 
@@ -36,5 +37,13 @@ def router(core: ServingCore) -> APIRouter:
     @api.post("/v1/responses")
     async def create_response(body: ResponsesBody, request: HTTPRequest) -> Any:
         return await responses.create(body, request)
+
+    @api.get("/v1/responses/{ident}")
+    async def get_response(ident: str) -> dict[str, Any]:
+        return responses.store.response(ident).model_dump(exclude_unset=True)
+
+    @api.delete("/v1/responses/{ident}")
+    async def delete_response(ident: str) -> dict[str, Any]:
+        return responses.store.delete(ident).model_dump()
 
     return api

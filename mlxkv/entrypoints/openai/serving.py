@@ -36,11 +36,10 @@ from .protocol import (
     MessageToolCall,
     OpenAIUsage,
     Reply,
-    TokenLogprob,
     ToolCallDelta,
-    TopLogprob,
     error_body,
     sse,
+    token_logprobs,
     usage_of,
 )
 
@@ -60,13 +59,13 @@ class OpenAIServing:
         self.core.check_model(body.model)
         field = "tool_choice" if body.tool_choice else "tools"
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
-        with refused_as("messages"):
+        with self.core.reading("messages"):
             messages = [m.as_template_input() for m in body.messages]
-        prompt = self.core.chat_prompt(messages, tools)
+        prompt = await self.core.chat_prompt(messages, tools)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
             raise ServingError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        constraint = {"grammar": tools.grammar} if tools.grammar else None
+        constraint = tools.constrain({}) if tools.forced or _source(body, None) is None else None
         params = self._params(body, prompt, limit, (body.top_logprobs or 0) if body.logprobs else None, constraint)
         choices = seeded_choices([(prompt, params)], body.n)
         return await self._respond(body, choices, request, CHAT, self._pin(body, [prompt]), tools)
@@ -81,9 +80,9 @@ class OpenAIServing:
         runs = []
         for index, text in enumerate(batch):
             try:
-                prompt = self.core.encode(text)
-            except (TypeError, ValueError) as exc:
-                raise ServingError(400, str(exc) if len(batch) == 1 else f"prompt {index}: {exc}", "prompt") from None
+                prompt = await self.core.encode(text)
+            except ServingError as exc:
+                raise ServingError(400, f"prompt {index}: {exc}", "prompt") if len(batch) > 1 else exc from None
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             runs.append((prompt, self._params(body, prompt, max_tokens, body.logprobs)))
         pin = self._pin(body, [prompt for prompt, _ in runs])
@@ -115,7 +114,7 @@ class OpenAIServing:
     ) -> Any:
         """The response: one JSON body, or a stream; with tools shown, each choice's text split
         into content and tool calls."""
-        source = _source(body, tools is not None and tools.grammar is not None)
+        source = _source(body, tools)
         run = await self.core.start(choices, tools, source, body.cache_salt, pin)
         ident = f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
         reply = _Reply(self, ident, kind, len(choices), body.n)
@@ -148,16 +147,7 @@ class OpenAIServing:
         return text
 
     def chat_logprobs(self, scores: list[sampler.TokenLogprob]) -> ChatLogprobs:
-        def top(token: int, logprob: float) -> TopLogprob:
-            text = self.token_text(token)
-            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
-
-        return ChatLogprobs(
-            content=[
-                TokenLogprob(**top(s.token, s.logprob).model_dump(), top_logprobs=[top(t, lp) for t, lp in s.top])
-                for s in scores
-            ]
-        )
+        return ChatLogprobs(content=token_logprobs(self.tokenizer.decode, scores))
 
     def completion_logprobs(self, scores: list[sampler.TokenLogprob]) -> CompletionLogprobs:
         tokens = [self.token_text(s.token) for s in scores]
@@ -254,7 +244,7 @@ class _Chunks:
         return chunks
 
     def failed(self, error: ServingError) -> Iterable[str]:
-        return [sse(error_body(error).model_dump())]
+        return [sse(error_body(error).model_dump()), sse("[DONE]")]
 
     def closing(self) -> Iterable[str]:
         usage = [self.reply.body([], usage_of(self.usages, self.reply.per_prompt), chunk=True).sse()]
@@ -274,12 +264,12 @@ def _call_deltas(call: ToolCall, index: int) -> list[ToolCallDelta]:
     ]
 
 
-def _source(body: Body, tools_forced: bool) -> str | None:
+def _source(body: Body, tools: Tools | None) -> str | None:
     """Where a request's constraint came from, to name in an error: `response_format`,
-    `structured_outputs` or `tool_choice` (None: a field of its own)."""
+    `structured_outputs`, or the tools' (`tool_choice` or `tools`); None: a field of its own."""
     sources = (
         ("response_format", body.response_format is not None and body.response_format.constraint()),
         ("structured_outputs", body.structured_outputs is not None),
-        ("tool_choice", tools_forced),
+        (tools.source if tools else "", tools is not None and tools.grammar is not None),
     )
     return next((name for name, given in sources if given), None)

@@ -317,3 +317,20 @@ def tool_grammar(tokenizer: TokenizerWrapper, tools: list[dict[str, Any]], paral
         one = rules.rule(rules.join(start, one, end))
     calls = rules.join(one, Expr(f"({rules.join(layout.separator, one)})*")) if parallel else one
     return rules.grammar(calls if layout.each else rules.join(start + layout.opening, calls, layout.closing + end))
+
+
+def lazy_tool_grammar(
+    tokenizer: TokenizerWrapper, tools: list[dict[str, Any]], parallel: bool
+) -> tuple[str, str] | None:
+    """The grammar of the calls a reply opens by itself (under `tool_choice` 'auto'), and the marker
+    that opens them, for the engine's lazy constraint; None where the format cannot be held that
+    way: one mlxkv cannot enforce or a tool it cannot write, calls with no end marker (they run to
+    the reply's end), or an opening marker spelled in several tokens (the model may write it as
+    ordinary text). A schema llguidance refuses is found when the grammar is compiled."""
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    if tool_format(tokenizer) not in LAYOUTS or not end or start not in LarkText(tokenizer).added:
+        return None
+    try:
+        return tool_grammar(tokenizer, tools, parallel), start
+    except ValueError:  # the format cannot write one of the tools: its calls stay free
+        return None

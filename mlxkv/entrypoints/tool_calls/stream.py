@@ -3,7 +3,8 @@ model's family reads.
 
 Streamed and whole replies go through the same `ToolCallStream`, so they are equal: text between
 the model's tool-call markers never reaches `content`, and a call that does not parse (cut off
-by `max_tokens`, say) is given back as the text it was.
+by `max_tokens`, say), or whose arguments are not a JSON object, is given back as the text it was,
+so that every API can hand a call's arguments to its client as an object.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class ToolCallStream:
             if at < 0:
                 break
             before, self._held = self._held[:at], self._held[at + len(marker) :]
-            pieces += self._parsed(before) if self._in_call else [before]
+            pieces += self._parsed(before, self.end) if self._in_call else [before]
             self._in_call = not self._in_call
         if not self._in_call:
             keep = _partial_marker(self._held, self.start)
@@ -70,7 +71,7 @@ class ToolCallStream:
     def close(self) -> list[Piece]:
         """What is left at the reply's end: a call without its end marker is parsed if it can be."""
         held, self._held = self._held, ""
-        return self._between_calls(self._parsed(held) if self._in_call else [held])
+        return self._between_calls(self._parsed(held, "") if self._in_call else [held])
 
     def _between_calls(self, pieces: list[Piece]) -> list[Piece]:
         """`pieces` without the whitespace that follows a call, unless other text follows it."""
@@ -86,16 +87,23 @@ class ToolCallStream:
                 self._gap = ""
         return kept
 
-    def _parsed(self, text: str) -> list[Piece]:
+    def _parsed(self, text: str, end: str) -> list[Piece]:
+        """The calls between a start marker and `end` (the end marker, or "" at the reply's end);
+        the model's text as it was unless every call names a function and has a JSON object for
+        arguments (mlx-lm's parser may raise, or give what is neither)."""
         try:
             parsed = self.parse(text, self.tools)
             calls = parsed if isinstance(parsed, list) else [parsed]
-            return [ToolCall(call["name"], _arguments(call["arguments"])) for call in calls]
-        except Exception:  # not a call after all (whatever mlx-lm's parser raised): the model's text, as it was
-            return [self.start + text]
+            return [ToolCall(str(call["name"]), _arguments(call["arguments"])) for call in calls]
+        except Exception:
+            return [self.start + text + end]
 
 
 def _arguments(arguments: Any) -> str:
+    """A call's arguments as JSON text of an object; ValueError if they are not one."""
+    value = json.loads(arguments) if isinstance(arguments, str) else arguments
+    if not isinstance(value, dict):
+        raise ValueError(f"a call's arguments must be a JSON object, got {arguments!r}")
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
