@@ -3,8 +3,9 @@ kernel variant compiled and matched the reference, the paged kernel's speed agai
 attention (decode and prefill), the memory budget an engine gets here, and greedy-token parity with
 mlx-lm on the demo model.
 
-Off a Mac it says so, prints the cost model's table (`mlxkv.attention.lab.cost_model`) in place of
-the timings, and still checks parity on the reference path. `report(metal_kernel=...)` runs the
+Off a Mac it says so, prints the cost model's table (`mlxkv.attention.lab.cost_model`) for batch 1
+in place of the timings (saying first how long the simulator takes to count it, where it is not
+cached yet), and still checks parity on the reference path. `report(metal_kernel=...)` runs the
 Mac branch with another kernel factory: the tests pass the CPU simulator.
 """
 
