@@ -4,7 +4,7 @@ attention (decode and prefill), the memory budget an engine gets here, and greed
 mlx-lm on the demo model.
 
 Off a Mac it says so, prints the cost model's table (`mlxkv.attention.lab.cost_model`) for batch 1
-in place of the timings (saying first how long the simulator takes to count it, where it is not
+at short contexts in place of the timings (saying first how long the simulator takes to count it, where it is not
 cached yet), and still checks parity on the reference path. `report(metal_kernel=...)` runs the
 Mac branch with another kernel factory: the tests pass the CPU simulator.
 """
@@ -63,8 +63,9 @@ class Grid:
     """What the report measures: the issue's grid by default; tests shrink it."""
 
     batches: Sequence[int] = (1, 8, 64)
-    modelled_batches: Sequence[int] = (1,)  # off a Mac: one sequence, where the model's bounds differ most
     contexts: Sequence[int] = (512, 4096, 32768)
+    modelled_batches: Sequence[int] = (1,)  # off a Mac, the rows whose bounds differ: one sequence,
+    modelled_contexts: Sequence[int] = (512, 4096)  # short contexts (the others are all DRAM-bound)
     groups: Sequence[int] = (1, 4, 8)
     kv_heads: int = 8
     head_dim: int = 128
@@ -186,9 +187,12 @@ def modelled(say: Say, grid: Grid) -> None:
     from ..attention.lab.simulator import SimulatorError
 
     say(f"modelled instead (not measured): the paged kernel's decode on an {M5_PRO.name}, K/V GB/s and share of")
-    say("its bandwidth, from the CPU simulator's counts (see docs/metal-kernels.md, 'The cost model'); batch")
-    say(f"{', '.join(map(str, grid.modelled_batches))} here (batches {', '.join(map(str, grid.batches))} on a Mac):")
-    rows = list(itertools.product(grid.groups, grid.contexts, grid.modelled_batches))
+    say("its bandwidth, from the CPU simulator's counts (see docs/metal-kernels.md, 'The cost model'); here")
+    say(
+        f"batch {_listed(grid.modelled_batches)} at contexts {_listed(grid.modelled_contexts)} (every other row of "
+        "the grid: docs/benchmarks.md):"
+    )
+    rows = list(itertools.product(grid.groups, grid.modelled_contexts, grid.modelled_batches))
     try:
         _counting(say, grid, rows)
         say(f"{'batch':>6} {'context':>8} {'G':>3} {'GB/s':>6} {'of BW':>6} {'bound':>8}")
@@ -201,6 +205,11 @@ def modelled(say: Say, grid: Grid) -> None:
             )
     except SimulatorError as exc:
         say(f"(the model needs the CPU simulator: {str(exc).splitlines()[0]})")
+
+
+def _listed(values: Sequence[int]) -> str:
+    """`values` as a comma-separated list."""
+    return ", ".join(map(str, values))
 
 
 def _counting(say: Say, grid: Grid, rows: list[tuple[int, int, int]]) -> None:

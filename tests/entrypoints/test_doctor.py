@@ -13,6 +13,7 @@ from mlxkv.entrypoints.doctor import SECONDS_PER_COUNT, Grid, KernelCheck, check
 SMALL = Grid(
     batches=(1, 8),
     modelled_batches=(1, 8),
+    modelled_contexts=(512,),
     contexts=(512,),
     groups=(4,),
     kv_heads=8,
@@ -43,7 +44,7 @@ def test_off_a_mac_it_says_so_and_prints_the_modelled_table(capsys):
     assert re.fullmatch(r"versions: Python \S+, MLX \S+, mlx-lm \S+, mlxkv \S+", lines[2])
     assert lines[3].startswith("Metal: not available (Linux ") and lines[3].endswith("nothing to time here.")
     assert lines[4].startswith("modelled instead (not measured): the paged kernel's decode on an M5 Pro")
-    assert lines[6] == "1, 8 here (batches 1, 8 on a Mac):"
+    assert lines[6] == "batch 1, 8 at contexts 512 (every other row of the grid: docs/benchmarks.md):"
     assert lines[7].split() == ["batch", "context", "G", "GB/s", "of", "BW", "bound"]
     rows = [line.split() for line in lines[8:10]]
     assert [row[:3] for row in rows] == [["1", "512", "4"], ["8", "512", "4"]]
@@ -68,7 +69,7 @@ def test_off_a_mac_the_first_lines_and_the_wait_come_before_the_slow_counting(mo
 
     monkeypatch.setattr(cost_model, "uncounted", lambda counts: list(dict.fromkeys(counts)))
     monkeypatch.setattr(cost_model, "paged_work", counted_slowly)
-    grid = replace(SMALL, contexts=(512, 4096), modelled_batches=(1,), parity_tokens=1)
+    grid = replace(SMALL, modelled_contexts=(512, 4096), modelled_batches=(1,), parity_tokens=1)
     report(lines.append, grid)
     first = lines.index("<counting>")
     assert lines[0] == "mlxkv doctor: paste everything below into an issue"
@@ -76,7 +77,7 @@ def test_off_a_mac_the_first_lines_and_the_wait_come_before_the_slow_counting(mo
         f"counting 2 decode rows in the CPU simulator (first run only, about {2 * SECONDS_PER_COUNT} s on a busy "
         f"2-core x86 machine; cached in {build.CACHE})"
     )
-    assert lines[first - 3] == "1 here (batches 1, 8 on a Mac):"
+    assert lines[first - 3] == "batch 1 at contexts 512, 4096 (every other row of the grid: docs/benchmarks.md):"
     assert lines[first - 1].split()[0] == "batch" and lines[first + 1].split()[:2] == ["1", "512"]
     assert lines.count("<counting>") == 2
 
