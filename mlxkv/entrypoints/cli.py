@@ -349,7 +349,7 @@ def end_when_lost(engine: LLMEngine, server: Any) -> None:
 def doctor() -> None:
     """Print a report to paste into an issue: this machine, whether each Metal kernel variant compiled
     and matched the reference, the paged kernel's decode and prefill speed against MLX's SDPA, and
-    greedy parity with mlx-lm on the demo model. Off a Mac: the cost model's table instead of timings."""
+    greedy parity with mlx-lm on the demo model. Off a Mac: the cost model's table (a few rows) instead of timings."""
     from .doctor import report
 
     try:

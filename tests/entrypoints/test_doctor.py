@@ -8,10 +8,12 @@ from typer.testing import CliRunner
 
 from mlxkv.attention.kernels import PagedAttentionKernels
 from mlxkv.entrypoints.cli import app
-from mlxkv.entrypoints.doctor import Grid, KernelCheck, checks, report
+from mlxkv.entrypoints.doctor import SECONDS_PER_COUNT, Grid, KernelCheck, checks, modelled, report
 
 SMALL = Grid(
     batches=(1, 8),
+    modelled_batches=(1, 8),
+    modelled_contexts=(512,),
     contexts=(512,),
     groups=(4,),
     kv_heads=8,
@@ -33,6 +35,8 @@ BUDGET = (
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="the Mac branch runs on a Mac")
 def test_off_a_mac_it_says_so_and_prints_the_modelled_table(capsys):
+    modelled(lambda line: None, SMALL)  # counted beforehand: no line about counting
+    capsys.readouterr()
     report(grid=SMALL)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "mlxkv doctor: paste everything below into an issue"
@@ -40,13 +44,42 @@ def test_off_a_mac_it_says_so_and_prints_the_modelled_table(capsys):
     assert re.fullmatch(r"versions: Python \S+, MLX \S+, mlx-lm \S+, mlxkv \S+", lines[2])
     assert lines[3].startswith("Metal: not available (Linux ") and lines[3].endswith("nothing to time here.")
     assert lines[4].startswith("modelled instead (not measured): the paged kernel's decode on an M5 Pro")
-    assert lines[6].split() == ["batch", "context", "G", "GB/s", "of", "BW", "bound"]
-    rows = [line.split() for line in lines[7:9]]
+    assert lines[6] == "batch 1, 8 at contexts 512 (every other row of the grid: docs/benchmarks.md):"
+    assert lines[7].split() == ["batch", "context", "G", "GB/s", "of", "BW", "bound"]
+    rows = [line.split() for line in lines[8:10]]
     assert [row[:3] for row in rows] == [["1", "512", "4"], ["8", "512", "4"]]
     assert all(re.fullmatch(r"\d+%", row[4]) and row[5] in ("dram", "issue", "l1", "latency", "chain") for row in rows)
-    assert re.fullmatch(BUDGET, lines[9])
-    assert lines[10] == "greedy parity with mlx-lm on the demo model (8 tokens, reference path): identical"
-    assert len(lines) == 11
+    assert re.fullmatch(BUDGET, lines[10])
+    assert lines[11] == "greedy parity with mlx-lm on the demo model (8 tokens, reference path): identical"
+    assert len(lines) == 12
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="the Mac branch runs on a Mac")
+def test_off_a_mac_the_first_lines_and_the_wait_come_before_the_slow_counting(monkeypatch):
+    """Nothing cached: the report's first lines, then a line saying what it counts, how long that
+    takes and where it keeps the counts, all said before the simulator counts the first row."""
+    from mlxkv.attention.lab import build, cost_model
+
+    lines: list[str] = []
+    paged_work = cost_model.paged_work
+
+    def counted_slowly(*args: int) -> list[cost_model.Work]:
+        lines.append("<counting>")
+        return paged_work(*args)
+
+    monkeypatch.setattr(cost_model, "uncounted", lambda counts: list(dict.fromkeys(counts)))
+    monkeypatch.setattr(cost_model, "paged_work", counted_slowly)
+    grid = replace(SMALL, modelled_contexts=(512, 4096), modelled_batches=(1,), parity_tokens=1)
+    report(lines.append, grid)
+    first = lines.index("<counting>")
+    assert lines[0] == "mlxkv doctor: paste everything below into an issue"
+    assert lines[first - 2] == (
+        f"counting 2 decode rows in the CPU simulator (first run only, about {2 * SECONDS_PER_COUNT} s on a busy "
+        f"2-core x86 machine; cached in {build.CACHE})"
+    )
+    assert lines[first - 3] == "batch 1 at contexts 512, 4096 (every other row of the grid: docs/benchmarks.md):"
+    assert lines[first - 1].split()[0] == "batch" and lines[first + 1].split()[:2] == ["1", "512"]
+    assert lines.count("<counting>") == 2
 
 
 def test_with_the_simulator_standing_in_for_metal_it_runs_the_mac_report(capsys):

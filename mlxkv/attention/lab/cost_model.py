@@ -23,8 +23,10 @@ counts and launch cost are assumptions, printed with every table; the load laten
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cache
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -32,6 +34,7 @@ import numpy as np
 from ...cache.batch import KVBatch
 from ...cache.storage import kv_bytes_per_token
 from ..kernels import METAL_DIR, PagedAttentionKernels, launch_shape, partition_keys
+from . import count_cache
 from .simulator import Counters, cost_counters, metal_kernel
 
 # Issue cycles of one SIMD instruction on one of a core's four schedulers (metal-benchmarks).
@@ -153,7 +156,7 @@ def paged_work(context: int, group: int, head_dim: int, replicas: int, cores: in
     cores; counted in the simulator for one replica and tallied."""
     shape = launch_shape(group, head_dim, 16)
     tiles = group // shape.heads  # threadgroups per replica, unsplit
-    partition = partition_keys(replicas * tiles, context, cores)  # as the launcher cuts the whole step
+    partition = paged_count(context, group, head_dim, replicas, cores).partition
     counted = _count_paged(context, group, head_dim, partition)
     parts = -(-context // partition) if partition else 1
     keys = min(context, partition or context)
@@ -195,17 +198,49 @@ def decode_row(context: int, group: int, head_dim: int) -> tuple[mx.array, mx.ar
     return mx.array(rng.standard_normal((1, group, head_dim)), mx.float16), k_pages, v_pages, batch
 
 
+class PagedCount(NamedTuple):
+    """What the simulator counts for one `paged_work`: a decode row of one KV head over `context`
+    keys, split into partitions of `partition` keys (None: not split)."""
+
+    context: int
+    group: int
+    head_dim: int
+    partition: int | None
+
+
+def paged_count(context: int, group: int, head_dim: int, replicas: int, cores: int) -> PagedCount:
+    """The count `paged_work` of these arguments needs: the partition as the launcher cuts the whole step."""
+    tiles = group // launch_shape(group, head_dim, 16).heads  # threadgroups per replica, unsplit
+    return PagedCount(context, group, head_dim, partition_keys(replicas * tiles, context, cores))
+
+
+def uncounted(counts: Iterable[PagedCount]) -> list[PagedCount]:
+    """The distinct `counts` not in the simulator's cache yet (`count_cache`): those that take time."""
+    return [c for c in dict.fromkeys(counts) if not count_cache.path_of(_describe(c)).exists()]
+
+
+def _describe(count: PagedCount) -> str:
+    """The cache's name for `count`."""
+    return "paged decode row: context {}, group {}, head_dim {}, partition {}".format(*count)
+
+
 @cache
 def _count_paged(context: int, group: int, head_dim: int, partition: int | None) -> tuple[Counters, ...]:
     """The simulator's counters for one decode row of one KV head, split into partitions of
-    `partition` keys (None: not split)."""
-    q, k_pages, v_pages, batch = decode_row(context, group, head_dim)
-    kernels = PagedAttentionKernels(metal_kernel)
-    with cost_counters() as launches:
-        mx.eval(
-            kernels.paged(q, k_pages, v_pages, batch, head_dim**-0.5, split=partition is not None, partition=partition)
-        )
-    return tuple(launches)
+    `partition` keys (None: not split); from the cache when counted before."""
+
+    def count() -> list[Counters]:
+        q, k_pages, v_pages, batch = decode_row(context, group, head_dim)
+        kernels = PagedAttentionKernels(metal_kernel)
+        with cost_counters(arrays=False) as launches:
+            mx.eval(
+                kernels.paged(
+                    q, k_pages, v_pages, batch, head_dim**-0.5, split=partition is not None, partition=partition
+                )
+            )
+        return launches
+
+    return count_cache.counted(_describe(PagedCount(context, group, head_dim, partition)), count)
 
 
 def _rows_at_once(keys_per_tile: int, per_lane: int) -> int:

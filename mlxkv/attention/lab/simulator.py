@@ -125,17 +125,21 @@ class Counters:
 
 
 _counted: list[Counters] | None = None
+_arrays = True  # whether counted launches name their private arrays in memory
 
 
 @contextmanager
-def cost_counters() -> Iterator[list[Counters]]:
-    """Count every simulated launch inside the block; yields the list they are appended to."""
-    global _counted
-    outer, _counted = _counted, []
+def cost_counters(arrays: bool = True) -> Iterator[list[Counters]]:
+    """Count every simulated launch inside the block; yields the list they are appended to.
+    `arrays=False` leaves `Counters.dynamic_arrays` empty and skips the optimised build that finds
+    them: a third of a kernel's build time, which a cost model that does not read them need not pay."""
+    global _counted, _arrays
+    outer = _counted, _arrays
+    _counted, _arrays = [], arrays
     try:
         yield _counted
     finally:
-        _counted = outer
+        _counted, _arrays = outer
 
 
 THREADGROUP_DECL = re.compile(r"threadgroup\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)\s*((?:\[[^\]]+\])+)\s*;")
@@ -314,7 +318,7 @@ class SimKernel:
         binary = compile_unit(unit, {"header": self.header, "body": self.source}, constant, counting)
         forward, counters = _run(binary, params, grid, threadgroup, init_value, reverse=False, counting=counting)
         if counted is not None:
-            counted.append(Counters(self.name, **counters, dynamic_arrays=dynamic_arrays(unit)))
+            counted.append(Counters(self.name, **counters, dynamic_arrays=dynamic_arrays(unit) if _arrays else ()))
         if check_races and not counting:  # a counted launch runs once
             backward, _ = _run(binary, params, grid, threadgroup, init_value, reverse=True)
             for name, a, b in zip(self.output_names, forward, backward):

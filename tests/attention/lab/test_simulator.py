@@ -357,6 +357,27 @@ def test_cost_counters_name_private_arrays_indexed_at_run_time(pick, in_memory):
     assert list(launches[0].dynamic_arrays) == in_memory
 
 
+def test_cost_counters_without_arrays_skip_the_optimised_build(monkeypatch):
+    """A cost model that does not read `dynamic_arrays` need not pay for the build that finds them."""
+    from mlxkv.attention.lab import simulator
+    from mlxkv.attention.lab.simulator import cost_counters
+
+    def never(unit: str) -> tuple[str, ...]:
+        raise AssertionError("built optimised")
+
+    monkeypatch.setattr(simulator, "dynamic_arrays", never)
+    kernel = metal_kernel("probe", ["a"], ["out"], "out[thread_position_in_grid.x] = 2 * a[thread_position_in_grid.x];")
+    with cost_counters(arrays=False) as launches:
+        kernel(
+            inputs=[mx.arange(32, dtype=mx.float32)],
+            output_shapes=[(32,)],
+            output_dtypes=[mx.float32],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+        )
+    assert launches[0].loads == 32 and launches[0].dynamic_arrays == ()
+
+
 def test_metal_vectors_convert_and_index_as_metal_does():
     out = run(
         """
