@@ -5,7 +5,8 @@ holds the commands, their options derived from the settings by `cli_options`, an
 report a Mac user pastes into an issue. `server` builds the HTTP app: each API's folder (`openai/`,
 `anthropic/`, `ollama/`) owns its routes, request and response bodies and serving, over one serving
 `core` that starts requests and `replies` that frames them (a stream skeleton shared by every API),
-refusing with `errors`' `ServingError`; `tool_calls/` splits and forces tool calls, `metrics` feeds
+refusing with `errors`' `ServingError` (bodies over the limit, before they are read: `body_limit`);
+`tool_calls/` splits and forces tool calls, `metrics` feeds
 `/metrics`, and `chat.html` is the chat page.
 """
 
