@@ -23,6 +23,7 @@ from .memory.step_memory import StepMemory
 from .memory.step_time import StepTime
 from .model_kv import attention_for, attention_heads, model_kv
 from .model_runner import ModelRunner
+from .parallel.launcher_watch import watch_launcher
 from .parallel.rank_zero import Alone, RankZero
 from .parallel.step_plan import check_tensor_parallel
 from .sampling.structured_output import StructuredOutput
@@ -63,6 +64,7 @@ def build_engine(
     shape = model_kv(model)
     if group is not None:
         check_tensor_parallel(shape)
+        watch_launcher()  # every rank ends with its launcher
     draft = DraftModel.checkpoint(config, tokenizer) if config.draft_model is not None else None
     planned = StepMemory.of(model, attention_heads(model), expected_temporary_bytes(config.attention, kernels))
     memory, sizing = split_memory(config, shape, planned, draft[1] if draft is not None else None)
