@@ -99,8 +99,15 @@ def build_engine(
         speculator(config, cache, step_time, model.args.vocab_size, draft[0] if draft else None, kernels),
         StructuredOutput(tokenizer, model.args.vocab_size),
         Scheduler(cache, config.max_num_seqs, config.max_num_batched_tokens, sizer),
-        RankZero(group, config.rank_timeout_s) if group is not None and group.rank() == 0 else Alone(),
+        rank_zero(config, group),
     )
+
+
+def rank_zero(config: EngineConfig, group: mx.distributed.Group | None) -> RankZero | Alone:
+    """Rank 0's side of `group` (`Alone` on any other rank, and without a group)."""
+    if group is None or group.rank() != 0:
+        return Alone()
+    return RankZero(group, config.rank_timeout_s, config.rank_nap_s)
 
 
 def speculator(

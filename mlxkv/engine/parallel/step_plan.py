@@ -16,8 +16,10 @@ from ...cache.batch import KVBatch
 from ..model_kv import ModelKV
 from ..request import PENDING, Request
 from ..scheduler import ScheduledBatch
+from .naps import Nap
 
-STOP = -1  # the plan that ends the followers
+STOP = -1  # the message that ends the followers
+NAP = -2  # the message that lets them sleep (then its length in milliseconds)
 
 
 @dataclass(frozen=True)
@@ -125,9 +127,9 @@ class PlanChannel:
         self.group = group
         self.sent_bytes = 0
 
-    def send(self, plan: StepPlan | None) -> None:
-        """Send `plan` (None: the followers stop)."""
-        message = plan.encode() if plan is not None else np.array([STOP], np.int32)
+    def send(self, plan: StepPlan | Nap | None) -> None:
+        """Send `plan` (a `Nap`: the followers sleep; None: they stop)."""
+        message = _encode(plan)
         self._share(np.array([len(message)], np.int32))
         self._share(message)
         self.sent_bytes = 4 * (1 + len(message))
@@ -137,13 +139,29 @@ class PlanChannel:
         pass zeros of the plan's `samples`), so that the next step may start before they are read."""
         return mx.distributed.all_sum(tokens.astype(mx.int32), group=self.group).astype(mx.uint32)
 
-    def receive(self) -> StepPlan | None:
-        """The next plan rank 0 sends (None: stop)."""
+    def receive(self) -> StepPlan | Nap | None:
+        """The next plan rank 0 sends (a `Nap`: sleep; None: stop)."""
         size = int(self._share(np.zeros(1, np.int32))[0])
-        message = self._share(np.zeros(size, np.int32))
-        return None if size == 1 and message[0] == STOP else StepPlan.decode(message)
+        return _decode(self._share(np.zeros(size, np.int32)))
 
     def _share(self, host: np.ndarray) -> np.ndarray:
         total = mx.distributed.all_sum(mx.array(host), group=self.group, stream=mx.cpu)
         mx.eval(total)
         return np.array(total)
+
+
+def _encode(plan: StepPlan | Nap | None) -> np.ndarray:
+    """What goes on the wire for `plan`: a step plan's vector starts with a size, never negative."""
+    if plan is None:
+        return np.array([STOP], np.int32)
+    if isinstance(plan, Nap):
+        return np.array([NAP, round(1000 * plan.seconds)], np.int32)
+    return plan.encode()
+
+
+def _decode(message: np.ndarray) -> StepPlan | Nap | None:
+    if message[0] == STOP:
+        return None
+    if message[0] == NAP:
+        return Nap(int(message[1]) / 1000)
+    return StepPlan.decode(message)
