@@ -18,9 +18,6 @@ from ..request import PENDING, Request
 from ..scheduler import ScheduledBatch
 from .naps import Nap
 
-STOP = -1  # the message that ends the followers
-NAP = -2  # the message that lets them sleep (then its length in milliseconds)
-
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -119,9 +116,10 @@ def check_tensor_parallel(model: ModelKV) -> None:
 
 
 class PlanChannel:
-    """Rank 0's step plans to the other ranks of `group`, each as two all-sums (its length, then
-    itself: the others add zeros), on the CPU stream (the plan is host data). `sent_bytes`: the
-    last plan's size on the wire."""
+    """Rank 0's messages to the other ranks of `group`: a header of two int32 (a step plan's length,
+    a nap's milliseconds; both 0: stop), then the plan if there is one, each as an all-sum (the
+    others add zeros) on the CPU stream (host data). A nap is the header alone: one rendezvous,
+    which an idle group pays at each nap. `sent_bytes`: the last message's size on the wire."""
 
     def __init__(self, group: mx.distributed.Group) -> None:
         self.group = group
@@ -129,10 +127,12 @@ class PlanChannel:
 
     def send(self, plan: StepPlan | Nap | None) -> None:
         """Send `plan` (a `Nap`: the followers sleep; None: they stop)."""
-        message = _encode(plan)
-        self._share(np.array([len(message)], np.int32))
-        self._share(message)
-        self.sent_bytes = 4 * (1 + len(message))
+        message = plan.encode() if isinstance(plan, StepPlan) else np.zeros(0, np.int32)
+        nap_ms = max(1, round(1000 * plan.seconds)) if isinstance(plan, Nap) else 0
+        self._share(np.array([len(message), nap_ms], np.int32))
+        if len(message):
+            self._share(message)
+        self.sent_bytes = 4 * (2 + len(message))
 
     def share_tokens(self, tokens: mx.array) -> mx.array:
         """Rank 0's sampled `tokens` on every rank, lazily, within the step's graph (the other ranks
@@ -141,27 +141,12 @@ class PlanChannel:
 
     def receive(self) -> StepPlan | Nap | None:
         """The next plan rank 0 sends (a `Nap`: sleep; None: stop)."""
-        size = int(self._share(np.zeros(1, np.int32))[0])
-        return _decode(self._share(np.zeros(size, np.int32)))
+        size, nap_ms = self._share(np.zeros(2, np.int32)).tolist()
+        if size:
+            return StepPlan.decode(self._share(np.zeros(size, np.int32)))
+        return Nap(nap_ms / 1000) if nap_ms else None
 
     def _share(self, host: np.ndarray) -> np.ndarray:
         total = mx.distributed.all_sum(mx.array(host), group=self.group, stream=mx.cpu)
         mx.eval(total)
         return np.array(total)
-
-
-def _encode(plan: StepPlan | Nap | None) -> np.ndarray:
-    """What goes on the wire for `plan`: a step plan's vector starts with a size, never negative."""
-    if plan is None:
-        return np.array([STOP], np.int32)
-    if isinstance(plan, Nap):
-        return np.array([NAP, round(1000 * plan.seconds)], np.int32)
-    return plan.encode()
-
-
-def _decode(message: np.ndarray) -> StepPlan | Nap | None:
-    if message[0] == STOP:
-        return None
-    if message[0] == NAP:
-        return Nap(int(message[1]) / 1000)
-    return StepPlan.decode(message)
