@@ -3,16 +3,18 @@ it reads /proc).
 
 `mlxkv serve` with the demo model runs as two processes under `mlx.launch -n 2 --backend ring`
 on this machine, answers one request (so that every rank has run steps), then idles for
-`--seconds` (default 30) with no request in flight. Per rank it prints the CPU time the process
-used over that window as a percentage of one core. Then it kills the launcher alone (SIGKILL, as
-a crash or `kill -9` would) and waits up to `--exit-timeout` seconds for both ranks to end. Last
-it prints `idle_cpu_percent_rank0=<...> idle_cpu_percent_rank1=<...> ranks_gone_after_s=<...>`
-(`ranks_gone_after_s=never` if a rank outlived the timeout; the script then kills it).
+`--seconds` (default 30) with no request in flight. Per rank, and for the launcher, it prints the
+CPU time the process used over that window as a percentage of one core. Then it kills the launcher
+alone (SIGKILL, as a crash or `kill -9` would) and waits up to `--exit-timeout` seconds for both
+ranks to end. Last it prints `idle_cpu_percent_rank0=<...> idle_cpu_percent_rank1=<...>
+idle_cpu_percent_launcher=<...> ranks_gone_after_s=<...>` (`never` if a rank outlived the timeout;
+the script then kills it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -88,13 +90,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def idle_cpu(pids: dict[int, int], seconds: float) -> dict[int, float]:
-    """Each rank's CPU use over `seconds`, as a percentage of one core."""
-    before = {rank: cpu_seconds(pid) for rank, pid in pids.items()}
+def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """Each named process's CPU use over `seconds`, as a percentage of one core."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     started = time.monotonic()
     time.sleep(seconds)
     elapsed = time.monotonic() - started
-    return {rank: 100 * (cpu_seconds(pid) - before[rank]) / elapsed for rank, pid in pids.items()}
+    return {name: 100 * (cpu_seconds(pid) - before[name]) / elapsed for name, pid in pids.items()}
 
 
 def gone_after(launcher: subprocess.Popen[bytes], pids: dict[int, int], timeout: float) -> float | None:
@@ -109,8 +111,8 @@ def gone_after(launcher: subprocess.Popen[bytes], pids: dict[int, int], timeout:
     return time.monotonic() - started
 
 
-def measure(seconds: float, exit_timeout: float) -> tuple[dict[int, float], float | None]:
-    """Each rank's idle CPU use, then how long the ranks outlive their killed launcher."""
+def measure(seconds: float, exit_timeout: float) -> tuple[dict[str, float], float | None]:
+    """Each rank's (and the launcher's) idle CPU use, then how long the ranks outlive their killed launcher."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     launcher = launch(port)
@@ -120,9 +122,11 @@ def measure(seconds: float, exit_timeout: float) -> tuple[dict[int, float], floa
         body = {"model": "mlxkv-demo", "prompt": "hello", "max_tokens": 4}
         httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
         pids = ranks(launcher.pid)
-        return idle_cpu(pids, seconds), gone_after(launcher, pids, exit_timeout)
+        named = {**{f"rank{rank}": pid for rank, pid in pids.items()}, "launcher": launcher.pid}
+        return idle_cpu(named, seconds), gone_after(launcher, pids, exit_timeout)
     finally:
-        os.killpg(launcher.pid, signal.SIGKILL)  # the session: whatever outlived the launcher
+        with contextlib.suppress(ProcessLookupError):  # the session: whatever outlived the launcher
+            os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
 
 
@@ -132,10 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--exit-timeout", type=float, default=60.0, help="how long to wait for the ranks to end")
     args = parser.parse_args(argv)
     percents, gone = measure(args.seconds, args.exit_timeout)
-    for rank, percent in percents.items():
-        print(f"rank {rank}: {percent:.2f}% of a core over {args.seconds:g} s idle")
+    for name, percent in percents.items():
+        print(f"{name}: {percent:.2f}% of a core over {args.seconds:g} s idle")
     print(f"both ranks gone {f'{gone:.1f} s' if gone is not None else 'never'} after the launcher was killed")
-    figures = [f"idle_cpu_percent_rank{rank}={percent:.2f}" for rank, percent in percents.items()]
+    figures = [f"idle_cpu_percent_{name}={percent:.2f}" for name, percent in percents.items()]
     print(" ".join([*figures, f"ranks_gone_after_s={f'{gone:.1f}' if gone is not None else 'never'}"]))
 
 
