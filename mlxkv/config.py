@@ -147,6 +147,13 @@ class EngineConfig:
         "group is declared failed and this process ends.",
         number(0, low_open=True),
     )
+    rank_nap_s: float = setting(
+        0.5,
+        "Under tensor parallel (mlx.launch): the longest the other processes sleep while rank 0 has no "
+        "step to run, rather than poll for its next one at a core each; the first step after an idle "
+        "spell may start this much later. 0: they never sleep.",
+        number(0, 60),
+    )
 
     block_size = RenamedAttribute("page_size")
     num_blocks = RenamedAttribute("num_pages")

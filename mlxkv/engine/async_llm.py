@@ -101,11 +101,7 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         try:
-            while True:
-                with self._wake:
-                    self._wake.wait_for(lambda: self._stopped or self.engine.has_unfinished())
-                    if self._stopped:
-                        return
+            while self._await_work():
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # outside any one request (the engine's own steps fail requests)
@@ -114,6 +110,17 @@ class AsyncLLM:
                     self._deliver(output)
         finally:
             mx.clear_streams()  # MLX aborts the process if a thread that used it ends without this
+
+    def _await_work(self) -> bool:
+        """Wait until there is a step to run (True) or the engine thread must stop (False); while
+        idle the engine rests (a tensor-parallel group's other ranks nap) between waits."""
+        while True:
+            with self._wake:
+                if self._stopped or self.engine.has_unfinished():
+                    return not self._stopped
+            wait = self.engine.rest()
+            with self._wake:
+                self._wake.wait_for(lambda: self._stopped or self.engine.has_unfinished(), timeout=wait)
 
     def _deliver(self, output: RequestOutput) -> None:
         target = self._queues.get(output.request_id)

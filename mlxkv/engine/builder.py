@@ -23,6 +23,7 @@ from .memory.step_memory import StepMemory
 from .memory.step_time import StepTime
 from .model_kv import attention_for, attention_heads, model_kv
 from .model_runner import ModelRunner
+from .parallel.launcher_watch import watch_launcher
 from .parallel.rank_zero import Alone, RankZero
 from .parallel.step_plan import check_tensor_parallel
 from .sampling.structured_output import StructuredOutput
@@ -63,6 +64,7 @@ def build_engine(
     shape = model_kv(model)
     if group is not None:
         check_tensor_parallel(shape)
+        watch_launcher()  # every rank ends with its launcher
     draft = DraftModel.checkpoint(config, tokenizer) if config.draft_model is not None else None
     planned = StepMemory.of(model, attention_heads(model), expected_temporary_bytes(config.attention, kernels))
     memory, sizing = split_memory(config, shape, planned, draft[1] if draft is not None else None)
@@ -97,8 +99,15 @@ def build_engine(
         speculator(config, cache, step_time, model.args.vocab_size, draft[0] if draft else None, kernels),
         StructuredOutput(tokenizer, model.args.vocab_size),
         Scheduler(cache, config.max_num_seqs, config.max_num_batched_tokens, sizer),
-        RankZero(group, config.rank_timeout_s) if group is not None and group.rank() == 0 else Alone(),
+        rank_zero(config, group),
     )
+
+
+def rank_zero(config: EngineConfig, group: mx.distributed.Group | None) -> RankZero | Alone:
+    """Rank 0's side of `group` (`Alone` on any other rank, and without a group)."""
+    if group is None or group.rank() != 0:
+        return Alone()
+    return RankZero(group, config.rank_timeout_s, config.rank_nap_s)
 
 
 def speculator(

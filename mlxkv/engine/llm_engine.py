@@ -26,6 +26,7 @@ from .inputs import encode_prompt, new_request, request_key
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .parallel.follower import follow
+from .parallel.rank_watchdog import RankWatchdog
 from .parallel.rank_zero import RankZero
 from .parallel.step_plan import PlanChannel, StepPlan
 from .recovery import StepRecovery
@@ -346,7 +347,14 @@ class LLMEngine:
     def follow(self) -> None:
         """Run the plans rank 0 sends until it stops (on every rank but 0)."""
         assert self.group is not None and self.rank != 0
-        follow(self.runner, PlanChannel(self.group))
+        watchdog = RankWatchdog(self.config.rank_timeout_s, lambda error: None, f"rank {self.rank}", "rank 0")
+        follow(self.runner, PlanChannel(self.group), watchdog)
+
+    def rest(self) -> float | None:
+        """Called by an engine thread with no request to run: on rank 0 of a tensor-parallel group,
+        the other ranks nap instead of polling for the next plan (see `parallel.naps`). Returns how
+        long to wait for a request before calling again (None: as long as it takes)."""
+        return self.rank_zero.rest()
 
     def stop_followers(self) -> None:
         """Tell the other ranks that rank 0 is done (they return from `follow`); called at exit if

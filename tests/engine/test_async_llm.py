@@ -141,3 +141,38 @@ def test_aborts_racing_a_failing_step_leave_the_engine_serving(setup, monkeypatc
     monkeypatch.setattr(llm.engine.runner, "logits", forward)
     assert asyncio.run(collect(llm, PROMPTS[0])) == expected[0]
     assert llm.engine.cache.free_pages == llm.engine.cache.pool.capacity
+
+
+class IdleEngine:
+    """An engine with no request until its third rest, then one step's worth, recording what the
+    engine thread asks of it; its fourth rest waits for no nap (as alone: only a request or
+    `shutdown` ends the wait)."""
+
+    def __init__(self):
+        self.calls, self.work, self.rested_again = [], 0, threading.Event()
+
+    def has_unfinished(self):
+        return self.work > 0
+
+    def rest(self):
+        self.calls.append("rest")
+        self.work += len(self.calls) == 3
+        if len(self.calls) < 4:
+            return 0.0  # a nap that has ended: the thread rests again at once unless a request came
+        self.rested_again.set()
+        return None
+
+    def step(self):
+        self.calls.append("step")
+        self.work -= 1
+        return []
+
+
+def test_an_idle_engine_thread_rests_between_waits_and_steps_only_for_a_request():
+    """Rank 0 of a tensor-parallel group sends its followers a nap at each rest (`RankZero.rest`),
+    never a plan while idle; alone, `rest` asks for no nap and the wait lasts until a request."""
+    engine = IdleEngine()
+    llm = AsyncLLM(engine)
+    assert engine.rested_again.wait(timeout=60)
+    llm.shutdown()  # ends the last wait, which had no timeout
+    assert engine.calls == ["rest", "rest", "rest", "step", "rest"]

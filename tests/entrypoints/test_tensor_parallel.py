@@ -1,7 +1,9 @@
 """Tensor parallel over `mlx.launch -n 2 --backend ring` on 127.0.0.1: the same greedy tokens as one
-process through `LLM`, `mlxkv generate` and `mlxkv serve`, and a killed rank ends the server."""
+process through `LLM`, `mlxkv generate` and `mlxkv serve`, a killed rank ends the server, and a
+killed launcher leaves no rank behind."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -238,6 +240,30 @@ def test_a_killed_rank_ends_the_server(checkpoint):
     assert "Node with rank 1 exited with code -9" in err
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=2)
+
+
+def test_both_ranks_end_soon_after_their_launcher_is_killed(checkpoint):
+    """A launcher killed outright cannot end its ranks: each ends itself once its parent is gone."""
+    proc, url, _ = serve_launched(str(checkpoint("llama-fp32")))
+    ranks = [pid for pid in ranks_of(url.rsplit(":", 1)[1]) if rank_of(pid) is not None]  # not the launcher
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    try:
+        deadline = time.monotonic() + 60  # they poll every second: generous for a busy machine
+        while any(map(running, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(ranks) == 2 and not any(map(running, ranks))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what outlived the launcher, if a rank did
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not reaped by its new parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_a_rank_that_stops_answering_ends_the_server_with_a_clear_error(checkpoint):

@@ -2,5 +2,6 @@
 
 `step_plan` is what rank 0 sends the other ranks each step (`StepPlan`, `PlanChannel`); `rank_zero`
 is rank 0's side, each plan sent before its forward pass starts; `follower` is what every other rank
-runs; `rank_watchdog` ends rank 0 with a clear error when the others stop answering.
+runs; `naps` keeps an idle group off the CPU; `rank_watchdog` ends a rank with a clear error when
+another stops answering; `launcher_watch` ends every rank once its launcher is gone.
 """

@@ -4,23 +4,51 @@ and shares the tokens it sampled at the end of each step, which the next plan's 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+
 import mlx.core as mx
 
 from ...errors import TensorParallelError
 from ..model_runner import ModelRunner
-from .step_plan import PlanChannel
+from .naps import Nap
+from .rank_watchdog import RankWatchdog
+from .step_plan import PlanChannel, StepPlan
 
 
-def follow(runner: ModelRunner, channel: PlanChannel) -> None:
-    """Run each plan rank 0 sends until it sends the stop: the same all-reduces as rank 0's, in the
-    same order (rank 0 starts its forward pass at once too), writing this rank's K/V heads."""
+def follow(
+    runner: ModelRunner, channel: PlanChannel, watchdog: RankWatchdog, sleep: Callable[[float], None] = time.sleep
+) -> None:
+    """Run each plan rank 0 sends until it sends the stop, sleeping through the naps it sends while it
+    has no step to run. Rank 0 owes the message after a nap at once (its own wait ends with the nap),
+    so that wait is watched: `watchdog` ends this process if rank 0 stopped answering."""
     previous: mx.array | None = None  # the tokens rank 0 sampled in the step before
+    napped = False
     try:
-        while (plan := channel.receive()) is not None:
-            hidden = runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv)
-            runner.cache.evaluate(hidden, wait=False)
-            if plan.samples:
-                previous = channel.share_tokens(mx.zeros(plan.samples, mx.int32))
-                mx.async_eval(previous)
+        while (plan := _receive(channel, watchdog if napped else None)) is not None:
+            if isinstance(plan, Nap):
+                sleep(plan.seconds)
+            else:
+                previous = _run(runner, channel, plan, previous)
+            napped = isinstance(plan, Nap)
     except RuntimeError as exc:  # MLX's backends raise it for a lost peer
         raise TensorParallelError(f"rank 0 of the tensor-parallel group is gone: {exc}") from None
+
+
+def _receive(channel: PlanChannel, watchdog: RankWatchdog | None) -> StepPlan | Nap | None:
+    with watchdog.watching() if watchdog is not None else nullcontext():
+        return channel.receive()
+
+
+def _run(runner: ModelRunner, channel: PlanChannel, plan: StepPlan, previous: mx.array | None) -> mx.array | None:
+    """Start `plan`'s forward pass: the same all-reduces as rank 0's, in the same order (rank 0 starts
+    its forward pass at once too), writing this rank's K/V heads. Returns the tokens rank 0 samples
+    in it (lazily), or `previous` if it samples none."""
+    hidden = runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv)
+    runner.cache.evaluate(hidden, wait=False)
+    if not plan.samples:
+        return previous
+    tokens = channel.share_tokens(mx.zeros(plan.samples, mx.int32))
+    mx.async_eval(tokens)
+    return tokens

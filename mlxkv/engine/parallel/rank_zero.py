@@ -6,7 +6,6 @@ in its place."""
 from __future__ import annotations
 
 import atexit
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,6 +13,7 @@ import mlx.core as mx
 
 from ...errors import TensorParallelError
 from ..model_runner import ModelRunner
+from .naps import Naps
 from .rank_watchdog import RankWatchdog
 from .step_plan import PlanChannel, StepPlan
 
@@ -21,21 +21,19 @@ from .step_plan import PlanChannel, StepPlan
 class RankZero:
     """Sends the plans of `group`'s steps; stops the other ranks at exit (or at `stop`)."""
 
-    def __init__(self, group: mx.distributed.Group, timeout_s: float) -> None:
+    def __init__(self, group: mx.distributed.Group, timeout_s: float, longest_nap_s: float) -> None:
         self.channel = PlanChannel(group)
         self.lost: TensorParallelError | None = None  # set once the group cannot go on
         self.owed = 0  # tokens the step being built samples, not shared yet
         self.watchdog = RankWatchdog(timeout_s, self.lose)
+        self.naps = Naps(longest_nap_s)
         atexit.register(self.stop)
 
     @contextmanager
     def step(self) -> Iterator[None]:
         """One engine step, watched: the others must answer within the timeout."""
-        self.watchdog.started = time.monotonic()
-        try:
+        with self.watchdog.watching():
             yield
-        finally:
-            self.watchdog.started = None
 
     def forward(self, runner: ModelRunner, plan: StepPlan, previous: mx.array | None) -> mx.array:
         """The final hidden states of `plan`'s batch, the plan sent first (`previous`: the tokens of
@@ -46,9 +44,25 @@ class RankZero:
             hidden = runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv)
             runner.cache.evaluate(hidden, wait=False)
             self.owed = plan.samples
+            self.naps.reset()
             return hidden
         except Exception as exc:
             raise self.failed(exc) from exc
+
+    def rest(self) -> float | None:
+        """Rank 0 has no step to run: the other ranks nap rather than wait in a collective (see
+        `naps`). Returns how long to wait for a request before calling again (None: as long as it
+        takes: the group failed, or naps are off). Watched like a step: it waits for them to finish
+        the nap before."""
+        if self.lost is not None or (nap := self.naps.next()) is None:
+            return None
+        try:
+            with self.step():
+                self.channel.send(nap)
+        except RuntimeError as exc:  # MLX's backends raise it for a lost peer
+            self.failed(exc)
+            return None
+        return nap.seconds
 
     def failed(self, cause: Exception) -> TensorParallelError:
         """The group's failure, kept, for a step that failed on rank 0 once its plan was sent (the
@@ -106,6 +120,10 @@ class Alone:
 
     def settle(self) -> None:
         pass
+
+    def rest(self) -> None:
+        """Nobody to let nap: wait for a request as long as it takes."""
+        return None
 
     def stop(self) -> None:
         pass

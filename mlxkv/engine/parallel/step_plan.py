@@ -16,8 +16,7 @@ from ...cache.batch import KVBatch
 from ..model_kv import ModelKV
 from ..request import PENDING, Request
 from ..scheduler import ScheduledBatch
-
-STOP = -1  # the plan that ends the followers
+from .naps import Nap
 
 
 @dataclass(frozen=True)
@@ -117,31 +116,35 @@ def check_tensor_parallel(model: ModelKV) -> None:
 
 
 class PlanChannel:
-    """Rank 0's step plans to the other ranks of `group`, each as two all-sums (its length, then
-    itself: the others add zeros), on the CPU stream (the plan is host data). `sent_bytes`: the
-    last plan's size on the wire."""
+    """Rank 0's messages to the other ranks of `group`: a header of two int32 (a step plan's length,
+    a nap's milliseconds; both 0: stop), then the plan if there is one, each as an all-sum (the
+    others add zeros) on the CPU stream (host data). A nap is the header alone: one rendezvous,
+    which an idle group pays at each nap. `sent_bytes`: the last message's size on the wire."""
 
     def __init__(self, group: mx.distributed.Group) -> None:
         self.group = group
         self.sent_bytes = 0
 
-    def send(self, plan: StepPlan | None) -> None:
-        """Send `plan` (None: the followers stop)."""
-        message = plan.encode() if plan is not None else np.array([STOP], np.int32)
-        self._share(np.array([len(message)], np.int32))
-        self._share(message)
-        self.sent_bytes = 4 * (1 + len(message))
+    def send(self, plan: StepPlan | Nap | None) -> None:
+        """Send `plan` (a `Nap`: the followers sleep; None: they stop)."""
+        message = plan.encode() if isinstance(plan, StepPlan) else np.zeros(0, np.int32)
+        nap_ms = max(1, round(1000 * plan.seconds)) if isinstance(plan, Nap) else 0
+        self._share(np.array([len(message), nap_ms], np.int32))
+        if len(message):
+            self._share(message)
+        self.sent_bytes = 4 * (2 + len(message))
 
     def share_tokens(self, tokens: mx.array) -> mx.array:
         """Rank 0's sampled `tokens` on every rank, lazily, within the step's graph (the other ranks
         pass zeros of the plan's `samples`), so that the next step may start before they are read."""
         return mx.distributed.all_sum(tokens.astype(mx.int32), group=self.group).astype(mx.uint32)
 
-    def receive(self) -> StepPlan | None:
-        """The next plan rank 0 sends (None: stop)."""
-        size = int(self._share(np.zeros(1, np.int32))[0])
-        message = self._share(np.zeros(size, np.int32))
-        return None if size == 1 and message[0] == STOP else StepPlan.decode(message)
+    def receive(self) -> StepPlan | Nap | None:
+        """The next plan rank 0 sends (a `Nap`: sleep; None: stop)."""
+        size, nap_ms = self._share(np.zeros(2, np.int32)).tolist()
+        if size:
+            return StepPlan.decode(self._share(np.zeros(size, np.int32)))
+        return Nap(nap_ms / 1000) if nap_ms else None
 
     def _share(self, host: np.ndarray) -> np.ndarray:
         total = mx.distributed.all_sum(mx.array(host), group=self.group, stream=mx.cpu)
