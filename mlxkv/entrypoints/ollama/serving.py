@@ -179,13 +179,13 @@ class _Lines:
     def _chunk(self, piece: str | list[ToolCall], calls: list[ToolCall] | None = None) -> Chunk:
         """A line with `piece` of the reply (text, or as a list, tool calls), and `calls` besides."""
         text, calls = (piece, calls) if isinstance(piece, str) else ("", piece)
-        now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
         if self.key == "response":
-            return Chunk(model=self.model, created_at=now, response=text)
+            return Chunk(model=self.model, created_at=_now(), response=text)
         made = [
             OllamaToolCall(function=CalledFunction(name=c.name, arguments=json.loads(c.arguments))) for c in calls or []
         ]
-        return Chunk(model=self.model, created_at=now, message=ResponseMessage(content=text, tool_calls=made or None))
+        message = ResponseMessage(content=text, tool_calls=made or None)
+        return Chunk(model=self.model, created_at=_now(), message=message)
 
     def _done(self, chunk: Chunk) -> Chunk:
         """`chunk` as the last line: why the reply ended, its counts and durations."""
@@ -209,12 +209,16 @@ class _Lines:
 def _loaded(body: Body, model: str, key: str) -> Any:
     """The answer to Ollama's load or unload idiom, at once: the model stays loaded whatever
     `keep_alive` says (the server runs one), and nothing is generated."""
-    now = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
     empty: dict[str, Any] = {"response": ""} if key == "response" else {"message": ResponseMessage()}
-    chunk = Chunk(model=model, created_at=now, done=True, done_reason="unload" if body.unloads else "load", **empty)
+    chunk = Chunk(model=model, created_at=_now(), done=True, done_reason="unload" if body.unloads else "load", **empty)
     if body.stream:
         return StreamingResponse(iter([chunk.line()]), media_type="application/x-ndjson")
     return chunk.model_dump(exclude_none=True)
+
+
+def _now() -> str:
+    """The time now as Ollama writes it (RFC 3339, UTC, with a Z)."""
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def _grouped(pieces: list[Piece]) -> list[str | list[ToolCall]]:
