@@ -497,3 +497,12 @@ def perturbed_copy(source, dest, scale: float, seed: int = 0):
             weights[name] = mx.array(values + noise).astype(array.dtype)
         mx.save_safetensors(str(dest / file.name), weights, metadata={"format": "mlx"})
     return dest
+
+
+def drafts_always_pay(engine) -> None:
+    """Give `engine`'s speculator a step-time fit nothing is recorded into, so that every draft
+    token pays whatever the clock measures: what it drafts no longer depends on the machine's load."""
+    from mlxkv.engine.memory.step_time import StepTime
+
+    if engine.speculator is not None:
+        engine.speculator.step_time = StepTime()

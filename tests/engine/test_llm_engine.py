@@ -5,7 +5,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import ExplodingSampler, mlx_lm_greedy, mutant_kernels, uncompilable_kernels
+from helpers import ExplodingSampler, drafts_always_pay, mlx_lm_greedy, mutant_kernels, uncompilable_kernels
 
 from mlxkv import LLM, LLMEngine, Pin, RequestTooLong, SamplingParams, UnknownSequenceError, reference_attention
 from mlxkv.attention.kernels import PagedAttentionKernels
@@ -46,6 +46,7 @@ def test_many_requests_under_preemption_and_cancellation(model, workload, layout
         **sizing,
     )
     engine = LLMEngine(*model, config)
+    drafts_always_pay(engine)
     requests = [engine.add_request(p, sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params))]
     cancelled, leaks = set(), []
     done = threading.Event()

@@ -1,7 +1,7 @@
 import random
 
 import pytest
-from helpers import BASE, GEMMA4, HYBRIDS, perturbed_copy
+from helpers import BASE, GEMMA4, HYBRIDS, drafts_always_pay, perturbed_copy
 
 from mlxkv import LLM, EngineConfig, LLMEngine, SamplingParams
 from mlxkv.engine.speculative.speculation import Speculation, accepted_prefix
@@ -41,6 +41,7 @@ def prompts():
 def generate(model, prompts, params, **config):
     """Each request's tokens, and what speculation did (None without it)."""
     llm = LLM(model, max_num_seqs=4, max_model_len=256, page_size=4, **config)
+    drafts_always_pay(llm.engine)
     outputs = llm.generate(prompts, params)
     stats = llm.stats()
     assert stats.running == stats.waiting == 0 and stats.kv.pages_used == 0
@@ -136,6 +137,7 @@ def test_a_prefix_hit_and_an_abort_mid_draft_leave_the_rest_alone(model, prompts
     params = SamplingParams(max_tokens=40)
     expected, _ = generate(model, prompts, params)
     engine = LLMEngine(*model, EngineConfig(max_num_seqs=8, max_model_len=256, page_size=4, **drafter))
+    drafts_always_pay(engine)
     for _ in range(2):  # the second round starts from the first's cached pages
         requests = [engine.add_request(p, params) for p in prompts]
         for _ in range(8):
@@ -154,6 +156,7 @@ def test_a_drafter_that_fails_costs_its_drafts_and_no_request(model, prompts, dr
     params = SamplingParams(max_tokens=30)
     expected, _ = generate(model, prompts, params)
     llm = LLM(model, max_num_seqs=4, max_model_len=256, page_size=4, **drafter)
+    drafts_always_pay(llm.engine)
     drafts, calls = llm.engine.speculator.drafter, []
 
     def every_third_fails(requests, lengths):
