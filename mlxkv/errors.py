@@ -65,3 +65,8 @@ def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` is MLX (or the system) failing to allocate: Metal's "Insufficient Memory"
     command buffers, its allocator's refusals, a C++ `bad_alloc`, Python's `MemoryError`."""
     return isinstance(error, MemoryError) or bool(_OUT_OF_MEMORY.search(str(error)))
+
+
+def counted(count: int, noun: str) -> str:
+    """`count` of `noun` as a message says it: "1 token", "3 tokens"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

@@ -57,8 +57,13 @@ API = [
     (lambda llm, m: llm.generate(""), ValueError, "prompt is empty"),
     (lambda llm, m: llm.generate([[1, 999]]), ValueError, r"prompt token ids must be in \[0, 320\), got \[999\]"),
     (lambda llm, m: llm.generate([[-1]]), ValueError, r"prompt token ids must be in \[0, 320\), got \[-1\]"),
-    (lambda llm, m: llm.generate([1, 2], [SamplingParams()] * 2), ValueError, "got 1 prompts but 2 SamplingParams"),
+    (lambda llm, m: llm.generate([1, 2], [SamplingParams()] * 2), ValueError, "got 1 prompt but 2 SamplingParams"),
     (lambda llm, m: llm.generate([1, 2], 5), TypeError, "params must be SamplingParams, got int"),
+    (
+        lambda llm, m: llm.generate([7], SamplingParams(max_tokens=64)),
+        RequestTooLong,
+        "prompt of 1 token plus max_tokens=64 makes 65 tokens",
+    ),
     (
         lambda llm, m: llm.generate([NORMAL, list(range(70))], SamplingParams(max_tokens=4)),
         RequestTooLong,

@@ -7,7 +7,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from ..deprecation import RenamedAttribute
-from ..errors import SequenceTooLong
+from ..errors import SequenceTooLong, counted
 from .pool import PagePool
 from .prefix_cache import page_key, root_key
 
@@ -202,7 +202,9 @@ class PageTable:
         """Forget the tokens past the first `num_tokens` (draft tokens the model rejected, never
         published) and give back the pages that held only them; a partly filled page stays."""
         if not self.num_computed <= num_tokens <= self.num_tokens:
-            raise ValueError(f"cannot rewind sequence {self.owner} to {num_tokens} of its {self.num_tokens} tokens")
+            raise ValueError(
+                f"cannot rewind sequence {self.owner} to {num_tokens} of its {counted(self.num_tokens, 'token')}"
+            )
         keep = max(-(-num_tokens // self.page_size), self.dropped)
         self.pool.release_pages(self.owner, self.physical[keep : self.num_pages].tolist()[::-1])
         self.physical[keep : self.num_pages] = 0

@@ -7,7 +7,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..cache.pins import Pin
 from ..cache.prefix_cache import check_salt
-from ..errors import RequestTooLong
+from ..errors import RequestTooLong, counted
 from .request import Request
 from .sampling.params import SamplingParams
 from .sampling.structured_output import StructuredOutput
@@ -82,8 +82,8 @@ def new_request(
     request = Request(request_id, prompt_ids, params, check_salt(cache_salt), pin)
     if request.max_length > most_tokens:
         raise RequestTooLong(
-            f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} makes "
-            f"{request.max_length} tokens; one request can have at most {most_tokens}"
+            f"prompt of {counted(len(prompt_ids), 'token')} plus max_tokens={params.max_tokens} makes "
+            f"{counted(request.max_length, 'token')}; one request can have at most {most_tokens}"
         )
     request.stream = TextStream(tokenizer.detokenizer, params.stop)
     request.constraint = structured.constraint(params)

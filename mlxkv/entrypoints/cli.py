@@ -26,7 +26,7 @@ from ..engine.memory.kv_budget import context_length
 from ..engine.parallel.rank_watchdog import GRACE_S
 from ..engine.request import Request
 from ..engine.sampling.params import SamplingParams
-from ..errors import MlxkvError
+from ..errors import MlxkvError, counted
 from ..models.loading import load, model_context
 from ..models.sharding import world
 from .cli_options import fail, in_flags, with_settings
@@ -247,7 +247,7 @@ def chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams, 
     room = llm.engine.max_request_tokens - len(ids)
     if room < 1:
         typer.echo(
-            f"error: the conversation ({len(ids)} tokens) has outgrown the context of "
+            f"error: the conversation ({counted(len(ids), 'token')}) has outgrown the context of "
             f"{llm.engine.max_request_tokens} tokens; /reset starts a new one",
             err=True,
         )

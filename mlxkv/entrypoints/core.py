@@ -18,6 +18,7 @@ from ..cache.pins import Pin
 from ..engine.async_llm import AsyncLLM
 from ..engine.outputs import RequestOutput
 from ..engine.sampling.params import CONSTRAINTS, SamplingParams
+from ..errors import counted
 from .errors import ServingError, UnsupportedContent, refused_as
 from .metrics import Metrics
 from .prompts import prompt_ids
@@ -180,7 +181,8 @@ class ServingCore:
         if room < 1:
             raise ServingError(
                 400,
-                f"the prompt has {len(prompt)} tokens; this server holds at most {most} per request, prompt and reply",
+                f"the prompt has {counted(len(prompt), 'token')}; this server holds at most {most} per request, "
+                "prompt and reply",
                 None,
                 "context_length_exceeded",
             )

@@ -19,7 +19,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request
 from ..engine.sampling.params import SamplingParams
 from ..engine.stats import EngineStats
-from ..errors import RequestFailed
+from ..errors import RequestFailed, counted
 from ..models.loading import load
 from ..models.sharding import world
 from ..settings import keywords_of
@@ -129,7 +129,7 @@ class LLM:
         else:
             each = [params or SamplingParams()] * len(batch)
         if len(each) != len(batch):
-            raise ValueError(f"got {len(batch)} prompts but {len(each)} SamplingParams")
+            raise ValueError(f"got {counted(len(batch), 'prompt')} but {len(each)} SamplingParams")
         requests = self._submit(batch, each, cache_salt)
         try:
             while any(r.finish_reason is None for r in requests):

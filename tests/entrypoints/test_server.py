@@ -154,6 +154,8 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client):
         ({"messages": [{"role": "user", "content": "word " * 300}]}, 400, None, "holds at most 256 per request"),
         ({"messages": HELLO, "cache_salt": ""}, 400, "cache_salt", "cache_salt must be None or a non-empty string"),
         ({"messages": HELLO, "model": "gpt-9"}, 404, "model", "model 'gpt-9' does not exist"),
+        ({"messages": HELLO, "stream": "yes"}, 400, "stream", "stream: Input should be a valid boolean"),
+        ({"messages": HELLO, "logprobs": 1}, 400, "logprobs", "logprobs: Input should be a valid boolean"),
     ],
 )
 def test_bad_requests_get_openai_error_shapes(server, body, status, param, message):
@@ -546,3 +548,12 @@ def test_every_refusal_takes_the_shape_of_the_api_it_was_sent_to(server, api):
 
 def test_health_tells_mlxkv_s_version(server):
     assert httpx.get(f"{server}/health").json() == {"status": "ok", "version": version("mlxkv")}
+
+
+@pytest.mark.parametrize(
+    "extra, field", [({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")]
+)
+def test_completion_fields_that_would_change_the_text_are_refused_not_ignored(client, extra, field):
+    with pytest.raises(openai.BadRequestError, match=f"{field} is not supported by mlxkv's completions") as refused:
+        client.completions.create(model=MODEL, prompt="The import statement", max_tokens=2, extra_body=extra)
+    assert refused.value.body["param"] == field

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..core import forced_tools
 from ..errors import ServingError, UnsupportedContent
@@ -79,7 +79,7 @@ class ToolResultBlock(BaseModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[ResultPart] | None = None
-    is_error: bool = False
+    is_error: StrictBool = False
     cache_control: CacheControl | None = None
 
     def text(self) -> str:
@@ -146,7 +146,7 @@ class ToolParam(BaseModel):
 class ToolChoice(BaseModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: StrictBool = False
 
 
 class CountTokensBody(BaseModel):
@@ -214,7 +214,7 @@ class MessagesBody(CountTokensBody):
     top_p: float | None = None
     top_k: int | None = None
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     output_config: OutputConfig | None = None
 
     def sampling_fields(self) -> dict[str, Any]:

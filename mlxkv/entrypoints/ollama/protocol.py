@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from ..errors import ServingError, UnsupportedContent
 
@@ -89,7 +89,7 @@ class Body(BaseModel):
     model: str
     format: Literal["json"] | dict[str, Any] | None = None
     options: Options | None = None
-    stream: bool = True
+    stream: StrictBool = True
     keep_alive: float | None = None  # seconds; negative: forever
 
     @field_validator("keep_alive", mode="before")
@@ -136,7 +136,7 @@ class ChatBody(Body):
 class GenerateBody(Body):
     prompt: str = ""
     system: str | None = None
-    raw: bool = False  # True: the prompt as is, without the chat template
+    raw: StrictBool = False  # True: the prompt as is, without the chat template
     images: list[str] | None = None
 
     @property

@@ -17,7 +17,7 @@ from dataclasses import fields
 from typing import Annotated, Any, Literal, cast
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ...engine.outputs import Usage
 from ...engine.sampling.params import CONSTRAINTS, SamplingParams
@@ -31,14 +31,14 @@ OPENAI_DEFAULTS = {"temperature": 1.0}  # OpenAI's documented default; SamplingP
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(BaseModel):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -59,7 +59,7 @@ class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: one of a JSON schema, any JSON object, a regex, a choice or a grammar."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -78,7 +78,7 @@ class Body(BaseModel):
     model: str | None = None
     max_tokens: int | None = None
     n: int = Field(1, ge=1, le=16)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     user: str | None = None
@@ -172,7 +172,7 @@ class Function(BaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(BaseModel):
@@ -192,11 +192,11 @@ class NamedToolChoice(BaseModel):
 class ChatBody(Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
 
     def shown_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template shows the model, as OpenAI's entries (which templates and
@@ -217,6 +217,15 @@ class ChatBody(Body):
 class CompletionBody(Body):
     prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them
     logprobs: int | None = None
+    echo: StrictBool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        """The first of OpenAI's fields given that would change the text in a way mlxkv does not
+        (refused, not ignored), if any."""
+        given = {"echo": self.echo, "suffix": bool(self.suffix), "best_of": self.best_of not in (None, 1, self.n)}
+        return next((name for name, value in given.items() if value), None)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one, or OpenAI's batch (a list of strings or of token-id lists)."""

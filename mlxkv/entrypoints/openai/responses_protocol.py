@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..core import forced_tools
 from ..errors import UnsupportedContent
@@ -55,13 +55,13 @@ class ResponsesBody(BaseModel):
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     text: TextConfig | None = None
     temperature: float | None = None
     top_p: float | None = None
     max_output_tokens: int | None = None
-    stream: bool = False
-    store: bool = True
+    stream: StrictBool = False
+    store: StrictBool = True
     previous_response_id: str | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None

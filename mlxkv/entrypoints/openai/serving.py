@@ -74,6 +74,9 @@ class OpenAIServing:
         """One prompt, or a batch of them (OpenAI's list of strings or of token-id lists): choices
         come prompt after prompt, `n` each."""
         self.core.check_model(body.model)
+        field = body.unsupported()
+        if field is not None:
+            raise ServingError(400, f"{field} is not supported by mlxkv's completions", field)
         if body.logprobs is not None and not 0 <= body.logprobs <= 5:
             raise ServingError(400, "logprobs must be an integer in [0, 5]", "logprobs")
         batch = body.prompts()
