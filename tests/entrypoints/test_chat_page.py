@@ -84,6 +84,7 @@ def test_two_turns_stream_in_and_report_their_figures(page):
     )
     figures = page.find_element(By.ID, "figures").text
     assert "prompt tokens reused" in figures and "KV cache:" in figures and "pages in use" in figures
+    assert re.search(r"weights \d+\.\d\d [KMG]B, KV \d+\.\d\d [KMG]B", figures) and "weights 0.00" not in figures
     assert turns(page)[3][1].strip()
     page.find_element(By.ID, "reset").click()
     assert turns(page) == []
