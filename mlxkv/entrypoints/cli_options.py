@@ -73,7 +73,8 @@ def _option(item: Field[Any], hint: Any, default: Any) -> inspect.Parameter:
     if default == ():
         default = None  # a repeatable option's "none given"
     metavar = "<str>" if meta["cli_type"] == list[str] else None  # typer would print <list[str]>
-    option = typer.Option(default, *flags, help=meta["help"], show_default=default is not None, metavar=metavar)
+    shown = default is not None and "[default:" not in meta["help"]  # a help text that says its default says it once
+    option = typer.Option(default, *flags, help=meta["help"], show_default=shown, metavar=metavar)
     annotation = Optional[kind] if default is None else kind  # noqa: UP045 (typer reads the annotation)
     return inspect.Parameter(item.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
 

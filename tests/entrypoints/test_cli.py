@@ -218,6 +218,9 @@ def test_short_help_version_and_help_that_shows_its_defaults():
         "-m, --max-tokens <int> Most tokens to generate. [default: 100]",
     ):
         assert note in help_text, note
+    serve_help = " ".join(runner.invoke(app, ["serve", "-h"]).stdout.split())
+    factor = serve_help[serve_help.index("--max-itl-factor") : serve_help.index("--max-itl-ms")]
+    assert factor.count("[default:") == 1 and "[default: none; serve: 2]" in factor
 
 
 def test_no_verbose_prints_only_the_text(checkpoint):
