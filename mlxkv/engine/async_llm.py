@@ -45,8 +45,9 @@ class AsyncLLM:
         request_id: str | int | None = None,
         cache_salt: str | None = None,
     ) -> AsyncGenerator[str, None]:
-        """Yield the completion's text deltas as the engine produces them."""
-        async with aclosing(self.outputs(prompt, params, request_id, cache_salt)) as outputs:
+        """Yield the completion's text deltas as the engine produces them: text that continues the
+        prompt's exactly."""
+        async with aclosing(self.outputs(prompt, params, request_id, cache_salt, continuation=True)) as outputs:
             async for output in outputs:  # leaving early closes `outputs` at once, which aborts
                 if output.delta:
                     yield output.delta
@@ -58,16 +59,17 @@ class AsyncLLM:
         request_id: str | int | None = None,
         cache_salt: str | None = None,
         pin: Pin | None = None,
+        continuation: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield every `RequestOutput` of one request (text, tokens, log-probabilities, usage),
-        the last one with `finished` set."""
+        the last one with `finished` set (`continuation`: see `LLMEngine.add_request`)."""
         request_id = self.engine.new_request_id() if request_id is None else request_key(request_id)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         try:
-            self.engine.add_request(prompt, params, request_id, cache_salt, pin)
+            self.engine.add_request(prompt, params, request_id, cache_salt, pin, continuation)
         except Exception:
             del self._queues[request_id]
             raise

@@ -11,7 +11,7 @@ from ..errors import RequestTooLong, counted
 from .request import Request
 from .sampling.params import SamplingParams
 from .sampling.structured_output import StructuredOutput
-from .sampling.text import TextStream
+from .sampling.text import ContinuingDetokenizer, TextStream
 
 
 def request_key(request_id: object) -> str:
@@ -70,8 +70,10 @@ def new_request(
     most_tokens: int,
     tokenizer: TokenizerWrapper,
     structured: StructuredOutput,
+    continuation: bool = False,
 ) -> Request:
-    """A request of `prompt_ids`, with its text stream and its constraint; refused
+    """A request of `prompt_ids`, with its text stream (continuing the prompt's text exactly, or,
+    without `continuation`, starting a reply as mlx-lm's detokenizer does) and its constraint; refused
     (`RequestTooLong`) if prompt and `max_tokens` make more than `most_tokens`, with TypeError for
     settings of the wrong kind and ValueError for a constraint that cannot be compiled."""
     params = SamplingParams() if params is None else params
@@ -85,6 +87,7 @@ def new_request(
             f"prompt of {counted(len(prompt_ids), 'token')} plus max_tokens={params.max_tokens} makes "
             f"{counted(request.max_length, 'token')}; one request can have at most {most_tokens}"
         )
-    request.stream = TextStream(tokenizer.detokenizer, params.stop)
+    detokenizer = ContinuingDetokenizer(tokenizer.decode, prompt_ids) if continuation else tokenizer.detokenizer
+    request.stream = TextStream(detokenizer, params.stop)
     request.constraint = structured.constraint(params)
     return request

@@ -145,17 +145,22 @@ class LLMEngine:
         request_id: str | int | None = None,
         cache_salt: str | None = None,
         pin: Pin | None = None,
+        continuation: bool = False,
     ) -> Request:
         """Queue a prompt; raises `RequestTooLong` if it could never fit the KV cache, and ValueError
         if its constraint (`params.json_schema`, ...) cannot be compiled. Requests reuse each
         other's cached prefix pages only when their `cache_salt`s are equal. With `pin`, the pages of
         the prompt's first `pin.tokens` tokens stay cached for `pin.ttl_s` seconds once computed
-        (see `PrefixPins`)."""
+        (see `PrefixPins`). With `continuation` the text continues the prompt's exactly (a
+        completion: a first token's leading space kept), else it starts a reply (after a chat
+        template: as mlx-lm's detokenizer gives it)."""
         if self.lost is not None:
             raise self.lost
         request_id = self.new_request_id() if request_id is None else request_key(request_id)
         prompt_ids, most = self.encode(prompt), self.max_request_tokens
-        request = new_request(request_id, prompt_ids, params, cache_salt, pin, most, self.tokenizer, self.structured)
+        request = new_request(
+            request_id, prompt_ids, params, cache_salt, pin, most, self.tokenizer, self.structured, continuation
+        )
         with self._lock:
             if request.request_id in self.requests:
                 raise ValueError(f"request id {request.request_id!r} is already in use")

@@ -114,7 +114,7 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
     """Stream one completion to stdout, then (verbose) print mlx-lm's figures and the KV cache's;
     returns the finished request."""
     llm.engine.cache.reset_peak_usage()
-    stream = llm.stream(prompt, params)
+    stream = llm.stream(prompt, params, continuation=False)  # a reply, printed as mlx-lm prints it
     if verbose:
         typer.echo("==========")
     try:

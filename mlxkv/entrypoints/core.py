@@ -225,18 +225,23 @@ class ServingCore:
         source: str | None,
         salt: str | None = None,
         pin: Pin | None = None,
+        continuation: bool = False,
     ) -> Run:
         """Compile the choices' constraint (a 400 naming `source`, if it came from there, when
-        llguidance refuses it), check the queue, and start every choice: its outputs as a `Run`."""
+        llguidance refuses it), check the queue, and start every choice: its outputs as a `Run`,
+        their text continuing the prompt's exactly for a completion (`continuation`), else
+        starting a reply."""
         await self.compile(choices[0][1], source)
         self.check_queue(len(choices))
-        return Run(self.run(choices, salt, pin), self.splitters(len(choices), tools))
+        return Run(self.run(choices, salt, pin, continuation), self.splitters(len(choices), tools))
 
     def splitters(self, n: int, tools: Tools | None) -> list[ToolCallStream | None]:
         """One splitter of content and tool calls per choice where tools were shown."""
         return [ToolCallStream(self.tokenizer, tools.shown) if tools and tools.shown else None for _ in range(n)]
 
-    async def run(self, choices: list[Choice], salt: str | None, pin: Pin | None = None) -> AsyncGenerator[Event, None]:
+    async def run(
+        self, choices: list[Choice], salt: str | None, pin: Pin | None = None, continuation: bool = False
+    ) -> AsyncGenerator[Event, None]:
         """The outputs of every choice as they come, tagged by choice index; None every
         `keepalive_s` without any. Leaving early aborts every choice still running. Call
         `check_queue` first, while an error can still be answered."""
@@ -247,7 +252,8 @@ class ServingCore:
         async def pump(index: int) -> None:
             prompt, params = choices[index]
             try:
-                async with aclosing(self.llm.outputs(prompt, params, cache_salt=salt, pin=pin)) as outputs:
+                started = self.llm.outputs(prompt, params, cache_salt=salt, pin=pin, continuation=continuation)
+                async with aclosing(started) as outputs:
                     async for output in outputs:
                         timer.observe(index, output)
                         await queue.put((index, output, None))

@@ -118,9 +118,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        continuation: bool = True,
     ) -> list[Completion]:
         """Complete every prompt, batched; results come back in prompt order. Prompts reuse
-        cached prefix pages of earlier requests with the same `cache_salt`.
+        cached prefix pages of earlier requests with the same `cache_salt`. Each text continues its
+        prompt's exactly (`prompt + text` reads as the tokens decode); with `continuation=False`
+        it starts a reply, as after a chat template (its first token's leading space dropped, as
+        mlx-lm does).
 
         Raises `RequestFailed` if a prompt's request fails (the others are aborted)."""
         batch = _prompts(prompts)
@@ -130,7 +134,7 @@ class LLM:
             each = [params or SamplingParams()] * len(batch)
         if len(each) != len(batch):
             raise ValueError(f"got {counted(len(batch), 'prompt')} but {len(each)} SamplingParams")
-        requests = self._submit(batch, each, cache_salt)
+        requests = self._submit(batch, each, cache_salt, continuation)
         try:
             while any(r.finish_reason is None for r in requests):
                 self._step()
@@ -146,9 +150,16 @@ class LLM:
         """The engine's requests, KV cache and prefix cache, as a snapshot."""
         return self.engine.stats()
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, cache_salt: str | None = None) -> Stream:
-        """Iterate over the returned `Stream` for the text as it is produced."""
-        (request,) = self._submit([prompt], [params or SamplingParams()], cache_salt)
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        continuation: bool = True,
+    ) -> Stream:
+        """Iterate over the returned `Stream` for the text as it is produced (`continuation`: see
+        `generate`)."""
+        (request,) = self._submit([prompt], [params or SamplingParams()], cache_salt, continuation)
         return Stream(self, request)
 
     def _step(self) -> None:
@@ -159,13 +170,13 @@ class LLM:
                 deltas.append(output.delta)
 
     def _submit(
-        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: str | None
+        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: str | None, continuation: bool
     ) -> list[Request]:
         """Queue every prompt, or none: a bad one aborts those already queued."""
         requests: list[Request] = []
         try:
             for prompt, p in zip(prompts, params):
-                requests.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
+                requests.append(self.engine.add_request(prompt, p, cache_salt=cache_salt, continuation=continuation))
                 self._deltas[requests[-1].request_id] = deque()
         except Exception:
             for request in requests:

@@ -27,7 +27,7 @@ def test_serve_answers_completions_and_chat_with_the_text_llm_gives(tmp_path, na
     llm = LLM(str(path), max_num_seqs=4)
     params = SamplingParams(max_tokens=TOKENS)
     completion = llm.generate(PROMPT, params)[0]
-    chat = llm.generate(prompt_ids(llm.tokenizer, MESSAGES), params)[0].text
+    chat = llm.generate(prompt_ids(llm.tokenizer, MESSAGES), params, continuation=False)[0].text  # a reply
     proc, url = start_server("--model", str(path), "--max-num-seqs", "4")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")

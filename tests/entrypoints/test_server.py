@@ -42,7 +42,10 @@ def client(server):
 def reference():
     """Greedy text of a prompt (token ids) from `LLM` in this process, as the server should give it."""
     llm = LLM(max_num_seqs=1, max_model_len=256)
-    return lambda ids, n=16: llm.generate(ids, SamplingParams(max_tokens=n))[0].text, llm.tokenizer
+    def text(ids, n=16, continuation=True):  # a completion's text, or (continuation=False) a chat reply's
+        return llm.generate(ids, SamplingParams(max_tokens=n), continuation=continuation)[0].text
+
+    return text, llm.tokenizer
 
 
 def metric(url: str, name: str) -> float:
@@ -56,7 +59,7 @@ def test_models_lists_the_one_model(client):
 
 def test_chat_is_the_engine_s_greedy_text_streamed_or_not(client, reference):
     generate, tokenizer = reference
-    expected = generate(prompt_ids(tokenizer, HELLO))
+    expected = generate(prompt_ids(tokenizer, HELLO), continuation=False)
     reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=16, temperature=0)
     assert reply.choices[0].message.content == expected and reply.choices[0].finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (3, 16, 19)
@@ -557,3 +560,22 @@ def test_completion_fields_that_would_change_the_text_are_refused_not_ignored(cl
     with pytest.raises(openai.BadRequestError, match=f"{field} is not supported by mlxkv's completions") as refused:
         client.completions.create(model=MODEL, prompt="The import statement", max_tokens=2, extra_body=extra)
     assert refused.value.body["param"] == field
+
+
+def test_completions_continue_their_prompts_exactly_whole_and_streamed(client):
+    """50 prompts: each completion's text is what its tokens add to the prompt's decoded text, a
+    first token's leading space included, whole and streamed (greedy, so the tokens are those of
+    `LLM` in this process)."""
+    llm = LLM(max_num_seqs=1, max_model_len=256)
+    rng = random.Random(8)
+    words = ["The", " import", " statement", " is", " a", " module", " name", ".", "\n", " for"]
+    prompts = [llm.tokenizer.encode("".join(rng.choice(words) for _ in range(rng.randint(1, 6)))) for _ in range(50)]
+    decode, spaced = llm.tokenizer.decode, 0
+    for prompt in prompts:
+        [local] = llm.generate(prompt, SamplingParams(max_tokens=6))
+        expected = decode(prompt + local.token_ids)[len(decode(prompt)) :]
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+        parts = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+        assert whole.choices[0].text == "".join(part.choices[0].text for part in parts) == expected
+        spaced += expected.startswith(" ")
+    assert spaced >= 10  # many open with a space, which mlx-lm's detokenizer would drop

@@ -2,7 +2,63 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
+
+CONTEXT = 8  # prompt (then output) tokens a continuation is decoded after
+SETTLE = 32  # tokens decoded together at most before their text is settled
+
+
+class ContinuingDetokenizer:
+    """Text that continues the prompt exactly: what `decode(prompt + outputs)` adds past
+    `decode(prompt)`, a first token's leading space included. mlx-lm's streaming detokenizers drop
+    it (a reply after a chat template starts without one), which joins a completion to its prompt
+    ("is" + "still"). Tokens are decoded after the last `CONTEXT` tokens before them (more where
+    those would start inside a character), a line (or `SETTLE` tokens) at a time."""
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt: Sequence[int]) -> None:
+        self._decode = decode
+        self._history = list(prompt)  # the prompt and the settled tokens
+        self._tokens: list[int] = []  # since the text was last settled
+        self._settled = ""
+        self._current = ""
+        self._context, self._head = self._after()
+
+    @property
+    def text(self) -> str:
+        return self._settled + self._current
+
+    def add_token(self, token: int) -> None:
+        self._tokens.append(token)
+        text = self._continued()
+        self._current = text.rstrip("\ufffd")  # the rest of a character is still to come
+        if text == self._current and (text.endswith("\n") or len(self._tokens) >= SETTLE):
+            self._settle()
+
+    def finalize(self) -> None:
+        self._current = self._continued()
+        self._settle()
+
+    def _continued(self) -> str:
+        """The text the unsettled tokens add after the context."""
+        return self._decode(self._context + self._tokens)[len(self._head) :]
+
+    def _settle(self) -> None:
+        self._settled += self._current
+        self._history += self._tokens
+        self._tokens, self._current = [], ""
+        self._context, self._head = self._after()
+
+    def _after(self) -> tuple[list[int], str]:
+        """The tokens the next ones are decoded after, and their text: the last `CONTEXT`, or up to
+        `CONTEXT` more where the text of those would start inside a character."""
+        start = max(0, len(self._history) - CONTEXT)
+        head = self._decode(self._history[start:])
+        while start > 0 and head.startswith("\ufffd") and len(self._history) - start < 2 * CONTEXT:
+            start -= 1
+            head = self._decode(self._history[start:])
+        return self._history[start:], head
 
 
 class TextStream:
@@ -14,7 +70,7 @@ class TextStream:
 
     __slots__ = ("_detokenizer", "_stop", "_longest", "text", "_sent", "stopped", "stop_string", "finished")
 
-    def __init__(self, detokenizer: StreamingDetokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, detokenizer: StreamingDetokenizer | ContinuingDetokenizer, stop: tuple[str, ...]) -> None:
         self._detokenizer = detokenizer
         self._stop = stop
         self._longest = max((len(s) for s in stop), default=1) - 1

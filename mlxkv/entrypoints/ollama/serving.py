@@ -82,21 +82,30 @@ class OllamaServing:
                 raise UnsupportedContent("image", "images")
         if body.loads_only:
             return _loaded(body, self.core.model_id, "response")
-        if body.raw or not self.core.tokenizer.has_chat_template:
+        completing = body.raw or not self.core.tokenizer.has_chat_template  # the text continues the prompt
+        if completing:
             prompt = await self.core.encode((body.system + "\n" if body.system else "") + body.prompt)
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
             prompt = await self.core.chat_prompt(system + [{"role": "user", "content": body.prompt}], field="prompt")
-        return await self._respond(body, prompt, request, "response", None)
+        return await self._respond(body, prompt, request, "response", None, completing)
 
-    async def _respond(self, body: Body, prompt: list[int], request: HTTPRequest, key: str, tools: Tools | None) -> Any:
+    async def _respond(
+        self,
+        body: Body,
+        prompt: list[int],
+        request: HTTPRequest,
+        key: str,
+        tools: Tools | None,
+        continuation: bool = False,
+    ) -> Any:
         options = body.options
         wanted = options.num_predict if options is not None and options.num_predict not in (None, -1) else None
         fields = OLLAMA_DEFAULTS | (options.sampling_fields() if options else {}) | body.constraint()
         fields = tools.constrain(fields) if tools else fields
         params = self.core.sampling(prompt, wanted, fields)
         source = tools.source if fields.get("grammar") and tools else "format" if body.format is not None else None
-        run = await self.core.start([(prompt, params)], tools, source)
+        run = await self.core.start([(prompt, params)], tools, source, continuation=continuation)
         lines = _Lines(self.core.model_id, key, time.perf_counter_ns())
         if body.stream:
             return StreamingResponse(run.stream(lines), media_type="application/x-ndjson")

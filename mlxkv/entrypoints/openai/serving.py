@@ -118,7 +118,7 @@ class OpenAIServing:
         """The response: one JSON body, or a stream; with tools shown, each choice's text split
         into content and tool calls."""
         source = _source(body, tools)
-        run = await self.core.start(choices, tools, source, body.cache_salt, pin)
+        run = await self.core.start(choices, tools, source, body.cache_salt, pin, continuation=kind == COMPLETION)
         ident = f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
         reply = _Reply(self, ident, kind, len(choices), body.n)
         if body.stream:
