@@ -93,6 +93,15 @@ class AsyncLLM:
         self.engine.abort(request_id)
         self._deliver(RequestOutput(request_key(request_id), "", True, "abort"))
 
+    def abort_all(self) -> int:
+        """Cancel every request that has a consumer (each gets its last output, finish reason
+        "abort"), as a server does before it exits; how many there were."""
+        live = list(self._queues)
+        for request_id in live:
+            self.engine.abort(request_id, missing_ok=True)
+            self._deliver(RequestOutput(request_id, "", True, "abort"))
+        return len(live)
+
     def shutdown(self) -> None:
         """Stop the engine thread (requests in flight stay unfinished)."""
         atexit.unregister(self.shutdown)

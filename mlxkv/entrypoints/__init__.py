@@ -6,7 +6,7 @@ report a Mac user pastes into an issue. `server` builds the HTTP app: each API's
 `anthropic/`, `ollama/`) owns its routes, request and response bodies and serving, over one serving
 `core` that starts requests and `replies` that frames them (a stream skeleton shared by every API),
 refusing with `errors`' `ServingError` (bodies over the limit, before they are read: `body_limit`);
-`tool_calls/` splits and forces tool calls, `metrics` feeds
+`tool_calls/` splits and forces tool calls, `shutdown` ends the server on Ctrl-C, `metrics` feeds
 `/metrics`, and `chat.html` is the chat page.
 """
 

@@ -293,6 +293,7 @@ def serve(
     import uvicorn  # the server's imports wait until a server is asked for
 
     from .server import build_app
+    from .shutdown import Server
 
     group = world()
     if group.rank() != 0:  # rank 0 serves; the others run the steps it plans
@@ -317,7 +318,7 @@ def serve(
         max_request_bytes=max_request_bytes,
     )
     logger.info("serving on http://%s:%d (chat page at /)", host, listener.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(app_, log_level="warning"))
+    server = Server(uvicorn.Config(app_, log_level="warning"), llm)
     threading.Thread(target=end_when_lost, args=(engine, server), daemon=True).start()
     try:
         server.run(sockets=[listener])

@@ -42,6 +42,7 @@ def client(server):
 def reference():
     """Greedy text of a prompt (token ids) from `LLM` in this process, as the server should give it."""
     llm = LLM(max_num_seqs=1, max_model_len=256)
+
     def text(ids, n=16, continuation=True):  # a completion's text, or (continuation=False) a chat reply's
         return llm.generate(ids, SamplingParams(max_tokens=n), continuation=continuation)[0].text
 

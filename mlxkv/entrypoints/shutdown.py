@@ -1,0 +1,37 @@
+"""How `mlxkv serve` ends on Ctrl-C (or SIGTERM): the first signal stops taking connections and
+aborts every running request, so that each stream ends at once with finish reason "abort" and the
+server exits within moments, quietly; a second signal ends the process at once.
+
+Uvicorn alone waits for every open stream to finish generating before it exits, and a second
+Ctrl-C then cancels the streams mid-write, printing a traceback for each.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from types import FrameType
+
+import uvicorn
+
+from ..engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+class Server(uvicorn.Server):
+    """Uvicorn's server, ending `llm`'s requests on the first signal and the process on the second."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM) -> None:
+        super().__init__(config)
+        self.llm = llm
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            sys.stderr.write("mlxkv: interrupted again; exiting now\n")
+            sys.stderr.flush()
+            os._exit(130)
+        aborted = self.llm.abort_all()
+        logger.info("stopping: no new connections; %d running requests aborted", aborted)
+        super().handle_exit(sig, frame)
