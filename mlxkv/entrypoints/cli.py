@@ -124,17 +124,21 @@ def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose:
     finally:
         stream.close()
     typer.echo()
-    request = stream.request
-    if verbose and request.first_token_time is not None:
-        typer.echo("==========")
-        typer.echo(f"Prompt: {len(request.prompt_ids)} tokens, {request.prompt_tps:.3f} tokens-per-sec")
-        typer.echo(f"Generation: {len(request.output_ids)} tokens, {request.generation_tps:.3f} tokens-per-sec")
-        typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-        typer.echo(f"Memory: {llm.engine.memory}")
-        typer.echo(
-            f"KV cache: {llm.engine.cache.peak_usage}; {prefix_figures(llm, request)}{speculation_figures(request)}"
-        )
-    return request
+    if verbose:
+        report(llm, stream.request)
+    return stream.request
+
+
+def report(llm: LLM, request: Request) -> None:
+    """mlx-lm's figures of a finished request, and the KV cache's (nothing before its first token)."""
+    if request.first_token_time is None:
+        return
+    typer.echo("==========")
+    typer.echo(f"Prompt: {len(request.prompt_ids)} tokens, {request.prompt_tps:.3f} tokens-per-sec")
+    typer.echo(f"Generation: {len(request.output_ids)} tokens, {request.generation_tps:.3f} tokens-per-sec")
+    typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    typer.echo(f"Memory: {llm.engine.memory}")
+    typer.echo(f"KV cache: {llm.engine.cache.peak_usage}; {prefix_figures(llm, request)}{speculation_figures(request)}")
 
 
 PREFILL_BAR_AFTER = 0.5  # seconds; a shorter prefill shows no bar
@@ -196,7 +200,13 @@ def generate(
         fail(exc)
 
 
-BANNER = "Chat: type a message. /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply (and drops the turn)."
+BANNER = (
+    "Chat: type a message. /stats shows the last reply's figures, /reset starts over, /exit or Ctrl-D quits, "
+    "Ctrl-C stops a reply (and drops the turn)."
+)
+CHAT_VERBOSE = typer.Option(
+    False, "--verbose/--no-verbose", help="Print the figures after each reply (/stats prints the last reply's)."
+)
 
 
 @app.command()
@@ -204,7 +214,7 @@ BANNER = "Chat: type a message. /reset starts over, /exit or Ctrl-D quits, Ctrl-
 def chat(
     model: Optional[str] = MODEL,  # noqa: UP045
     system_prompt: Optional[str] = SYSTEM,  # noqa: UP045
-    verbose: bool = VERBOSE,
+    verbose: bool = CHAT_VERBOSE,
     *,
     config: EngineConfig,
     params: SamplingParams,
@@ -217,8 +227,10 @@ def chat(
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
     typer.echo(BANNER)
+    if sys.stdin.isatty():
+        import readline  # noqa: F401  (input() gets line editing and history)
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages = list(system)
+    messages, last = list(system), None
     while True:
         try:
             line = utf8(input(">> "), "that line")
@@ -237,12 +249,21 @@ def chat(
             messages = list(system)
             typer.echo("[conversation reset]")
             continue
+        if line.strip() == "/stats":
+            if last is None:
+                typer.echo("[no reply yet]")
+            else:
+                report(llm, last)
+            continue
         messages.append({"role": "user", "content": line})
-        messages = chat_turn(llm, messages, params, verbose)
+        messages, last = chat_turn(llm, messages, params, verbose)
 
 
-def chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams, verbose: bool) -> list[dict[str, str]]:
-    """Answer the last message within what is left of the context; returns the conversation after it."""
+def chat_turn(
+    llm: LLM, messages: list[dict[str, str]], params: SamplingParams, verbose: bool
+) -> tuple[list[dict[str, str]], Request | None]:
+    """Answer the last message within what is left of the context; returns the conversation after
+    it, and the reply's request (None when there was none)."""
     ids = prompt_ids(llm.tokenizer, messages, False)
     room = llm.engine.max_request_tokens - len(ids)
     if room < 1:
@@ -251,19 +272,19 @@ def chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams, 
             f"{llm.engine.max_request_tokens} tokens; /reset starts a new one",
             err=True,
         )
-        return messages[:-1]
+        return messages[:-1], None
     turn = replace(params, max_tokens=min(params.max_tokens, room))
     try:
         request = run_and_report(llm, ids, turn, verbose)
     except KeyboardInterrupt:
         typer.echo("\n[reply stopped]")
-        return messages[:-1]
+        return messages[:-1], None
     except (MlxkvError, ValueError) as exc:
         typer.echo(f"error: {in_flags(str(exc))}", err=True)
-        return messages[:-1]
+        return messages[:-1], None
     # The reply exactly as generated (the streamed text drops a leading space, as mlx-lm's does),
     # so the next turn's prompt starts with the tokens this turn stored and reuses their pages.
-    return messages + [{"role": "assistant", "content": llm.tokenizer.decode(request.output_ids)}]
+    return messages + [{"role": "assistant", "content": llm.tokenizer.decode(request.output_ids)}], request
 
 
 @app.command()

@@ -185,11 +185,23 @@ def test_help_lists_both_commands():
 
 def test_chat_keeps_the_conversation_and_reports_each_turn(checkpoint):
     result = runner.invoke(
-        app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6"], input="The quick\n/reset\nbrown fox\n"
+        app,
+        ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6", "--verbose"],
+        input="The quick\n/reset\nbrown fox\n",
     )
     assert result.exit_code == 0, result.output
     assert result.stdout.count("KV cache: paged") == 2
     assert result.stdout.count("Generation: 6 tokens") == 2
+
+
+def test_chat_shows_a_reply_s_figures_when_asked_with_stats(checkpoint):
+    result = runner.invoke(
+        app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6"], input="/stats\nThe quick\n/stats\n"
+    )
+    assert result.exit_code == 0, result.output
+    before, after = result.stdout.split("[no reply yet]")
+    assert "Generation:" not in before
+    assert after.count("Generation: 6 tokens") == 1 and after.index("Generation") > after.index("==========")
 
 
 def test_default_model_is_the_shipped_demo_and_writes_readable_text():
@@ -237,7 +249,7 @@ def test_chat_banner_and_a_conversation_that_outgrows_the_context(checkpoint):
         input="The quick brown\nfox jumps over\nthe lazy dog\n/reset\nhi\n",
     )
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith("Chat: type a message. /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops")
+    assert result.stdout.startswith("Chat: type a message. /stats shows the last reply's figures, /reset starts over")
     assert re.search(
         r"error: the conversation \(\d+ tokens\) has outgrown the context of 24 tokens; "
         r"/reset starts a new one",
@@ -258,7 +270,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(checkpoint, monkeypatch):
 
     monkeypatch.setattr(Stream, "__next__", interrupted_once)
     result = runner.invoke(
-        app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6"], input="The quick\nbrown fox\n"
+        app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6", "--verbose"], input="The quick\nbrown fox\n"
     )
     assert result.exit_code == 0, result.output
     assert "[reply stopped]" in result.stdout
@@ -267,7 +279,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(checkpoint, monkeypatch):
 
 def test_chat_names_a_line_that_is_not_utf8_and_goes_on(checkpoint):
     proc = subprocess.run(
-        [sys.executable, "-m", "mlxkv", "chat", "--model", str(checkpoint("llama-fp32")), "-m", "4"],
+        [sys.executable, "-m", "mlxkv", "chat", "--model", str(checkpoint("llama-fp32")), "-m", "4", "--verbose"],
         input=b"caf\xe9\xff\nThe quick\n",
         capture_output=True,
         timeout=120,
@@ -287,7 +299,7 @@ def test_each_chat_turn_computes_only_what_the_turn_before_did_not(checkpoint, m
     monkeypatch.setattr(LLM, "stream", lambda self, *a, **kw: requests.append(original(self, *a, **kw)) or requests[-1])
     result = runner.invoke(
         app,
-        ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "12", *flags],
+        ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "12", "--verbose", *flags],
         input="The quick brown fox\njumps over the lazy dog\nPaged attention keeps keys\n",
     )
     assert result.exit_code == 0, result.output
@@ -375,7 +387,7 @@ def test_a_hybrid_generates_mlx_lms_text_and_its_chat_turns_reuse_the_one_before
     assert re.search(r", recurrent state 1/1 sequences of 0\.04 MiB, 1 kept for prefix hits \(pool", kv_line), kv_line
     chat = runner.invoke(
         app,
-        ["chat", "--model", str(path), "-m", "6", "--page-size", "4"],
+        ["chat", "--model", str(path), "-m", "6", "--page-size", "4", "--verbose"],
         input=f"{PROMPT} over the lazy dog\nbrown fox\n",
     )
     assert chat.exit_code == 0, chat.output
