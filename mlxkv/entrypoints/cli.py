@@ -304,6 +304,12 @@ def serve(
         help="Largest request body taken; larger ones are answered 413. Default: 4 MiB plus 32 bytes "
         "per token of the context.",
     ),
+    served_model_name: list[str] = typer.Option(
+        [],
+        help="A name the model answers to (repeatable): the first is the one the server reports "
+        "[default: --model as given, or mlxkv-demo].",
+        show_default=False,
+    ),
     *,
     config: EngineConfig,
 ) -> None:
@@ -330,13 +336,15 @@ def serve(
         fail(exc)
     logger.info("loaded in %.1f s", time.perf_counter() - started)
     llm = AsyncLLM(engine)
+    names = served_model_name or [model or "mlxkv-demo"]
     app_ = build_app(
         llm,
-        model or "mlxkv-demo",
+        names[0],
         api_key=api_key,
         allowed_origins=allowed_origins,
         max_queue=max_queue,
         max_request_bytes=max_request_bytes,
+        aliases=names[1:],
     )
     logger.info("serving on http://%s:%d (chat page at /)", host, listener.getsockname()[1])
     server = Server(uvicorn.Config(app_, log_level="warning"), llm)

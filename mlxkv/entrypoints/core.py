@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -110,13 +110,22 @@ def seeded_choices(runs: list[Choice], n: int) -> list[Choice]:
 class ServingCore:
     """One model behind every API: its prompts, sampling, constraints and running choices."""
 
-    def __init__(self, llm: AsyncLLM, model_id: str, metrics: Metrics, max_queue: int, keepalive_s: float) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        model_id: str,
+        metrics: Metrics,
+        max_queue: int,
+        keepalive_s: float,
+        aliases: Sequence[str] = (),
+    ) -> None:
         self.llm, self.model_id, self.metrics = llm, model_id, metrics
+        self.names = {model_id, *aliases}  # what a request's `model` may say
         self.max_queue, self.keepalive_s = max_queue, keepalive_s
         self.tokenizer = llm.engine.tokenizer
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_id:
+        if model is not None and model not in self.names:
             raise ServingError(
                 404,
                 f"model {model!r} does not exist; this server runs {self.model_id!r}",

@@ -52,9 +52,11 @@ def build_app(
     max_queue: int = 1024,
     keepalive_s: float = KEEPALIVE_S,
     max_request_bytes: int | None = None,
+    aliases: Sequence[str] = (),
 ) -> FastAPI:
-    """The FastAPI app serving `llm` as `model_id`; bodies over `max_request_bytes` (default: a few
-    MiB above the longest prompt the context holds, `request_bytes_for`) are refused."""
+    """The FastAPI app serving `llm` as `model_id` (requests may also name it by `aliases`); bodies
+    over `max_request_bytes` (default: a few MiB above the longest prompt the context holds,
+    `request_bytes_for`) are refused."""
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorizer(api_key))])
     limit = max_request_bytes if max_request_bytes is not None else request_bytes_for(llm.engine.max_request_tokens)
     app.add_middleware(BodyLimit, limit=limit, refuse=lambda path, error: shape_of(path)(error))
@@ -65,7 +67,7 @@ def build_app(
     handle_errors(app)
     metrics = Metrics(llm.engine)
     serve_own_paths(app, llm, metrics)
-    core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s)
+    core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s, aliases)
     for api in (openai_router, anthropic_router, ollama_router):
         app.include_router(api.router(core))
     return app

@@ -580,3 +580,18 @@ def test_completions_continue_their_prompts_exactly_whole_and_streamed(client):
         assert whole.choices[0].text == "".join(part.choices[0].text for part in parts) == expected
         spaced += expected.startswith(" ")
     assert spaced >= 10  # many open with a space, which mlx-lm's detokenizer would drop
+
+
+def test_served_model_names_name_the_model_and_the_first_is_reported():
+    proc, url = start_server("--max-model-len", "64", "--served-model-name", "qwen", "--served-model-name", "local")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == ["qwen"]
+        for name in ("qwen", "local"):
+            reply = client.completions.create(model=name, prompt="The import statement", max_tokens=2)
+            assert reply.model == "qwen"
+        with pytest.raises(openai.NotFoundError, match="model 'mlxkv-demo' does not exist; this server runs 'qwen'"):
+            client.completions.create(model="mlxkv-demo", prompt="The import statement", max_tokens=2)
+        assert [m["name"] for m in httpx.get(f"{url}/api/tags").json()["models"]] == ["qwen"]
+    finally:
+        stop_server(proc)
