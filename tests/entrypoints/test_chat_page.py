@@ -69,6 +69,7 @@ def send(browser, text: str) -> None:
 
 def test_two_turns_stream_in_and_report_their_figures(page):
     WebDriverWait(page, 20).until(lambda b: b.find_element(By.ID, "model").text == "mlxkv-demo")
+    assert not page.find_element(By.ID, "tools-panel").is_displayed()  # the demo model has no tool calls
     send(page, "The import statement")
     WebDriverWait(page, 60).until(lambda b: "tokens/s" in b.find_element(By.ID, "figures").text)
     first = turns(page)
@@ -154,7 +155,7 @@ def test_stop_ends_the_reply_and_the_server_frees_its_pages_at_once(page, served
         assert time.monotonic() < deadline, "the stopped request still holds its pages"
         time.sleep(0.05)
     assert page.find_element(By.ID, "send").is_enabled() and not page.find_element(By.ID, "stop").is_enabled()
-    assert turns(page)[1][0] == "turn assistant"  # the partial reply stays in the conversation
+    assert turns(page)[1][0] == "turn assistant stopped"  # the partial reply stays, marked as stopped
 
 
 def test_with_an_api_key_the_page_loads_asks_for_the_key_and_chats():
@@ -164,6 +165,11 @@ def test_with_an_api_key_the_page_loads_asks_for_the_key_and_chats():
         assert httpx.get(f"{url}/").status_code == 200 and httpx.get(f"{url}/v1/models").status_code == 401
         browser.get(url + "/")
         WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "key-form").is_displayed())
+        assert browser.find_element(By.ID, "key-ask").text == "This server wants an API key:"
+        set_field(browser, "key", "open sesame")
+        browser.find_element(By.ID, "use-key").click()
+        WebDriverWait(browser, 20).until(lambda b: "refused" in b.find_element(By.ID, "key-ask").text)
+        assert browser.find_element(By.ID, "model").text == "the server refused the API key: enter the right one above"
         set_field(browser, "key", "sesame")
         browser.find_element(By.ID, "use-key").click()
         WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "mlxkv-demo")
@@ -201,6 +207,7 @@ def test_tool_calls_show_as_calls_and_the_next_message_answers_them(tmp_path):
         browser.get(url + "/")
         WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "tiny-tools")
         record_requests(browser)
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "tools-panel").is_displayed())
         browser.find_element(By.CSS_SELECTOR, "#tools-panel summary").click()
         set_field(browser, "tools", json.dumps([WEATHER]))
         Select(browser.find_element(By.ID, "tool-choice")).select_by_visible_text("required")
