@@ -10,6 +10,7 @@ a 400 naming them (mlxkv serves text models); `cache_control` is accepted
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -48,9 +49,6 @@ class MediaBlock(BaseModel):
     type: Literal["image", "document"]
     cache_control: CacheControl | None = None
 
-    def refuse(self) -> None:
-        raise UnsupportedContent(self.type, self.type)
-
 
 class ThinkingBlock(BaseModel):
     """A reply's reasoning, passed back in the history: the template renders it as reasoning
@@ -84,11 +82,7 @@ class ToolResultBlock(BaseModel):
 
     def text(self) -> str:
         content = self.content or ""
-        if isinstance(content, list):
-            for block in content:
-                if isinstance(block, MediaBlock):
-                    block.refuse()
-        text = content if isinstance(content, str) else "".join(b.text for b in content if isinstance(b, TextBlock))
+        text = content if isinstance(content, str) else _joined(content)
         return f"Error: {text}" if self.is_error else text
 
 
@@ -106,10 +100,7 @@ class MessageParam(BaseModel):
         """The message as chat templates read it (mlx-lm's way): a user's tool results as `tool`
         messages before its text, an assistant's tool uses as `tool_calls` with object arguments."""
         blocks = [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
-        for block in blocks:
-            if isinstance(block, MediaBlock):
-                block.refuse()
-        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        text = _joined(blocks)
         if self.role == "assistant":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             thought = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
@@ -227,8 +218,13 @@ class MessagesBody(CountTokensBody):
         return {**ANTHROPIC_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
 
 
-def _joined(blocks: list[TextBlock]) -> str:
-    return "".join(block.text for block in blocks)
+def _joined(blocks: Sequence[BaseModel]) -> str:
+    """The text of `blocks`' text blocks; an image or document among them is refused
+    (`UnsupportedContent`), as mlxkv serves text models."""
+    media = next((b for b in blocks if isinstance(b, MediaBlock)), None)
+    if media is not None:
+        raise UnsupportedContent(media.type, media.type)
+    return "".join(b.text for b in blocks if isinstance(b, TextBlock))
 
 
 class TextContent(BaseModel):
