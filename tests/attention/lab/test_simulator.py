@@ -312,6 +312,17 @@ def test_cost_counters_count_what_a_launch_does():
     assert (c.threadgroups, c.threadgroup_memory, c.threads) == (2, 128, 32)
 
 
+def launch_32(kernel) -> None:
+    """One launch of `kernel` on 32 threads, its one input 0..31."""
+    kernel(
+        inputs=[mx.arange(32, dtype=mx.float32)],
+        output_shapes=[(32,)],
+        output_dtypes=[mx.float32],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+    )
+
+
 @pytest.mark.parametrize(
     "pick, in_memory",
     [
@@ -347,13 +358,7 @@ def test_cost_counters_name_private_arrays_indexed_at_run_time(pick, in_memory):
         header='#define MLXKV_UNROLL _Pragma("clang loop unroll(full)")',
     )
     with cost_counters() as launches:
-        kernel(
-            inputs=[mx.arange(32, dtype=mx.float32)],
-            output_shapes=[(32,)],
-            output_dtypes=[mx.float32],
-            grid=(32, 1, 1),
-            threadgroup=(32, 1, 1),
-        )
+        launch_32(kernel)
     assert list(launches[0].dynamic_arrays) == in_memory
 
 
@@ -368,13 +373,7 @@ def test_cost_counters_without_arrays_skip_the_optimised_build(monkeypatch):
     monkeypatch.setattr(simulator, "dynamic_arrays", never)
     kernel = metal_kernel("probe", ["a"], ["out"], "out[thread_position_in_grid.x] = 2 * a[thread_position_in_grid.x];")
     with cost_counters(arrays=False) as launches:
-        kernel(
-            inputs=[mx.arange(32, dtype=mx.float32)],
-            output_shapes=[(32,)],
-            output_dtypes=[mx.float32],
-            grid=(32, 1, 1),
-            threadgroup=(32, 1, 1),
-        )
+        launch_32(kernel)
     assert launches[0].loads == 32 and launches[0].dynamic_arrays == ()
 
 
