@@ -26,12 +26,16 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, llm: AsyncLLM) -> None:
         super().__init__(config)
         self.llm = llm
+        self.stopping = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit:
+        # The flag is set first: a second signal can run this handler again in the middle of the
+        # first one, before uvicorn's `should_exit` is set (uvicorn then cancels every stream).
+        if self.stopping:
             sys.stderr.write("mlxkv: interrupted again; exiting now\n")
             sys.stderr.flush()
             os._exit(130)
+        self.stopping = True
         aborted = self.llm.abort_all()
         logger.info("stopping: no new connections; %d running requests aborted", aborted)
         super().handle_exit(sig, frame)
