@@ -8,6 +8,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..cache.pins import Pin
 from ..cache.prefix_cache import check_salt
 from ..errors import RequestTooLong, counted
+from .recent_outputs import RecentOutputs
 from .request import Request
 from .sampling.params import SamplingParams
 from .sampling.structured_output import StructuredOutput
@@ -21,13 +22,32 @@ def request_key(request_id: object) -> str:
     raise TypeError(f"request_id must be a string or an integer, got {type(request_id).__name__}")
 
 
-def encode_text(tokenizer: TokenizerWrapper, text: str) -> list[int]:
-    """Token ids of `text`, with the tokenizer's BOS unless the text starts with it (as mlx-lm does).
-    `verbose=False` silences transformers' warning on text longer than the model: the engine
-    checks the length itself, and names the setting that limits it."""
+def encode_text(
+    tokenizer: TokenizerWrapper,
+    text: str,
+    recent: RecentOutputs | None = None,
+    salt: str | None = None,
+    templated: bool = False,
+) -> list[int]:
+    """Token ids of `text`, with the tokenizer's BOS unless the text starts with it (as mlx-lm does)
+    or is `templated` (a chat template wrote its special tokens out); where it quotes an output
+    in `recent`, that output's own ids. `verbose=False` silences transformers' warning on text
+    longer than the model: the engine checks the length itself, and names the setting that limits it."""
     bos = tokenizer.bos_token
-    add_bos = bos is None or not text.startswith(bos)
-    ids: list[int] = tokenizer.encode(text, add_special_tokens=add_bos, verbose=False)
+    add_bos = not templated and (bos is None or not text.startswith(bos))
+    pieces = recent.split(salt, text) if recent is not None else [text]
+    if len(pieces) == 1 and isinstance(pieces[0], str):
+        return _encoded(tokenizer, text, add_bos)
+    lead = _encoded(tokenizer, "", add_bos)
+    if lead not in ([], [tokenizer.bos_token_id]):  # special tokens other than a BOS: keep the text whole
+        return _encoded(tokenizer, text, add_bos)
+    for piece in pieces:
+        lead += piece if isinstance(piece, list) else _encoded(tokenizer, piece, False)
+    return lead
+
+
+def _encoded(tokenizer: TokenizerWrapper, text: str, special: bool) -> list[int]:
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=special, verbose=False)
     return ids
 
 
@@ -46,11 +66,18 @@ def token_ids(prompt: object) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def encode_prompt(tokenizer: TokenizerWrapper, prompt: object, vocab_size: int) -> list[int]:
-    """Token ids for a prompt given as text or ids (text gets the tokenizer's BOS, as in mlx-lm); ids
-    must lie in the vocabulary and the prompt must not be empty."""
+def encode_prompt(
+    tokenizer: TokenizerWrapper,
+    prompt: object,
+    vocab_size: int,
+    recent: RecentOutputs | None = None,
+    salt: str | None = None,
+    templated: bool = False,
+) -> list[int]:
+    """Token ids for a prompt given as text (see `encode_text`) or ids; ids must lie in the
+    vocabulary and the prompt must not be empty."""
     if isinstance(prompt, str):
-        ids = encode_text(tokenizer, prompt)
+        ids = encode_text(tokenizer, prompt, recent, salt, templated)
     else:
         ids = token_ids(prompt)
         bad = [t for t in ids if not 0 <= t < vocab_size]

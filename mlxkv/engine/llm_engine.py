@@ -29,6 +29,7 @@ from .parallel.follower import follow
 from .parallel.rank_watchdog import RankWatchdog
 from .parallel.rank_zero import RankZero
 from .parallel.step_plan import PlanChannel, StepPlan
+from .recent_outputs import RecentOutputs
 from .recovery import StepRecovery
 from .request import PENDING, Request, Status
 from .sampling.params import SamplingParams
@@ -99,7 +100,11 @@ class LLMEngine:
         self.scheduler, self.rank_zero = parts.scheduler, parts.rank_zero
         self.vocab_size: int = self.runner.model.args.vocab_size
         self.requests: dict[str, Request] = {}
-        self.outputs = OutputProcessor(tokenizer, self.scheduler, self.speculator, self.requests)
+        tokens = self.cache.pool.capacity * self.cache.page_size
+        self.recent = (
+            RecentOutputs(tokens, tokenizer.decode, tokenizer.bos_token_id) if self.cache.prefix_caching else None
+        )
+        self.outputs = OutputProcessor(tokenizer, self.scheduler, self.speculator, self.requests, self.recent)
         self.recovery = StepRecovery(self.scheduler, self.cache, self.outputs)
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -127,9 +132,13 @@ class LLMEngine:
         warn("LLMEngine.prefix_stats", "LLMEngine.stats().prefix_cache")
         return self.scheduler.prefix_stats
 
-    def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
-        """Token ids for a prompt given as text or ids (text gets the tokenizer's BOS, as in mlx-lm)."""
-        return encode_prompt(self.tokenizer, prompt, self.vocab_size)
+    def encode(
+        self, prompt: str | Sequence[int] | np.ndarray, cache_salt: str | None = None, templated: bool = False
+    ) -> list[int]:
+        """Token ids for a prompt given as text or ids: text gets the tokenizer's BOS as in mlx-lm
+        (`templated` text, rendered by a chat template, has its special tokens written out and gets
+        none), and where it quotes an output of this engine (under `cache_salt`), that output's ids."""
+        return encode_prompt(self.tokenizer, prompt, self.vocab_size, self.recent, cache_salt, templated)
 
     def new_request_id(self) -> str:
         """An automatic request id that no live request uses."""
@@ -157,7 +166,7 @@ class LLMEngine:
         if self.lost is not None:
             raise self.lost
         request_id = self.new_request_id() if request_id is None else request_key(request_id)
-        prompt_ids, most = self.encode(prompt), self.max_request_tokens
+        prompt_ids, most = self.encode(prompt, cache_salt), self.max_request_tokens
         request = new_request(
             request_id, prompt_ids, params, cache_salt, pin, most, self.tokenizer, self.structured, continuation
         )
@@ -176,6 +185,8 @@ class LLMEngine:
             if request is not None:
                 request.drop_pending()
                 self.scheduler.finish(request, "abort")
+                if self.recent is not None and request.stream is not None:  # a stopped reply may be sent back
+                    self.recent.remember(request, whole=False)
             elif not missing_ok:
                 raise UnknownSequenceError(request_id)
 

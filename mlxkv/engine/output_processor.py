@@ -13,6 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..errors import MlxkvError
 from .outputs import RequestOutput, Usage
+from .recent_outputs import RecentOutputs
 from .request import Request, Status
 from .sampling.sampler import TokenLogprob
 from .scheduler import Scheduler
@@ -20,7 +21,8 @@ from .speculative.speculation import Speculator, accepted_prefix
 
 
 class OutputProcessor:
-    """Accepts sampled tokens into the live `requests` (by id), which it drops as they finish."""
+    """Accepts sampled tokens into the live `requests` (by id), which it drops as they finish (their
+    text and tokens kept in `recent`, where given)."""
 
     def __init__(
         self,
@@ -28,11 +30,13 @@ class OutputProcessor:
         scheduler: Scheduler,
         speculator: Speculator | None,
         requests: dict[str, Request],
+        recent: RecentOutputs | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.speculator = speculator
         self.requests = requests
+        self.recent = recent
 
     def accept_step(
         self,
@@ -121,6 +125,8 @@ class OutputProcessor:
             self.speculator.drafter.forget(request)
         assert request.stream is not None
         request.stream.finish()
+        if self.recent is not None and request.error is None:
+            self.recent.remember(request, whole=not request.stream.stopped)  # a stop string cuts the text
         request.finish_time = time.perf_counter()
         self.scheduler.finish(request, reason)
         del self.requests[request.request_id]

@@ -264,7 +264,7 @@ def chat_turn(
 ) -> tuple[list[dict[str, str]], Request | None]:
     """Answer the last message within what is left of the context; returns the conversation after
     it, and the reply's request (None when there was none)."""
-    ids = prompt_ids(llm.tokenizer, messages, False)
+    ids = prompt_ids(llm.tokenizer, messages, engine=llm.engine)
     room = llm.engine.max_request_tokens - len(ids)
     if room < 1:
         typer.echo(
@@ -282,9 +282,10 @@ def chat_turn(
     except (MlxkvError, ValueError) as exc:
         typer.echo(f"error: {in_flags(str(exc))}", err=True)
         return messages[:-1], None
-    # The reply exactly as generated (the streamed text drops a leading space, as mlx-lm's does),
-    # so the next turn's prompt starts with the tokens this turn stored and reuses their pages.
-    return messages + [{"role": "assistant", "content": llm.tokenizer.decode(request.output_ids)}], request
+    # The reply as printed: the engine encodes it back as the tokens it produced, so that the next
+    # turn's prompt starts with the tokens this turn stored and reuses their pages.
+    assert request.stream is not None
+    return messages + [{"role": "assistant", "content": request.stream.text}], request
 
 
 @app.command()

@@ -161,24 +161,33 @@ class ServingCore:
             return Tools(shown, *lazy) if lazy else Tools(shown)
 
     async def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: Tools | None = None, field: str = "messages"
+        self,
+        messages: list[dict[str, Any]],
+        tools: Tools | None = None,
+        field: str = "messages",
+        salt: str | None = None,
     ) -> list[int]:
         """The prompt of a conversation (role/content dicts, as chat templates read them), built on a
         worker thread (a long conversation takes the template and tokenizer seconds: the event loop
-        keeps serving everyone else meanwhile); a 400 naming `field` if it gives nothing to reply to."""
+        keeps serving everyone else meanwhile), replies the engine produced (under `salt`) kept as
+        their token ids; a 400 naming `field` if it gives nothing to reply to."""
+        shown = tools.shown if tools else None
         try:
-            prompt = await asyncio.to_thread(prompt_ids, self.tokenizer, messages, tools=tools.shown if tools else None)
+            prompt = await asyncio.to_thread(
+                prompt_ids, self.tokenizer, messages, tools=shown, engine=self.llm.engine, cache_salt=salt
+            )
         except Exception as exc:
             raise ServingError(400, f"the messages do not fit the model's chat template: {exc}", field) from None
         if not prompt:
             raise ServingError(400, f"the prompt made of {field} is empty: {EMPTY_CHAT}", field, "empty_prompt")
         return prompt
 
-    async def encode(self, text: str | list[int], field: str = "prompt") -> list[int]:
-        """A completion prompt's token ids (text with the tokenizer's BOS, or ids checked), encoded on
-        a worker thread; a 400 naming `field` if it is empty or not a prompt."""
+    async def encode(self, text: str | list[int], field: str = "prompt", salt: str | None = None) -> list[int]:
+        """A completion prompt's token ids (text with the tokenizer's BOS and outputs of the engine as
+        their ids, or ids checked), encoded on a worker thread; a 400 naming `field` if it is empty
+        or not a prompt."""
         try:
-            return await asyncio.to_thread(self.llm.engine.encode, text)
+            return await asyncio.to_thread(self.llm.engine.encode, text, salt)
         except (TypeError, ValueError) as exc:
             raise ServingError(400, str(exc), field) from None
 

@@ -38,6 +38,15 @@ class EngineCollector(Collector):
                 stats.prefix_cache.hit_rate,
             ),
         }
+        lookups = stats.prefix_cache
+        yield CounterMetricFamily(
+            "mlxkv_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            value=lookups.prompt_tokens,
+        )
+        yield CounterMetricFamily(
+            "mlxkv_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", value=lookups.cached_tokens
+        )
         speculation = stats.speculation
         if speculation is not None:
             gauges["spec_acceptance_rate"] = ("Share of draft tokens the model accepted", speculation.acceptance_rate)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..engine.inputs import encode_text
+from ..engine.llm_engine import LLMEngine
 
 
 def prompt_ids(
@@ -14,12 +15,19 @@ def prompt_ids(
     messages: list[dict[str, Any]],
     ignore_template: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    engine: LLMEngine | None = None,
+    cache_salt: str | None = None,
 ) -> list[int]:
     """The prompt for `messages` (`role`/`content` dicts), ending where the assistant's reply
-    begins; the template shows the model `tools` (OpenAI's function entries) where given."""
-    if tokenizer.has_chat_template and not ignore_template:
-        return cast(list[int], tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True))
-    return encode_text(tokenizer, plain_text(messages))
+    begins; the template shows the model `tools` (OpenAI's function entries) where given. With
+    `engine`, replies it produced (under `cache_salt`) keep the token ids it produced them as, so
+    that a next turn reuses the pages of the turns before."""
+    templated = tokenizer.has_chat_template and not ignore_template
+    if templated:
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+    else:
+        text = plain_text(messages)
+    return encode_text(tokenizer, text, engine.recent if engine else None, cache_salt, templated)
 
 
 def plain_text(messages: list[dict[str, Any]]) -> str:

@@ -231,3 +231,34 @@ def test_tool_calls_show_as_calls_and_the_next_message_answers_them(tmp_path):
     finally:
         browser.quit()
         stop_server(proc)
+
+
+def test_a_five_turn_chat_reuses_every_token_computed_for_the_turns_before():
+    """At the page's temperature (0.7), replies of 200 tokens: re-encoding such a reply would give
+    other tokens (the demo model writes "\\n" "\\n" where the tokenizer has "\\n\\n"), so each turn
+    reuses the previous prompt and reply (less its last token, sampled but never run) only if the
+    server keeps the reply's own ids."""
+    proc, url = start_server("--max-model-len", "2048")
+    browser = chromium()
+    try:
+        browser.get(url + "/")
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "mlxkv-demo")
+        assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0.7"
+        set_field(browser, "max-tokens", "200")
+        figures = []
+        for turn in range(5):
+            send(browser, f"Question {turn}: what does the with statement do?")
+            shown = 2 * (turn + 1)
+            WebDriverWait(browser, 120).until(
+                lambda b, shown=shown: len(turns(b)) == shown and b.find_element(By.ID, "send").is_enabled()
+            )
+            line = browser.find_element(By.ID, "figures").text
+            generated, reused, prompt = re.match(
+                r"(\d+) tokens, .*?, (\d+) of (\d+) prompt tokens reused", line
+            ).groups()
+            figures.append((int(generated), int(reused), int(prompt)))
+    finally:
+        browser.quit()
+        stop_server(proc)
+    expected = [0] + [prompt + generated - (generated == 200) for generated, _, prompt in figures[:-1]]
+    assert [reused for _, reused, _ in figures] == expected

@@ -61,7 +61,7 @@ class OpenAIServing:
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
         with self.core.reading("messages"):
             messages = [m.as_template_input() for m in body.messages]
-        prompt = await self.core.chat_prompt(messages, tools)
+        prompt = await self.core.chat_prompt(messages, tools, salt=body.cache_salt)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
             raise ServingError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -83,7 +83,7 @@ class OpenAIServing:
         runs = []
         for index, text in enumerate(batch):
             try:
-                prompt = await self.core.encode(text)
+                prompt = await self.core.encode(text, salt=body.cache_salt)
             except ServingError as exc:
                 raise ServingError(400, f"prompt {index}: {exc}", "prompt") if len(batch) > 1 else exc from None
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
