@@ -1,8 +1,10 @@
 """Every code block of README.md and docs/*.md, run verbatim in a fresh process, and what the text says it prints.
 
-The Markdown's conventions: a ```python or ```bash block runs from the repository root (bash with
-this interpreter's bin folder first on PATH, as after activating the virtual environment) and
-must exit 0; `<!-- not run: why -->` on the line before a block skips it for that reason. A
+The Markdown's conventions: a ```python or ```bash block runs from the repository root, in an
+environment holding only what the README's install brings (`pip install -e .`; bash with its bin
+folder first on PATH, as after activating it) and must exit 0. `<!-- after: pip install -e
+".[extra]" -->` on the line before a block runs it after that install instead, which the page must
+say in its text; `<!-- not run: why -->` skips it for that reason. A
 ```text block after `<!-- prints -->` quotes the output of the nearest runnable block above it:
 each quoted line must appear, in order, as a line of that output, where a number with a decimal
 point stands for any number and `...` for any text. Blocks that talk to 127.0.0.1:8000 get
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from helpers import start_server, stop_server
+from installed import environment
 
 from mlxkv import EngineConfig, SamplingParams
 
@@ -30,7 +33,8 @@ pytestmark = pytest.mark.xdist_group("port-8000")  # one worker runs them all: t
 ROOT = Path(__file__).parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
-MARKER = re.compile(r"^<!--\s*(not run:.*?|prints)\s*-->$")
+MARKER = re.compile(r"^<!--\s*(not run:.*?|prints|after:.*?)\s*-->$")
+AFTER = re.compile(r'^after: (pip install -e "\.\[(\w+(?:,\w+)*)\]")$')
 DECIMAL = re.compile(r"\d+\\\.\d+")
 
 
@@ -41,6 +45,8 @@ class Block:
     language: str
     source: str
     skip: str | None = None
+    install: str = "pip install -e ."  # what the page says to install before it
+    extras: tuple[str, ...] = ()
     prints: list[str] = field(default_factory=list)
 
     @property
@@ -68,6 +74,9 @@ def blocks(page: Path) -> list[Block]:
         elif language in ("python", "bash"):
             skip = note[len("not run:") :].strip() if note and note.startswith("not run:") else None
             found.append(Block(page, i + 1, language, "\n".join(body) + "\n", skip))
+            if note and (after := AFTER.match(note)):
+                found[-1].install, found[-1].extras = after.group(1), tuple(after.group(2).split(","))
+            assert not note or not note.startswith("after:") or after, f"{page.name}:{i + 1}: {note!r} names no extras"
         marker, i = None, end + 1
     return found
 
@@ -94,11 +103,12 @@ def missing_lines(quoted: list[str], output: str) -> list[str]:
     return missing
 
 
-def run(block: Block, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run `block` in a process group of its own, all of which goes when it ends or times out
-    (a block may start a server in the background)."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    command = [sys.executable, "-c", block.source] if block.language == "python" else ["bash", "-e", "-c", block.source]
+def run(block: Block, bin_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run `block` with the environment of `bin_dir`, in a process group of its own, all of which
+    goes when it ends or times out (a block may start a server in the background)."""
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(bin_dir.parent)}
+    python = str(bin_dir / "python")
+    command = [python, "-c", block.source] if block.language == "python" else ["bash", "-e", "-c", block.source]
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -112,6 +122,13 @@ def run(block: Block, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """The bin folder of an environment holding what a block's install brings (see `installed.py`)."""
+    root = tmp_path_factory.mktemp("installs")
+    return lambda block: environment(root, block.extras)
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +146,18 @@ def server():
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
-def test_block_runs_and_prints_what_the_text_says(block, server):
+def test_block_runs_and_prints_what_the_text_says(block, installed, server):
     if block.skip:
         pytest.skip(f"not run: {block.skip}")
     if block.language == "bash" and "curl " in block.source and not shutil.which("curl"):
         pytest.skip("needs curl, which this machine lacks (Debian: apt-get install curl)")
     if "127.0.0.1:8000" in block.source:
         server()
-    done = run(block)
-    assert done.returncode == 0, done.stderr
+    assert not block.extras or block.install in block.page.read_text().replace(
+        f"<!-- after: {block.install} -->", ""
+    ), f"{block.name} runs after `{block.install}`, which its page does not say"
+    done = run(block, installed(block))
+    assert done.returncode == 0, f"after {block.install}:\n{done.stderr}"
     missing = missing_lines(block.prints, done.stdout + done.stderr)
     assert not missing, f"not printed: {missing}\n--- output:\n{done.stdout}{done.stderr}"
 
@@ -175,5 +195,15 @@ def test_the_options_table_lists_every_setting_with_its_flag():
 def test_the_asyncio_example_exits_cleanly_every_time():
     """MLX aborts the process (exit 134) if the engine thread ends without `mx.clear_streams()`."""
     [block] = [b for b in BLOCKS if "AsyncLLM(" in b.source and not b.skip]
-    codes = [run(block).returncode for _ in range(5)]
+    codes = [run(block, Path(sys.executable).parent).returncode for _ in range(5)]
     assert codes == [0] * 5
+
+
+def test_a_block_runs_with_only_what_its_install_brings(installed):
+    """The plain install brings no client and no simulator compiler; each extra brings its own."""
+    found = "import importlib.util as u\nprint(*(u.find_spec(n) is not None for n in ('openai', 'ziglang')))\n"
+    seen = {}
+    for extras in ((), ("clients",), ("test",)):
+        probe = Block(ROOT / "README.md", 0, "python", found, extras=extras)
+        seen[extras] = run(probe, installed(probe)).stdout.split()
+    assert seen == {(): ["False", "False"], ("clients",): ["True", "False"], ("test",): ["True", "True"]}
