@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .attention.backend import BACKENDS
 from .cache.layout import KVLayout, resolve_layout
-from .cache.storage import BITS, KV_BITS, KV_GROUP_SIZES
+from .cache.storage import BITS, GROUP_SIZES, KV_BITS, KV_GROUP_SIZES
 from .deprecation import RenamedAttribute, renamed_keywords
 from .settings import BOOLEAN, POSITIVE, TEXT, Check, integer, number, one_of, optional, setting, validate
 
@@ -54,13 +54,16 @@ class EngineConfig:
         "KV layout: paged or contiguous [default: $MLXKV_KV_LAYOUT, else paged].",
         convert=resolve_layout,
         cli_type=str,
+        choices=tuple(layout.value for layout in KVLayout),
+        panel="Memory",
     )
-    page_size: int = setting(16, "Tokens per KV page.", POSITIVE, old_flags=("--block-size",))
+    page_size: int = setting(16, "Tokens per KV page.", POSITIVE, old_flags=("--block-size",), panel="Memory")
     num_pages: int | None = setting(
         None,
         "KV pages in the pool (paged layout), instead of --kv-cache-memory.",
         optional(POSITIVE),
         old_flags=("--num-blocks",),
+        panel="Memory",
     )
     kv_cache_memory: int | str | None = setting(
         None,
@@ -68,11 +71,13 @@ class EngineConfig:
         "--kv-cache-fraction of the memory left].",
         convert=parse_memory,
         cli_type=str,
+        panel="Memory",
     )
     kv_cache_fraction: float = setting(
         0.5,
         "Share of the memory left beside the weights that the KV cache takes, when no size is given.",
         number(0, 1, low_open=True),
+        panel="Memory",
     )
     memory_limit: float | int | str | None = setting(
         None,
@@ -80,72 +85,96 @@ class EngineConfig:
         "a size (16GB) [default: what the device can use: Metal's recommended working set, else RAM].",
         convert=parse_limit,
         cli_type=str,
+        panel="Memory",
     )
-    max_num_seqs: int = setting(16, "Most sequences computed at once.", POSITIVE)
-    max_num_batched_tokens: int = setting(512, "Most tokens one engine step computes.", POSITIVE)
+    max_num_seqs: int = setting(16, "Most sequences computed at once.", POSITIVE, panel="Engine")
+    max_num_batched_tokens: int = setting(512, "Most tokens one engine step computes.", POSITIVE, panel="Engine")
     max_itl_factor: float | None = setting(
         None,
         "Inter-token latency target, relative: prefill chunks are cut so that a step with running decodes takes "
         "at most this many times its decodes alone; 0 or none: no such target [default: none; serve: 2].",
         optional(FACTOR),
+        panel="Engine",
     )
     max_itl_ms: float | None = setting(
         None,
         "Inter-token latency target in milliseconds, beside --max-itl-factor: a step with running decodes takes "
         "about this long at most, or the relative target if that is longer; 0 or none: no such target.",
         optional(number(0)),
+        panel="Engine",
     )
     max_model_len: int | None = setting(
-        None, "Most tokens one sequence may hold [default: the model's context].", optional(POSITIVE)
+        None, "Most tokens one sequence may hold [default: the model's context].", optional(POSITIVE), panel="Memory"
     )
     prefix_caching: bool = setting(
-        True, "Reuse the KV pages of a prompt prefix computed before (paged layout).", BOOLEAN
+        True, "Reuse the KV pages of a prompt prefix computed before (paged layout).", BOOLEAN, panel="Memory"
     )
     prefix_states: int | None = setting(
         None,
         "Recurrent states a hybrid model keeps for prefix-cache hits, each as large as a running "
         "sequence's; 0 keeps none and reuses no prefix [default: --max-num-seqs].",
         optional(integer(0)),
+        panel="Memory",
     )
     pinned_fraction: float = setting(
         0.5,
         "Most share of the pages that pinned prompt prefixes (cache_control) may hold; 0 pins nothing.",
         number(0, 1),
+        panel="Memory",
     )
     kv_bits: int | None = setting(
         None,
         f"Quantize the KV pages to {one_of(*BITS).expected} bits [default: the model's dtype].",
         KV_BITS,
+        choices=tuple(map(str, BITS)),
+        panel="Memory",
     )
     kv_group_size: int = setting(
-        64, f"Values sharing one scale and bias in quantized pages: {KV_GROUP_SIZES.expected}.", KV_GROUP_SIZES
+        64,
+        f"Values sharing one scale and bias in quantized pages: {KV_GROUP_SIZES.expected}.",
+        KV_GROUP_SIZES,
+        choices=tuple(map(str, GROUP_SIZES)),
+        panel="Memory",
     )
     attention: str | None = setting(
         None,
         "Attention: metal or reference [default: $MLXKV_ATTENTION, else metal where available].",
         optional(one_of(*BACKENDS)),
         convert=lambda value: value.strip().lower() if isinstance(value, str) else value,
+        choices=BACKENDS,
+        panel="Engine",
     )
     pipeline: bool = setting(
-        True, "Start each step before reading the tokens of the one before (no: read every step first).", BOOLEAN
+        True,
+        "Start each step before reading the tokens of the one before (no: read every step first).",
+        BOOLEAN,
+        panel="Engine",
     )
     prompt_lookup: bool = setting(
-        False, "Speculative decoding with draft tokens looked up in each request's own prompt and output.", BOOLEAN
+        False,
+        "Speculative decoding with draft tokens looked up in each request's own prompt and output.",
+        BOOLEAN,
+        panel="Speculation",
     )
     draft_model: str | None = setting(
         None,
         "Speculative decoding with draft tokens from this mlx-lm checkpoint (path or Hugging Face repo id), "
         "which must share the model's tokenizer.",
         optional(TEXT),
+        panel="Speculation",
     )
     num_draft_tokens: int = setting(
-        3, "Most draft tokens a speculating request proposes per step (fewer while fewer are accepted).", POSITIVE
+        3,
+        "Most draft tokens a speculating request proposes per step (fewer while fewer are accepted).",
+        POSITIVE,
+        panel="Speculation",
     )
     rank_timeout_s: float = setting(
         60.0,
         "Under tensor parallel (mlx.launch): seconds one step may wait on the other processes before the "
         "group is declared failed and this process ends.",
         number(0, low_open=True),
+        panel="Tensor parallel",
     )
     rank_nap_s: float = setting(
         0.5,
@@ -153,6 +182,7 @@ class EngineConfig:
         "step to run, rather than poll for its next one at a core each; the first step after an idle "
         "spell may start this much later. 0: they never sleep.",
         number(0, 60),
+        panel="Tensor parallel",
     )
 
     block_size = RenamedAttribute("page_size")

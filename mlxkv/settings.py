@@ -89,11 +89,14 @@ def setting(
     old_flags: tuple[str, ...] = (),
     convert: Callable[[Any], Any] | None = None,
     cli_type: Any = None,
+    choices: tuple[str, ...] = (),
+    panel: str = "Sampling",
 ) -> Any:
     """A settings field: `default`, a one-sentence `help` (the CLI's), the values it accepts, how a
     given value is normalised first (`convert`), and its CLI flags and type where the field's name
     and type do not make them (`--page-size` for `page_size`); `old_flags` still work, hidden and
-    with a warning, for one release."""
+    with a warning, for one release. The CLI lists `choices` as the option's values and shows it
+    in the help's `panel`."""
     metadata = {
         "help": help,
         "check": check,
@@ -101,6 +104,8 @@ def setting(
         "old_flags": old_flags,
         "convert": convert,
         "cli_type": cli_type,
+        "choices": choices,
+        "panel": panel,
     }
     return field(default=default, metadata=metadata)
 

@@ -29,7 +29,7 @@ from ..engine.sampling.params import SamplingParams
 from ..errors import MlxkvError, counted
 from ..models.loading import load, model_context
 from ..models.sharding import world
-from .cli_options import fail, in_flags, with_settings
+from .cli_options import PanelledCommand, fail, in_flags, with_settings
 from .llm import LLM, Stream
 from .prompts import prompt_ids
 
@@ -48,13 +48,15 @@ MODEL = typer.Option(
     "--model",
     help="mlx-lm checkpoint directory or Hugging Face repo id [default: the shipped demo model]",
     show_default=False,
+    rich_help_panel="Model",
 )
-SYSTEM = typer.Option(None, help="System prompt for the chat template.")
+SYSTEM = typer.Option(None, help="System prompt for the chat template.", rich_help_panel="Prompt")
 VERBOSE = typer.Option(
     True,
     "--verbose/--no-verbose",
     help="Print the figures after the text; with --no-verbose only the text goes to stdout.",
 )
+SERVING = "Serving"
 SERVE_MAX_ITL_FACTOR = 2.0  # a server's decodes should feel smooth while prompts prefill beside them
 
 
@@ -169,13 +171,17 @@ def utf8(text: str | bytes, what: str) -> str:
         raise ValueError(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
-@app.command()
+@app.command(cls=PanelledCommand)
 @with_settings(defaults={"max_num_seqs": 1, "max_tokens": 100}, fixed={"logprobs": None})
 def generate(
     model: Optional[str] = MODEL,  # noqa: UP045
-    prompt: str = typer.Option("hello", "--prompt", "-p", help="The prompt; - reads it from stdin."),
+    prompt: str = typer.Option(
+        "hello", "--prompt", "-p", help="The prompt; - reads it from stdin.", rich_help_panel="Prompt"
+    ),
     system_prompt: Optional[str] = SYSTEM,  # noqa: UP045
-    ignore_chat_template: bool = typer.Option(False, help="Use the prompt as is, without the chat template."),
+    ignore_chat_template: bool = typer.Option(
+        False, help="Use the prompt as is, without the chat template.", rich_help_panel="Prompt"
+    ),
     verbose: bool = VERBOSE,
     *,
     config: EngineConfig,
@@ -209,7 +215,7 @@ CHAT_VERBOSE = typer.Option(
 )
 
 
-@app.command()
+@app.command(cls=PanelledCommand)
 @with_settings(defaults={"max_tokens": 512}, fixed={"max_num_seqs": 1, "logprobs": None})
 def chat(
     model: Optional[str] = MODEL,  # noqa: UP045
@@ -288,28 +294,38 @@ def chat_turn(
     return messages + [{"role": "assistant", "content": request.stream.text}], request
 
 
-@app.command()
+@app.command(cls=PanelledCommand)
 @with_settings(defaults={"max_itl_factor": SERVE_MAX_ITL_FACTOR})
 def serve(
     model: Optional[str] = MODEL,  # noqa: UP045
-    host: str = typer.Option("127.0.0.1", help="Address to listen on; the default answers this machine only."),
-    port: int = typer.Option(8000, min=0, max=65535, help="TCP port."),
-    api_key: Optional[str] = typer.Option(  # noqa: UP045
-        None, help="Require 'Authorization: Bearer <key>' on the API (not on /health and the chat page, which asks)."
+    host: str = typer.Option(
+        "127.0.0.1", help="Address to listen on; the default answers this machine only.", rich_help_panel=SERVING
     ),
-    allowed_origins: list[str] = typer.Option([], help="Origins browsers may call from (CORS); repeatable."),
-    max_queue: int = typer.Option(1024, min=0, help="Most requests waiting; more are answered 503."),
+    port: int = typer.Option(8000, min=0, max=65535, help="TCP port.", rich_help_panel=SERVING),
+    api_key: Optional[str] = typer.Option(  # noqa: UP045
+        None,
+        help="Require 'Authorization: Bearer <key>' on the API (not on /health and the chat page, which asks).",
+        rich_help_panel=SERVING,
+    ),
+    allowed_origins: list[str] = typer.Option(
+        [], help="Origins browsers may call from (CORS); repeatable.", rich_help_panel=SERVING
+    ),
+    max_queue: int = typer.Option(
+        1024, min=0, help="Most requests waiting; more are answered 503.", rich_help_panel=SERVING
+    ),
     max_request_bytes: Optional[int] = typer.Option(  # noqa: UP045
         None,
         min=1,
         help="Largest request body taken; larger ones are answered 413. Default: 4 MiB plus 32 bytes "
         "per token of the context.",
+        rich_help_panel=SERVING,
     ),
     served_model_name: list[str] = typer.Option(
         [],
         help="A name the model answers to (repeatable): the first is the one the server reports "
         "[default: --model as given, or mlxkv-demo].",
         show_default=False,
+        rich_help_panel="Model",
     ),
     *,
     config: EngineConfig,

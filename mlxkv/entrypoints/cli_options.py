@@ -13,11 +13,29 @@ from dataclasses import Field, fields
 from typing import Any, NoReturn, Optional, get_args, get_type_hints
 
 import typer
+from typer.core import TyperCommand
 
 from ..config import EngineConfig
 from ..engine.sampling.params import SamplingParams
 
 SETTINGS = {"config": EngineConfig, "params": SamplingParams}  # a command's parameter -> the record it gets
+# The help's sections, in this order: what a run of `generate` or `chat` most often changes first.
+PANELS = ("Sampling", "Prompt", "Model", "Serving", "Engine", "Memory", "Speculation", "Tensor parallel", "Options")
+
+
+class PanelledCommand(TyperCommand):
+    """A command whose help lists its options in sections (`PANELS`), plain text as Click prints it."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:  # Click's Context and HelpFormatter
+        sections: dict[str, list[tuple[str, str]]] = {panel: [] for panel in PANELS}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                sections[getattr(param, "rich_help_panel", None) or "Options"].append(record)
+        for panel, records in sections.items():
+            if records:
+                with formatter.section(f"{panel} options" if panel != "Options" else panel):
+                    formatter.write_dl(records)
 
 
 def fail(message: object) -> NoReturn:
@@ -73,8 +91,12 @@ def _option(item: Field[Any], hint: Any, default: Any) -> inspect.Parameter:
     if default == ():
         default = None  # a repeatable option's "none given"
     metavar = "<str>" if meta["cli_type"] == list[str] else None  # typer would print <list[str]>
+    if meta["choices"]:
+        metavar = "[" + "|".join(meta["choices"]) + "]"
     shown = default is not None and "[default:" not in meta["help"]  # a help text that says its default says it once
-    option = typer.Option(default, *flags, help=meta["help"], show_default=shown, metavar=metavar)
+    option = typer.Option(
+        default, *flags, help=meta["help"], show_default=shown, metavar=metavar, rich_help_panel=meta["panel"]
+    )
     annotation = Optional[kind] if default is None else kind  # noqa: UP045 (typer reads the annotation)
     return inspect.Parameter(item.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
 

@@ -235,6 +235,25 @@ def test_short_help_version_and_help_that_shows_its_defaults():
     assert factor.count("[default:") == 1 and "[default: none; serve: 2]" in factor
 
 
+def test_help_groups_the_options_in_sections_sampling_first_with_their_choices():
+    sections = {
+        "generate": ["Sampling", "Prompt", "Model", "Engine", "Memory", "Speculation", "Tensor parallel"],
+        "chat": ["Sampling", "Prompt", "Model", "Engine", "Memory", "Speculation", "Tensor parallel"],
+        "serve": ["Model", "Serving", "Engine", "Memory", "Speculation", "Tensor parallel"],
+    }
+    for command, expected in sections.items():
+        text = runner.invoke(app, [command, "-h"]).stdout
+        assert re.findall(r"^(.+) options:$", text, re.MULTILINE) == expected
+        assert text.index("Options:") > text.index("Tensor parallel options:")  # -h and the command's own last
+    generate = " ".join(runner.invoke(app, ["generate", "-h"]).stdout.split())
+    sampling = generate[generate.index("Sampling options:") : generate.index("Prompt options:")]
+    assert "-m, --max-tokens" in sampling and "--temp" in sampling and "--stop" in sampling
+    for choices in ("--kv-layout [paged|contiguous]", "--attention [metal|reference]", "--kv-bits [8|4]"):
+        assert choices in generate
+    serve = " ".join(runner.invoke(app, ["serve", "-h"]).stdout.split())
+    assert serve.index("--served-model-name") < serve.index("Serving options:") < serve.index("--port")
+
+
 def test_no_verbose_prints_only_the_text(checkpoint):
     path = checkpoint("llama-fp32")
     result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "-m", "12", "--no-verbose"])
