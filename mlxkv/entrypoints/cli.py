@@ -27,11 +27,12 @@ from ..engine.parallel.rank_watchdog import GRACE_S
 from ..engine.request import Request
 from ..engine.sampling.params import SamplingParams
 from ..errors import MlxkvError, counted
-from ..models.loading import load, model_context
+from ..models.loading import DEMO_MODEL, load, model_context, resolve_model_path
 from ..models.sharding import world
 from .cli_options import PanelledCommand, fail, in_flags, with_settings
 from .llm import LLM, Stream
 from .prompts import prompt_ids
+from .sampling_defaults import CONVERSATION, conversation_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +217,9 @@ CHAT_VERBOSE = typer.Option(
 
 
 @app.command(cls=PanelledCommand)
-@with_settings(defaults={"max_tokens": 512}, fixed={"max_num_seqs": 1, "logprobs": None})
+@with_settings(defaults={"max_tokens": 512} | CONVERSATION, fixed={"max_num_seqs": 1, "logprobs": None})
 def chat(
+    ctx: typer.Context,
     model: Optional[str] = MODEL,  # noqa: UP045
     system_prompt: Optional[str] = SYSTEM,  # noqa: UP045
     verbose: bool = CHAT_VERBOSE,
@@ -226,13 +228,17 @@ def chat(
     params: SamplingParams,
 ) -> None:
     """A multi-turn chat in the terminal. The KV cache holds one conversation of --max-model-len
-    tokens; with prefix caching each turn computes only what the turn before did not."""
+    tokens; with prefix caching each turn computes only what the turn before did not. Sampling
+    not given here is as the model's generation_config.json recommends, else at --temp 0.7."""
     try:
         group = world()
         llm = LLM(load(model, group), config=config, group=group)
+        recommended = conversation_sampling(resolve_model_path(model or DEMO_MODEL))
+        params = replace(params, **{k: v for k, v in recommended.items() if not given(ctx, k)})
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
     typer.echo(BANNER)
+    typer.echo(f"Sampling: {sampling_line(params)}.")
     if sys.stdin.isatty():
         import readline  # noqa: F401  (input() gets line editing and history)
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -263,6 +269,21 @@ def chat(
             continue
         messages.append({"role": "user", "content": line})
         messages, last = chat_turn(llm, messages, params, verbose)
+
+
+def sampling_line(params: SamplingParams) -> str:
+    """How a reply is sampled, in the CLI's flags: `--temp 0.6, --top-p 0.95, --top-k 20` (greedy at 0)."""
+    if params.temperature == 0:
+        return "greedy (--temp 0)"
+    shown = {"--temp": params.temperature, "--top-p": params.top_p, "--top-k": params.top_k, "--min-p": params.min_p}
+    unset = {"--top-p": 1.0, "--top-k": 0, "--min-p": 0.0}
+    return ", ".join(f"{flag} {value:g}" for flag, value in shown.items() if unset.get(flag) != value)
+
+
+def given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option of setting `name` was given (on the command line or in the environment)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
 def chat_turn(
@@ -354,6 +375,8 @@ def serve(
     logger.info("loaded in %.1f s", time.perf_counter() - started)
     llm = AsyncLLM(engine)
     names = served_model_name or [model or "mlxkv-demo"]
+    sampling = conversation_sampling(resolve_model_path(model or DEMO_MODEL))
+    logger.info("requests that do not say sample with %s", ", ".join(f"{k}={v}" for k, v in sampling.items()))
     app_ = build_app(
         llm,
         names[0],
@@ -362,6 +385,7 @@ def serve(
         max_queue=max_queue,
         max_request_bytes=max_request_bytes,
         aliases=names[1:],
+        sampling=sampling,
     )
     logger.info("serving on http://%s:%d (chat page at /)", host, listener.getsockname()[1])
     server = Server(uvicorn.Config(app_, log_level="warning"), llm)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,6 +23,7 @@ from .errors import ServingError, UnsupportedContent, refused_as
 from .metrics import Metrics
 from .prompts import prompt_ids
 from .replies import Event, Run
+from .sampling_defaults import CONVERSATION
 from .tool_calls import ToolCallStream, lazy_tool_grammar, tool_grammar
 
 Choice = tuple[list[int], SamplingParams]  # one choice's prompt and sampling
@@ -118,8 +119,11 @@ class ServingCore:
         max_queue: int,
         keepalive_s: float,
         aliases: Sequence[str] = (),
+        sampling: Mapping[str, Any] | None = None,
     ) -> None:
+        """`sampling`: the fields a request that gives none samples with (see `sampling_defaults`)."""
         self.llm, self.model_id, self.metrics = llm, model_id, metrics
+        self.defaults = dict(CONVERSATION if sampling is None else sampling)
         self.names = {model_id, *aliases}  # what a request's `model` may say
         self.max_queue, self.keepalive_s = max_queue, keepalive_s
         self.tokenizer = llm.engine.tokenizer

@@ -9,7 +9,7 @@ Concurrent clients share one `AsyncLLM`, so their requests are batched by the sc
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import version
 from importlib.resources import files
 from typing import Any
@@ -53,9 +53,11 @@ def build_app(
     keepalive_s: float = KEEPALIVE_S,
     max_request_bytes: int | None = None,
     aliases: Sequence[str] = (),
+    sampling: Mapping[str, Any] | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `llm` as `model_id` (requests may also name it by `aliases`); bodies
-    over `max_request_bytes` (default: a few MiB above the longest prompt the context holds,
+    """The FastAPI app serving `llm` as `model_id` (requests may also name it by `aliases`), sampling
+    with `sampling`'s fields where a request gives none (default: `sampling_defaults.CONVERSATION`);
+    bodies over `max_request_bytes` (default: a few MiB above the longest prompt the context holds,
     `request_bytes_for`) are refused."""
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorizer(api_key))])
     limit = max_request_bytes if max_request_bytes is not None else request_bytes_for(llm.engine.max_request_tokens)
@@ -67,7 +69,7 @@ def build_app(
     handle_errors(app)
     metrics = Metrics(llm.engine)
     serve_own_paths(app, llm, metrics)
-    core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s, aliases)
+    core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s, aliases, sampling)
     for api in (openai_router, anthropic_router, ollama_router):
         app.include_router(api.router(core))
     return app

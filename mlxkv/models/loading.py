@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,10 @@ NOT_YET = {
 DEMO_MODEL = Path(__file__).parents[1] / "demo_model"
 
 
+@functools.cache
 def resolve_model_path(path_or_repo: str | Path) -> Path:
-    """A local checkpoint directory for `path_or_repo`; a repo id is fetched as mlx-lm fetches it."""
+    """A local checkpoint directory for `path_or_repo`; a repo id is fetched as mlx-lm fetches it
+    (once a process: the next call finds it at once)."""
     if not isinstance(path_or_repo, (str, Path)):
         raise ModelLoadError(
             f"model must be a checkpoint directory or a Hugging Face repo id, got {type(path_or_repo).__name__}"

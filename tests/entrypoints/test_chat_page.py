@@ -262,3 +262,17 @@ def test_a_five_turn_chat_reuses_every_token_computed_for_the_turns_before():
         stop_server(proc)
     expected = [0] + [prompt + generated - (generated == 200) for generated, _, prompt in figures[:-1]]
     assert [reused for _, reused, _ in figures] == expected
+
+
+def test_the_temperature_field_starts_at_the_server_s_default(tmp_path):
+    path = make_checkpoint(tmp_path / "tiny")
+    (path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95}')
+    proc, url = start_server("--model", str(path), "--max-model-len", "256")
+    browser = chromium()
+    try:
+        browser.get(url + "/")
+        field = browser.find_element(By.ID, "temperature")
+        WebDriverWait(browser, 20).until(lambda b: field.get_attribute("value") == "0.6")
+    finally:
+        browser.quit()
+        stop_server(proc)

@@ -254,6 +254,20 @@ def test_help_groups_the_options_in_sections_sampling_first_with_their_choices()
     assert serve.index("--served-model-name") < serve.index("Serving options:") < serve.index("--port")
 
 
+def test_chat_samples_as_the_model_recommends_unless_told(tmp_path):
+    path = make_checkpoint(tmp_path / "tiny")
+    (path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "top_k": 20}')
+
+    def banner(*flags):
+        result = runner.invoke(app, ["chat", "--model", str(path), *flags], input="")
+        return result.stdout.splitlines()[1]
+
+    assert banner() == "Sampling: --temp 0.6, --top-p 0.95, --top-k 20."
+    assert banner("--temp", "0.3", "--top-k", "0") == "Sampling: --temp 0.3, --top-p 0.95."
+    assert banner("--temp", "0") == "Sampling: greedy (--temp 0)."
+    assert runner.invoke(app, ["chat"], input="").stdout.splitlines()[1] == "Sampling: --temp 0.7."
+
+
 def test_no_verbose_prints_only_the_text(checkpoint):
     path = checkpoint("llama-fp32")
     result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "-m", "12", "--no-verbose"])

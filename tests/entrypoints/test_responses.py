@@ -8,7 +8,6 @@ import openai
 import pytest
 from helpers import start_server, stop_server
 
-from mlxkv.entrypoints.prompts import prompt_ids
 from mlxkv.models import load
 from mlxkv.models.random_model import TOOLS_CHAT_TEMPLATE, make_checkpoint
 
@@ -69,14 +68,22 @@ def test_a_response_whole_and_streamed_is_the_same(client):
 def test_previous_response_id_continues_the_kept_conversation(client, checkpoint):
     first = create(client)
     second = create(client, input="And then?", previous_response_id=first.id, max_output_tokens=2)
-    turns = [
-        {"role": "user", "content": "Hello"},
-        {"role": "assistant", "content": first.output_text},
-        {"role": "user", "content": "And then?"},
-    ]
+    # The kept reply goes back as the tokens it was generated as: the whole first turn is reused
+    # (but the reply's 8th token, sampled and never run), and only the new message is computed.
+    assert first.usage.output_tokens == 8
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + 8 - 1
     tokenizer = load(str(checkpoint))[1]
-    assert second.usage.input_tokens == len(prompt_ids(tokenizer, turns))
-    assert second.usage.input_tokens_details.cached_tokens > 0  # the first turn's pages, reused
+    rendered = tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "REPLY"},
+            {"role": "user", "content": "And then?"},
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    tail = tokenizer.encode(rendered[rendered.index("REPLY") + len("REPLY") :], add_special_tokens=False)
+    assert second.usage.input_tokens == first.usage.input_tokens + 8 + len(tail)
     unkept = create(client, store=False)
     with pytest.raises(openai.BadRequestError) as refused:
         create(client, input="More?", previous_response_id=unkept.id)

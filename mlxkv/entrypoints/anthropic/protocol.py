@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from ..core import forced_tools
 from ..errors import ServingError, UnsupportedContent
 
-ANTHROPIC_DEFAULTS = {"temperature": 1.0}  # Anthropic's documented default; SamplingParams' own is greedy
 ANTHROPIC_KINDS = {"server_error": "api_error"}  # the core's kinds Anthropic names otherwise
 
 
@@ -215,7 +214,7 @@ class MessagesBody(CountTokensBody):
         given["stop"] = self.stop_sequences
         if self.output_config is not None and self.output_config.format is not None:
             given["json_schema"] = self.output_config.format.schema_
-        return {**ANTHROPIC_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 def _joined(blocks: Sequence[BaseModel]) -> str:

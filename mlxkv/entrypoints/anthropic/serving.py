@@ -58,7 +58,7 @@ class AnthropicServing:
 
     async def messages(self, body: MessagesBody, request: HTTPRequest) -> Any:
         prompt, tools = await self._prompt(body)
-        fields = tools.constrain(body.sampling_fields())
+        fields = tools.constrain(self.core.defaults | body.sampling_fields())
         params = self.core.sampling(prompt, body.max_tokens, fields, {"stop": "stop_sequences"})
         source = tools.source if fields.get("grammar") else "output_config" if body.output_config else None
         run = await self.core.start([(prompt, params)], tools, source, pin=await self._pin(body, prompt, tools))

@@ -23,9 +23,6 @@ PART = re.compile(r"(\d+(\.\d+)?)(ns|us|µs|ms|s|m|h)")
 DURATION = re.compile(rf"-?({PART.pattern})+")  # Go's durations, as Ollama reads keep_alive
 UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
-# Ollama's documented defaults where a Modelfile sets none; SamplingParams' own are greedy and unfiltered.
-OLLAMA_DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
-
 
 class Options(BaseModel):
     model_config = ConfigDict(extra="allow")

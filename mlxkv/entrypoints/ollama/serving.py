@@ -29,7 +29,6 @@ from ..errors import ServingError, UnsupportedContent
 from ..replies import Collected
 from ..tool_calls import Piece, ToolCall
 from .protocol import (
-    OLLAMA_DEFAULTS,
     OLLAMA_VERSION,
     Body,
     CalledFunction,
@@ -101,7 +100,7 @@ class OllamaServing:
     ) -> Any:
         options = body.options
         wanted = options.num_predict if options is not None and options.num_predict not in (None, -1) else None
-        fields = OLLAMA_DEFAULTS | (options.sampling_fields() if options else {}) | body.constraint()
+        fields = self.core.defaults | (options.sampling_fields() if options else {}) | body.constraint()
         fields = tools.constrain(fields) if tools else fields
         params = self.core.sampling(prompt, wanted, fields)
         source = tools.source if fields.get("grammar") and tools else "format" if body.format is not None else None
@@ -135,6 +134,7 @@ class OllamaServing:
             },
             capabilities=["completion"] + (["tools"] if tokenizer.has_tool_calling else []),
             modified_at=self.created.isoformat(),
+            parameters="\n".join(f"{name} {value:g}" for name, value in self.core.defaults.items()),
         )
 
     def _entry(self) -> ModelEntry:

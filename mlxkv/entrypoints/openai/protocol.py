@@ -27,7 +27,6 @@ from ..errors import ServingError, UnsupportedContent
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "logprobs"}
-OPENAI_DEFAULTS = {"temperature": 1.0}  # OpenAI's documented default; SamplingParams' own is greedy
 
 
 class StreamOptions(BaseModel):
@@ -86,11 +85,16 @@ class Body(BaseModel):
     structured_outputs: StructuredOutputs | None = None
 
     def sampling(
-        self, max_tokens: int, logprobs: int | None, constraint: dict[str, Any] | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        defaults: dict[str, Any],
+        constraint: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """The request's `SamplingParams`: the sampling fields it gave (null is unset), else OpenAI's
-        defaults, else mlxkv's, with the constraint of `response_format`, `structured_outputs` or
-        `constraint` (the server's own, for tool calls); a bad value raises ValueError naming the field."""
+        """The request's `SamplingParams`: the sampling fields it gave (null is unset), else the
+        server's `defaults`, else `SamplingParams`' own, with the constraint of `response_format`,
+        `structured_outputs` or `constraint` (the server's own, for tool calls); a bad value raises
+        ValueError naming the field."""
         given = {k: v for k, v in (self.model_extra or {}).items() if k in SAMPLING_FIELDS and v is not None}
         sources = [
             (name, part)
@@ -106,7 +110,7 @@ class Body(BaseModel):
             named = ", ".join(f"{k} ({name})" for name, part in sources for k in part if k in CONSTRAINTS)
             raise ValueError(f"constraints: give at most one; got {named}")
         given.update(sources[0][1] if sources else {})
-        return SamplingParams(**{**OPENAI_DEFAULTS, **given, "max_tokens": max_tokens, "logprobs": logprobs})
+        return SamplingParams(**{**defaults, **given, "max_tokens": max_tokens, "logprobs": logprobs})
 
 
 class TextPart(BaseModel):

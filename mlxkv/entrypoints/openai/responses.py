@@ -104,7 +104,7 @@ class ResponsesServing:
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
         prompt = await self.core.chat_prompt(system + messages, tools, "input")
         given = {"temperature": body.temperature, "top_p": body.top_p}
-        fields: dict[str, Any] = {"temperature": 1.0} | {k: v for k, v in given.items() if v is not None}
+        fields: dict[str, Any] = self.core.defaults | {k: v for k, v in given.items() if v is not None}
         fields = tools.constrain(fields | body.constraint())
         params = self.core.sampling(
             prompt, body.max_output_tokens, fields | {"logprobs": body.logprobs}, {"logprobs": "top_logprobs"}

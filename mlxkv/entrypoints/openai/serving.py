@@ -104,7 +104,7 @@ class OpenAIServing:
         limit = self.core.room(prompt, max_tokens)
         with refused_as():
             check_salt(body.cache_salt)
-            return body.sampling(limit, logprobs, constraint)
+            return body.sampling(limit, logprobs, self.core.defaults, constraint)
 
     async def _respond(
         self,
