@@ -29,7 +29,7 @@ class SequenceTooLong(MlxkvError, ValueError):
     """A sequence would outgrow the most tokens one sequence may hold."""
 
     def __init__(self, seq_id: object, length: int, limit: int) -> None:
-        super().__init__(f"sequence {seq_id!r} would hold {length} tokens, more than max_model_len={limit}")
+        super().__init__(f"sequence {seq_id!r} would hold {counted(length, 'token')}, more than max_model_len={limit}")
         self.seq_id = seq_id
         self.length = length
         self.limit = limit

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..deprecation import RenamedAttribute
+from ..errors import counted
 from .layout import KVLayout
 
 
@@ -67,7 +68,7 @@ class KVUsage:
             else ""
         )
         return (
-            f"{self.layout.value}{bits}, {self.pages_used}/{self.pages_total} pages of {self.page_size} tokens "
-            f"in use{cached}{windows}{states} (pool {size}), {self.bytes_holding_tokens / 2**20:.2f} of "
-            f"{self.bytes_allocated / 2**20:.2f} MiB in use holding tokens"
+            f"{self.layout.value}{bits}, {self.pages_used}/{self.pages_total} pages of "
+            f"{counted(self.page_size, 'token')} in use{cached}{windows}{states} (pool {size}), "
+            f"{self.bytes_holding_tokens / 2**20:.2f} of {self.bytes_allocated / 2**20:.2f} MiB in use holding tokens"
         )

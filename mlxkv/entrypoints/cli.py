@@ -296,7 +296,7 @@ def chat_turn(
     if room < 1:
         typer.echo(
             f"error: the conversation ({counted(len(ids), 'token')}) has outgrown the context of "
-            f"{llm.engine.max_request_tokens} tokens; /reset starts a new one",
+            f"{counted(llm.engine.max_request_tokens, 'token')}; /reset starts a new one",
             err=True,
         )
         return messages[:-1], None

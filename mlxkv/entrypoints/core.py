@@ -225,7 +225,7 @@ class ServingCore:
         if self.llm.engine.num_waiting + choices > self.max_queue:
             raise ServingError(
                 503,
-                f"the server is busy ({self.max_queue} requests waiting); retry shortly",
+                f"the server is busy ({counted(self.max_queue, 'request')} waiting); retry shortly",
                 code="queue_full",
                 kind="overloaded_error",
                 headers={"Retry-After": "1"},

@@ -12,6 +12,7 @@ from ...cache.manager import KVCacheManager, prefix_cached
 from ...cache.page_group import window_pool_pages
 from ...cache.storage import check_quantization, kv_bytes_per_token, per_layer
 from ...config import EngineConfig
+from ...errors import counted
 from ..model_kv import ModelKV
 
 
@@ -97,7 +98,7 @@ def size_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelK
         source = "kv_cache_memory" if asked_memory else f"kv_cache_fraction={config.kv_cache_fraction}"
         raise ValueError(
             f"the KV budget ({source}) leaves {max(budget, 0)} bytes for the full-attention layers, "
-            f"less than one page of {config.page_size} tokens{_beside(costs)}"
+            f"less than one page of {counted(config.page_size, 'token')}{_beside(costs)}"
         )
     pool_bytes = costs.fixed_bytes + pages * config.page_size * costs.bytes_per_token
     return KVCacheSizing(config.max_num_seqs, max_len, pages, costs.windows, costs.grouped, pool_bytes)
