@@ -61,8 +61,10 @@ def test_abort_from_another_thread_ends_the_stream(setup):
         seen = []
         async for delta in llm.generate(PROMPTS[1], SamplingParams(max_tokens=400), request_id="long"):
             seen.append(delta)
-            if len(seen) == 2:
-                threading.Thread(target=llm.abort, args=("long",)).start()
+            if len(seen) == 2:  # aborted from another thread, waited for: the stream must end
+                aborter = threading.Thread(target=llm.abort, args=("long",))
+                aborter.start()
+                aborter.join()
         return seen
 
     assert len(asyncio.run(main())) < 400

@@ -31,7 +31,7 @@ def chromium():
 
 @pytest.fixture(scope="module")
 def served():
-    proc, url = start_server("--max-model-len", "512")
+    proc, url = start_server("--max-model-len", "2048")
     yield url
     stop_server(proc)
 
@@ -142,14 +142,16 @@ def test_max_tokens_and_temperature_go_with_the_request(page, served):
 
 def test_stop_ends_the_reply_and_the_server_frees_its_pages_at_once(page, served):
     reload(page, served)
-    set_field(page, "max-tokens", "480")
+    # Greedy, the demo model writes 2,352 tokens for this prompt before its EOS: seconds on any
+    # machine, however loaded, against the fraction of one a click takes after the first text.
+    set_field(page, "max-tokens", "2000")
+    set_field(page, "temperature", "0")
     send(page, "The import statement")
-    # Polled often: the demo model writes 480 tokens in about a second, and the stop must come first.
     WebDriverWait(page, 60, poll_frequency=0.01).until(lambda b: len(turns(b)) == 2 and len(turns(b)[1][1]) > 10)
     page.find_element(By.ID, "stop").click()
     WebDriverWait(page, 30).until(lambda b: b.find_element(By.ID, "figures").text.startswith("stopped after"))
     generated = int(re.match(r"stopped after (\d+) tokens", page.find_element(By.ID, "figures").text).group(1))
-    assert 0 < generated < 480
+    assert 0 < generated < 2000
     deadline = time.monotonic() + 10
     while (metric(served, "running_requests"), metric(served, "kv_pages_used")) != (0, 0):
         assert time.monotonic() < deadline, "the stopped request still holds its pages"
