@@ -11,6 +11,7 @@ from ..errors import RequestTooLong, counted
 from .recent_outputs import RecentOutputs
 from .request import Request
 from .sampling.params import SamplingParams
+from .sampling.reasoning import reasoning_for
 from .sampling.structured_output import StructuredOutput
 from .sampling.text import ContinuingDetokenizer, TextStream
 
@@ -116,5 +117,6 @@ def new_request(
         )
     detokenizer = ContinuingDetokenizer(tokenizer.decode, prompt_ids) if continuation else tokenizer.detokenizer
     request.stream = TextStream(detokenizer, params.stop)
+    request.reasoning = None if continuation else reasoning_for(tokenizer, prompt_ids, lambda: tokenizer.detokenizer)
     request.constraint = structured.constraint(params)
     return request

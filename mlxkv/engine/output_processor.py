@@ -101,8 +101,7 @@ class OutputProcessor:
         if constraint is not None and not constraint.consume(token):  # the mask allowed it: a bug
             request.error = MlxkvError(f"structured output failed: {constraint.error()}")
             return "error"
-        assert request.stream is not None  # every request the engine admits has its stream
-        if request.stream.add(token):
+        if _add_text(request, token):
             request.truncate_outputs(index + 1)
             return "stop"
         if constraint is not None and constraint.is_stopped():  # its constraint allows nothing more
@@ -124,6 +123,10 @@ class OutputProcessor:
         if self.speculator is not None:
             self.speculator.drafter.forget(request)
         assert request.stream is not None
+        if request.reasoning is not None:
+            for token, thinking in request.reasoning.flush():
+                (request.reasoning.stream if thinking else request.stream).add(token)
+            request.reasoning.stream.finish()
         request.stream.finish()
         if self.recent is not None and request.error is None:
             self.recent.remember(request, whole=not request.stream.stopped)  # a stop string cuts the text
@@ -137,8 +140,13 @@ def output_of(
     request: Request, token_ids: tuple[int, ...] = (), scores: tuple[TokenLogprob, ...] = ()
 ) -> RequestOutput:
     """`request`'s output now: its new text and tokens, and its usage so far."""
+    reasoning = request.reasoning
     usage = Usage(
-        len(request.prompt_ids), request.num_outputs, request.num_cached_tokens or 0, request.pinned_tokens or 0
+        len(request.prompt_ids),
+        request.num_outputs,
+        request.num_cached_tokens or 0,
+        request.pinned_tokens or 0,
+        reasoning.tokens if reasoning is not None else 0,
     )
     assert request.stream is not None
     return RequestOutput(
@@ -151,7 +159,22 @@ def output_of(
         scores,
         usage,
         request.stream.stop_string,
+        reasoning.stream.take_delta() if reasoning is not None else "",
     )
+
+
+def _add_text(request: Request, token: int) -> bool:
+    """Add an accepted token to its request's text: the answer's, or a thinking model's reasoning
+    (see `Reasoning`); True when a stop string has appeared in the answer."""
+    assert request.stream is not None  # every request the engine admits has its stream
+    if request.reasoning is None:
+        return request.stream.add(token)
+    for routed, thinking in request.reasoning.route(token):
+        if thinking:
+            request.reasoning.stream.add(routed)
+        elif request.stream.add(routed):
+            return True
+    return False
 
 
 def _present(scores: list[TokenLogprob | None]) -> tuple[TokenLogprob, ...]:

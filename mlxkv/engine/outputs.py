@@ -16,12 +16,14 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     pinned_tokens: int = 0
+    reasoning_tokens: int = 0  # of the completion tokens, a thinking model's reasoning
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step did for one request: new text and tokens (with their log-probabilities when
-    asked for), whether it is done, and its token counts."""
+    """What one step did for one request: new text (a thinking model's answer, its reasoning apart)
+    and tokens (with their log-probabilities when asked for), whether it is done, and its token
+    counts."""
 
     # why: plain slotted records, not frozen ones, as the engine makes one per running request per step
     request_id: str
@@ -33,3 +35,4 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     usage: Usage | None = None
     stop_string: str | None = None  # the stop string that ended the text, when one did
+    reasoning: str = ""  # new reasoning text of a thinking model (`delta` is its answer's)

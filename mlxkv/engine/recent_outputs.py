@@ -62,8 +62,8 @@ class RecentOutputs:
         not copied); `whole`: the text is all of theirs, else a start of it."""
         assert request.stream is not None  # every request the engine admits has its stream
         text, ids = request.stream.text, request.output_ids
-        if not text or len(ids) > self.capacity:
-            return
+        if not text or len(ids) > self.capacity or (request.reasoning is not None and request.reasoning.tokens):
+            return  # a thinking model's answer is not all its ids' text
         key = (request.cache_salt, text)
         after = [t for t in request.prompt_ids[-CONTEXT:] if t != self._bos]
         with self._lock:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ..cache.pins import Pin
 from .sampling.constraint import Constraint
 from .sampling.params import SamplingParams
+from .sampling.reasoning import Reasoning
 from .sampling.sampler import TokenSampler
 from .sampling.text import TextStream
 from .speculative.speculation import Speculation
@@ -47,7 +48,8 @@ class Request:
     num_cached_tokens: int | None = None
     finish_reason: str | None = None
     error: Exception | None = None  # why it failed, when finish_reason is "error"
-    stream: TextStream | None = None
+    stream: TextStream | None = None  # the text (a thinking model's answer)
+    reasoning: Reasoning | None = None  # a thinking model's reasoning, apart from its answer
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

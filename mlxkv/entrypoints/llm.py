@@ -30,13 +30,15 @@ Prompt = str | Sequence[int]
 @dataclass(frozen=True)
 class Completion:
     """The result for one prompt. `finish_reason` is `stop` (EOS or a stop string) or `length`;
-    `num_cached_tokens` of the prompt's tokens came from the prefix cache instead of the model."""
+    `num_cached_tokens` of the prompt's tokens came from the prefix cache instead of the model.
+    A thinking model's reply (with `continuation=False`) has its `reasoning` apart from `text`."""
 
     text: str
     token_ids: list[int]
     finish_reason: str
     prompt_token_ids: list[int]
     num_cached_tokens: int
+    reasoning: str = ""
 
 
 class Stream:
@@ -200,6 +202,7 @@ def _completion(request: Request) -> Completion:
         request.finish_reason,
         list(request.prompt_ids),
         request.num_cached_tokens or 0,
+        request.reasoning.stream.text if request.reasoning is not None else "",
     )
 
 

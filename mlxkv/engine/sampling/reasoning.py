@@ -1,0 +1,87 @@
+"""A reply's reasoning apart from its answer: a thinking model's tokens between its think markers
+(Qwen3's `<think>` and `</think>`, as mlx-lm finds them in the vocabulary) are its reasoning, the
+rest its answer, the markers neither. Thinking starts only where the reply starts (or the prompt
+opened it) and never again once it has ended."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
+
+from .text import TextStream
+
+
+@dataclass(frozen=True)
+class ThinkMarkers:
+    """The token ids that open and close a model's thinking."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+
+    @staticmethod
+    def of(tokenizer: TokenizerWrapper) -> ThinkMarkers | None:
+        """The tokenizer's markers, where mlx-lm finds some."""
+        if not tokenizer.has_thinking:
+            return None
+        return ThinkMarkers(tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens))
+
+    def open_in(self, prompt: Sequence[int]) -> bool:
+        """Whether `prompt` leaves thinking open: its last start marker after its last end marker
+        (a template that opens the reply's thinking itself)."""
+        return _last(prompt, self.start) > _last(prompt, self.end)
+
+
+class Reasoning:
+    """Routes a reply's tokens to its reasoning or its answer as they are accepted, holding back
+    those that may be the start of a marker; keeps the reasoning's text."""
+
+    def __init__(self, markers: ThinkMarkers, thinking: bool, detokenizer: StreamingDetokenizer) -> None:
+        self.markers = markers
+        self.thinking = thinking  # the tokens now are reasoning
+        self.ended = False  # thinking has ended: it never starts again
+        self.tokens = 0  # reasoning tokens so far, markers included
+        self.stream = TextStream(detokenizer, ())
+        self._opening = not thinking  # the reply has not started: a start marker opens thinking
+        self._held: list[int] = []
+
+    def route(self, token: int) -> list[tuple[int, bool]]:
+        """`token`, with those held before it, each with whether it is reasoning, as far as they are
+        settled; marker tokens are dropped."""
+        self._held.append(token)
+        if self.thinking or self._opening:
+            self.tokens += self.thinking  # the end marker's tokens count as reasoning
+            marker = self.markers.end if self.thinking else self.markers.start
+            if tuple(self._held) == marker:
+                self.tokens += 0 if self.thinking else len(marker)  # and the start marker's
+                self._held, self._opening = [], False
+                self.thinking, self.ended = not self.thinking, self.thinking
+                return []
+            if marker[: len(self._held)] == tuple(self._held):
+                return []  # may still become the marker
+        released, self._held, self._opening = self._held, [], False
+        return [(t, self.thinking) for t in released]
+
+    def flush(self) -> list[tuple[int, bool]]:
+        """The tokens still held, at the end of the reply."""
+        released, self._held = self._held, []
+        return [(t, self.thinking) for t in released]
+
+
+def reasoning_for(
+    tokenizer: TokenizerWrapper, prompt: Sequence[int], detokenizer: Callable[[], StreamingDetokenizer]
+) -> Reasoning | None:
+    """A reply's `Reasoning`, for a model that thinks; None for one that does not."""
+    markers = ThinkMarkers.of(tokenizer)
+    return None if markers is None else Reasoning(markers, markers.open_in(prompt), detokenizer())
+
+
+def _last(tokens: Sequence[int], marker: tuple[int, ...]) -> int:
+    """Where `marker` last starts in `tokens`; -1 if nowhere (one vectorised pass over a long prompt)."""
+    ids = np.asarray(tokens)
+    for at in np.flatnonzero(ids == marker[0])[::-1]:
+        if tuple(ids[at : at + len(marker)].tolist()) == marker:
+            return int(at)
+    return -1

@@ -1,0 +1,88 @@
+"""A thinking model's reply split into reasoning and answer as its tokens are accepted."""
+
+from pathlib import Path
+
+import pytest
+from helpers import mlx_lm_text
+
+from mlxkv import LLM, SamplingParams
+from mlxkv.engine.sampling.reasoning import Reasoning, ThinkMarkers
+from mlxkv.entrypoints.prompts import prompt_ids
+from mlxkv.models.random_model import make_checkpoint
+
+SINGLE = ThinkMarkers(start=(5,), end=(6,))
+DOUBLE = ThinkMarkers(start=(7, 8), end=(9, 8))
+# Qwen3.5's way: the template opens the reply's thinking itself, unless told not to.
+OPENING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}"
+)
+
+
+class Tokens:
+    """A detokenizer that writes each token as its number and a space."""
+
+    def __init__(self):
+        self.text = ""
+
+    def add_token(self, token):
+        self.text += f"{token} "
+
+    def finalize(self):
+        pass
+
+
+def split(markers, tokens, thinking=False):
+    reasoning = Reasoning(markers, thinking, Tokens())
+    routed = [r for t in tokens for r in reasoning.route(t)] + reasoning.flush()
+    return [t for t, r in routed if r], [t for t, r in routed if not r], reasoning
+
+
+def test_the_markers_are_dropped_and_the_tokens_between_are_reasoning():
+    reasoning, answer, state = split(SINGLE, [5, 10, 11, 6, 12, 13])
+    assert (reasoning, answer, state.tokens, state.ended) == ([10, 11], [12, 13], 4, True)
+
+
+def test_thinking_starts_only_at_the_reply_s_start_and_never_again():
+    assert split(SINGLE, [10, 5, 11, 6])[:2] == ([], [10, 5, 11, 6])
+    assert split(SINGLE, [5, 10, 6, 12, 5, 13, 6])[:2] == ([10], [12, 5, 13, 6])
+
+
+def test_markers_of_several_tokens_are_held_until_settled():
+    reasoning, answer, state = split(DOUBLE, [7, 8, 1, 9, 2, 9, 8, 3])
+    assert (reasoning, answer, state.tokens) == ([1, 9, 2], [3], 7)
+    assert split(DOUBLE, [7, 8, 1, 9])[:2] == ([1, 9], [])  # a marker's start, then the end of the reply
+
+
+def test_a_prompt_that_opens_thinking_starts_the_reply_inside_it():
+    assert SINGLE.open_in([1, 5, 2]) and not SINGLE.open_in([1, 5, 2, 6, 3]) and not SINGLE.open_in([1, 2])
+    assert DOUBLE.open_in([7, 8, 4]) and not DOUBLE.open_in([7, 4, 8])
+    assert split(SINGLE, [10, 6, 11], thinking=True)[:2] == ([10], [11])
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("think") / "tiny", chat_template=OPENING_TEMPLATE)
+    return LLM(str(Path(path)), max_model_len=256)
+
+
+def test_a_reply_cut_inside_its_thinking_has_its_reasoning_and_no_answer(thinker):
+    tokenizer = thinker.tokenizer
+    prompt = prompt_ids(tokenizer, [{"role": "user", "content": "Hello"}])
+    assert tokenizer.decode(prompt).endswith("<think>\n")
+    [done] = thinker.generate(prompt, SamplingParams(max_tokens=12), continuation=False)
+    assert tokenizer.think_end_id not in done.token_ids  # the random model never ends its thinking
+    assert (done.text, done.finish_reason) == ("", "length")
+    assert done.reasoning == mlx_lm_text(tokenizer, done.token_ids)
+    streamed = thinker.stream(prompt, SamplingParams(max_tokens=12), continuation=False)
+    assert "".join(streamed) == "" and streamed.request.reasoning.stream.text == done.reasoning
+
+
+def test_without_thinking_the_reply_is_all_answer(thinker):
+    tokenizer = thinker.tokenizer
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hello"}], add_generation_prompt=True, enable_thinking=False
+    )
+    [done] = thinker.generate(prompt, SamplingParams(max_tokens=12), continuation=False)
+    assert (done.reasoning, done.text) == ("", mlx_lm_text(tokenizer, done.token_ids))
