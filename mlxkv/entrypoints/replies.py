@@ -46,10 +46,11 @@ class Framer(Protocol):
 
 @dataclass
 class Collected:
-    """One choice's whole reply: its pieces (content and tool calls), log-probabilities, last output,
-    and when its first output came (`time.perf_counter_ns()`)."""
+    """One choice's whole reply: its pieces (content and tool calls), reasoning, log-probabilities,
+    last output, and when its first output came (`time.perf_counter_ns()`)."""
 
     pieces: list[Piece] = field(default_factory=list)
+    reasoning: str = ""  # a thinking model's
     logprobs: list[TokenLogprob] = field(default_factory=list)
     last: RequestOutput | None = None
     first_ns: int | None = None
@@ -114,6 +115,7 @@ class Run:
                         reply = replies[index]
                         reply.first_ns = reply.first_ns or time.perf_counter_ns()
                         reply.pieces += split(self.splitters[index], output)
+                        reply.reasoning += output.reasoning
                         reply.logprobs += output.logprobs
                         reply.last = output
         except RequestFailed as exc:

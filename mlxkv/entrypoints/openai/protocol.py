@@ -267,8 +267,13 @@ def token_logprobs(decode: Callable[[list[int]], str], scores: Sequence[TokenSco
 
 
 class AssistantMessage(BaseModel):
+    """A reply; a thinking model's reasoning goes as `reasoning_content` (DeepSeek's name, read by
+    LiteLLM and LM Studio's clients) and `reasoning` (vLLM's and OpenRouter's), both the same."""
+
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[MessageToolCall] | None = None
 
 
@@ -296,6 +301,8 @@ class ToolCallDelta(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # as in `AssistantMessage`
+    reasoning: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -324,11 +331,16 @@ class PromptDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class OpenAIUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptDetails
+    completion_tokens_details: CompletionDetails
 
 
 class Reply(BaseModel):
@@ -400,6 +412,7 @@ def usage_of(usages: list[Usage | None], per_prompt: int) -> OpenAIUsage:
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=details,
+        completion_tokens_details=CompletionDetails(reasoning_tokens=sum(u.reasoning_tokens for u in done)),
     )
 
 

@@ -131,7 +131,7 @@ class OpenAIServing:
         if not isinstance(replies, list):
             return replies
         choices = [
-            reply.choice(i, r.text, _reason(r.finish_reason, r.calls), r.logprobs, r.calls)
+            reply.choice(i, r.text, _reason(r.finish_reason, r.calls), r.logprobs, r.calls, r.reasoning)
             for i, r in enumerate(replies)
         ]
         return reply.body(choices, usage_of([r.usage for r in replies], reply.per_prompt)).model_dump(
@@ -193,17 +193,24 @@ class _Reply:
         reason: str | None,
         scores: list[sampler.TokenLogprob],
         calls: list[ToolCall] | None = None,
+        reasoning: str = "",
         final: bool = True,
     ) -> Any:
-        """A choice of a whole reply (`final`) or of a chunk, with the log-probabilities asked for."""
+        """A choice of a whole reply (`final`) or of a chunk, with the log-probabilities asked for
+        and a thinking model's `reasoning` under both the names clients read."""
         serving = self.serving
         if self.kind == COMPLETION:
             logprobs = serving.completion_logprobs(scores) if scores else None
             return CompletionChoice(index=index, text=text, finish_reason=reason, logprobs=logprobs)
         chat_logprobs = serving.chat_logprobs(scores) if scores else None
         if not final:
-            return ChunkChoice(index=index, delta=Delta(content=text), logprobs=chat_logprobs, finish_reason=reason)
+            delta = Delta(content=text)
+            if reasoning:
+                delta.reasoning_content = delta.reasoning = reasoning
+            return ChunkChoice(index=index, delta=delta, logprobs=chat_logprobs, finish_reason=reason)
         message = AssistantMessage(role="assistant", content=text or (None if calls else ""))
+        if reasoning:
+            message.reasoning_content = message.reasoning = reasoning
         if calls:
             message.tool_calls = [
                 MessageToolCall(id=c.id, type="function", function=CalledFunction(name=c.name, arguments=c.arguments))
@@ -240,9 +247,11 @@ class _Chunks:
                 chunks.append(self.reply.body([choice], chunk=True).sse())
             self.calls[index].append(call)
         text = text_of(pieces)
-        if text or output.finished or output.logprobs:
+        if text or output.reasoning or output.finished or output.logprobs:
             reason = _reason(output.finish_reason, self.calls[index])
-            choice = self.reply.choice(index, text, reason, list(output.logprobs), final=False)
+            choice = self.reply.choice(
+                index, text, reason, list(output.logprobs), reasoning=output.reasoning, final=False
+            )
             chunks.append(self.reply.body([choice], chunk=True).sse())
         return chunks
 
