@@ -170,15 +170,23 @@ class ServingCore:
         tools: Tools | None = None,
         field: str = "messages",
         salt: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The prompt of a conversation (role/content dicts, as chat templates read them), built on a
         worker thread (a long conversation takes the template and tokenizer seconds: the event loop
         keeps serving everyone else meanwhile), replies the engine produced (under `salt`) kept as
-        their token ids; a 400 naming `field` if it gives nothing to reply to."""
+        their token ids, the template reading `template_kwargs`; a 400 naming `field` if it gives
+        nothing to reply to."""
         shown = tools.shown if tools else None
         try:
             prompt = await asyncio.to_thread(
-                prompt_ids, self.tokenizer, messages, tools=shown, engine=self.llm.engine, cache_salt=salt
+                prompt_ids,
+                self.tokenizer,
+                messages,
+                tools=shown,
+                engine=self.llm.engine,
+                cache_salt=salt,
+                template_kwargs=template_kwargs,
             )
         except Exception as exc:
             raise ServingError(400, f"the messages do not fit the model's chat template: {exc}", field) from None

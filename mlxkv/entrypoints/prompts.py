@@ -17,14 +17,18 @@ def prompt_ids(
     tools: list[dict[str, Any]] | None = None,
     engine: LLMEngine | None = None,
     cache_salt: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt for `messages` (`role`/`content` dicts), ending where the assistant's reply
-    begins; the template shows the model `tools` (OpenAI's function entries) where given. With
-    `engine`, replies it produced (under `cache_salt`) keep the token ids it produced them as, so
-    that a next turn reuses the pages of the turns before."""
+    begins; the template shows the model `tools` (OpenAI's function entries) where given, and
+    reads `template_kwargs` (`enable_thinking`, say). With `engine`, replies it produced (under
+    `cache_salt`) keep the token ids it produced them as, so that a next turn reuses the pages of
+    the turns before."""
     templated = tokenizer.has_chat_template and not ignore_template
     if templated:
-        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+        )
     else:
         text = plain_text(messages)
     return encode_text(tokenizer, text, engine.recent if engine else None, cache_salt, templated)

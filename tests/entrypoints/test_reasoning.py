@@ -1,11 +1,13 @@
 """A thinking model's reasoning apart from its answer over HTTP, with each API's official client."""
 
+import httpx
 import pytest
 from helpers import start_server, stop_server
 
 from mlxkv.models.random_model import make_checkpoint
 
 openai = pytest.importorskip("openai", reason="the openai package could not be installed")
+ollama = pytest.importorskip("ollama", reason="the ollama package could not be installed")
 
 # Qwen3.5's way: the template opens the reply's thinking itself, unless told not to.
 OPENING_TEMPLATE = (
@@ -20,12 +22,12 @@ HELLO = [{"role": "user", "content": "Hello"}]
 def client(tmp_path_factory):
     path = make_checkpoint(tmp_path_factory.mktemp("think") / "thinker", chat_template=OPENING_TEMPLATE)
     proc, url = start_server("--model", str(path), "--max-model-len", "256")
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="none"), str(path)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="none"), str(path), url
     stop_server(proc)
 
 
 def test_openai_chat_keeps_the_reasoning_apart_streamed_and_whole(client):
-    api, model = client
+    api, model, _ = client
     whole = api.chat.completions.create(model=model, messages=HELLO, max_tokens=12, temperature=0)
     [choice] = whole.choices
     assert (choice.message.content, choice.finish_reason) == ("", "length")  # cut inside its thinking
@@ -46,3 +48,40 @@ def test_openai_chat_keeps_the_reasoning_apart_streamed_and_whole(client):
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == choice.message.reasoning
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == choice.message.reasoning
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
+
+
+def test_thinking_turned_off_gives_no_reasoning_on_each_api(client):
+    api, model, url = client
+
+    def chat(**extra):
+        reply = api.chat.completions.create(model=model, messages=HELLO, max_tokens=8, temperature=0, **extra)
+        return reply.choices[0].message
+
+    for extra in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+        message = chat(extra_body=extra)
+        assert message.content and getattr(message, "reasoning", None) is None
+    assert getattr(chat(extra_body={"reasoning_effort": "high"}), "reasoning", None)
+    ask = ollama.Client(host=url)
+    off = ask.chat(model=model, messages=HELLO, think=False, options={"num_predict": 8, "temperature": 0})
+    on = ask.chat(model=model, messages=HELLO, think=True, options={"num_predict": 8, "temperature": 0})
+    assert off.message.content and not off.message.thinking
+    assert (on.message.content, on.message.thinking) == ("", chat().reasoning)
+
+
+def test_ollama_streams_the_thinking_apart(client):
+    _, model, url = client
+    ask = ollama.Client(host=url)
+    whole = ask.chat(model=model, messages=HELLO, options={"num_predict": 12, "temperature": 0})
+    parts = list(ask.chat(model=model, messages=HELLO, options={"num_predict": 12, "temperature": 0}, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == whole.message.thinking != ""
+    assert "".join(p.message.content for p in parts) == whole.message.content == ""
+    generated = ask.generate(model=model, prompt="Hello", options={"num_predict": 12, "temperature": 0})
+    assert (generated.response, generated.thinking) == ("", whole.message.thinking)
+
+
+def test_template_kwargs_the_server_sets_itself_are_refused(client):
+    _, model, url = client
+    body = {"model": model, "messages": HELLO, "chat_template_kwargs": {"tools": [], "enable_thinking": True}}
+    refused = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+    assert "may not set tools" in refused.json()["error"]["message"]

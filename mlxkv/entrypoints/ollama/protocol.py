@@ -2,9 +2,11 @@
 
 `options` maps to `SamplingParams` (`temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
 `num_predict`); the options that tune Ollama's own runner (`num_ctx`, `num_gpu`, `repeat_penalty`,
-...) and `think` are accepted and ignored. `keep_alive` is checked (a duration such as "5m", or
-seconds; negative: forever; 0: unload) but the one model stays loaded while the server runs.
-`images` are refused with a 400, as mlxkv serves text models.
+...) are accepted and ignored. `think` (true, false or a level) turns a thinking model's thinking
+on or off through its template's `enable_thinking`; the reasoning comes back as `thinking`.
+`keep_alive` is checked (a duration such as "5m", or seconds; negative: forever; 0: unload) but
+the one model stays loaded while the server runs. `images` are refused with a 400, as mlxkv
+serves text models.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class OllamaMessage(BaseModel):
     tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None  # a tool's answer: from which function
     images: list[str] | None = None
+    thinking: str | None = None  # an earlier reply's reasoning, sent back
 
     def as_template_input(self, index: int) -> dict[str, Any]:
         """The message as chat templates read it; calls get ids (Ollama's have none), a tool's
@@ -76,6 +79,8 @@ class OllamaMessage(BaseModel):
             ]
         if self.tool_name is not None:
             message["name"] = self.tool_name
+        if self.thinking:
+            message["reasoning_content"] = self.thinking  # the name chat templates read
         return message
 
 
@@ -88,6 +93,11 @@ class Body(BaseModel):
     options: Options | None = None
     stream: StrictBool = True
     keep_alive: float | None = None  # seconds; negative: forever
+    think: StrictBool | Literal["low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template reads of `think`: thinking on (a level too) or off."""
+        return {} if self.think is None else {"enable_thinking": self.think is not False}
 
     @field_validator("keep_alive", mode="before")
     @classmethod
@@ -151,6 +161,7 @@ class ShowBody(BaseModel):
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str = ""
+    thinking: str | None = None  # a thinking model's reasoning
     tool_calls: list[OllamaToolCall] | None = None
 
 
@@ -161,6 +172,7 @@ class Chunk(BaseModel):
     model: str
     created_at: str
     response: str | None = None
+    thinking: str | None = None  # `/api/generate`'s reasoning of a thinking model
     message: ResponseMessage | None = None
     done: bool = False
     done_reason: str | None = None

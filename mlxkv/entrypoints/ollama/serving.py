@@ -71,7 +71,7 @@ class OllamaServing:
         tools = self.core.tools(body.tools or [], [], True, "tools")
         with self.core.reading("messages"):
             messages = body.template_inputs()
-        prompt = await self.core.chat_prompt(messages, tools)
+        prompt = await self.core.chat_prompt(messages, tools, template_kwargs=body.template_kwargs())
         return await self._respond(body, prompt, request, "message", tools)
 
     async def generate(self, body: GenerateBody, request: HTTPRequest) -> Any:
@@ -86,7 +86,8 @@ class OllamaServing:
             prompt = await self.core.encode((body.system + "\n" if body.system else "") + body.prompt)
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
-            prompt = await self.core.chat_prompt(system + [{"role": "user", "content": body.prompt}], field="prompt")
+            user = [{"role": "user", "content": body.prompt}]
+            prompt = await self.core.chat_prompt(system + user, field="prompt", template_kwargs=body.template_kwargs())
         return await self._respond(body, prompt, request, "response", None, completing)
 
     async def _respond(
@@ -172,7 +173,8 @@ class _Lines:
     def output(self, index: int, output: RequestOutput, pieces: list[Piece]) -> Iterable[str]:
         self.first = self.first or time.perf_counter_ns()
         self.last = output
-        return [self._chunk(piece).line() for piece in _grouped(pieces)]
+        thought = [self._chunk("", thinking=output.reasoning).line()] if output.reasoning else []
+        return thought + [self._chunk(piece).line() for piece in _grouped(pieces)]
 
     def failed(self, error: ServingError) -> Iterable[str]:
         return [json.dumps({"error": str(error)}) + "\n"]
@@ -183,17 +185,19 @@ class _Lines:
     def whole(self, reply: Collected) -> dict[str, Any]:
         """The reply as one object: the last line, with all the reply's text (and calls) in it."""
         self.last, self.first = reply.last, reply.first_ns
-        return self._done(self._chunk(reply.text, reply.calls)).model_dump(exclude_none=True)
+        whole = self._chunk(reply.text, reply.calls, reply.reasoning)
+        return self._done(whole).model_dump(exclude_none=True)
 
-    def _chunk(self, piece: str | list[ToolCall], calls: list[ToolCall] | None = None) -> Chunk:
-        """A line with `piece` of the reply (text, or as a list, tool calls), and `calls` besides."""
+    def _chunk(self, piece: str | list[ToolCall], calls: list[ToolCall] | None = None, thinking: str = "") -> Chunk:
+        """A line with `piece` of the reply (text, or as a list, tool calls), and `calls` and a
+        thinking model's reasoning (`thinking`) besides."""
         text, calls = (piece, calls) if isinstance(piece, str) else ("", piece)
         if self.key == "response":
-            return Chunk(model=self.model, created_at=_now(), response=text)
+            return Chunk(model=self.model, created_at=_now(), response=text, thinking=thinking or None)
         made = [
             OllamaToolCall(function=CalledFunction(name=c.name, arguments=json.loads(c.arguments))) for c in calls or []
         ]
-        message = ResponseMessage(content=text, tool_calls=made or None)
+        message = ResponseMessage(content=text, thinking=thinking or None, tool_calls=made or None)
         return Chunk(model=self.model, created_at=_now(), message=message)
 
     def _done(self, chunk: Chunk) -> Chunk:

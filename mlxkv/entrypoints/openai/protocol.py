@@ -201,6 +201,20 @@ class ChatBody(Body):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: what the template reads besides
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """`chat_template_kwargs`, with `enable_thinking` off for `reasoning_effort` "none" and on
+        for any other effort, unless the kwargs say it themselves; ValueError for a name the
+        server sets itself."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        taken = sorted(kwargs.keys() & {"messages", "tools", "add_generation_prompt", "tokenize"})
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them")
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     def shown_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template shows the model, as OpenAI's entries (which templates and

@@ -61,7 +61,9 @@ class OpenAIServing:
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
         with self.core.reading("messages"):
             messages = [m.as_template_input() for m in body.messages]
-        prompt = await self.core.chat_prompt(messages, tools, salt=body.cache_salt)
+        with self.core.reading("chat_template_kwargs"):
+            kwargs = body.template_kwargs()
+        prompt = await self.core.chat_prompt(messages, tools, salt=body.cache_salt, template_kwargs=kwargs)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
             raise ServingError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
