@@ -221,9 +221,10 @@ def test_a_history_with_an_image_in_a_tool_result_and_thinking_blocks(client):
     assert counted[0] == counted[1]
 
 
-def test_thinking_passed_back_is_the_reasoning_templates_render():
+def test_thinking_passed_back_is_the_reasoning_templates_render_where_trusted():
     thought = {"type": "thinking", "thinking": "Two steps.", "signature": "c2ln"}
     message = MessageParam(role="assistant", content=[thought, {"type": "text", "text": "Done."}])
-    assert message.as_template_inputs() == [
+    assert message.as_template_inputs(lambda block: True) == [
         {"role": "assistant", "content": "Done.", "reasoning_content": "Two steps."}
     ]
+    assert message.as_template_inputs(lambda block: False) == [{"role": "assistant", "content": "Done."}]

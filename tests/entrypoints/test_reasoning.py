@@ -9,9 +9,12 @@ from mlxkv.models.random_model import make_checkpoint
 openai = pytest.importorskip("openai", reason="the openai package could not be installed")
 ollama = pytest.importorskip("ollama", reason="the ollama package could not be installed")
 
-# Qwen3.5's way: the template opens the reply's thinking itself, unless told not to.
+# Qwen3.5's way: the template opens the reply's thinking itself, unless told not to, and renders
+# the reasoning of replies passed back.
 OPENING_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
@@ -85,3 +88,28 @@ def test_template_kwargs_the_server_sets_itself_are_refused(client):
     refused = httpx.post(f"{url}/v1/chat/completions", json=body)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
     assert "may not set tools" in refused.json()["error"]["message"]
+
+
+def test_anthropic_thinking_blocks_streamed_whole_and_only_this_server_s_go_back_into_the_prompt(client):
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic package could not be installed")
+    _, model, url = client
+    api = anthropic.Anthropic(base_url=url, api_key="none")
+    args = {"model": model, "max_tokens": 12, "messages": HELLO, "extra_body": {"temperature": 0}}
+    whole = api.messages.create(**args)
+    thinking, text = whole.content
+    assert (thinking.type, text.type, text.text, whole.stop_reason) == ("thinking", "text", "", "max_tokens")
+    assert thinking.thinking and thinking.signature
+    with api.messages.stream(**args) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
+
+    def prompt_tokens(*blocks):
+        history = [*HELLO, {"role": "assistant", "content": [*blocks, {"type": "text", "text": "Hi"}]}, *HELLO]
+        return api.messages.count_tokens(model=model, messages=history).input_tokens
+
+    ours, unchanged = thinking.model_dump(), prompt_tokens()
+    assert prompt_tokens(ours) > unchanged  # its reasoning goes back into the prompt
+    assert prompt_tokens(ours | {"thinking": ours["thinking"] + " (edited)"}) == unchanged  # left out
+    assert prompt_tokens(ours | {"signature": "c2ln"}) == unchanged  # another server's
+    off = api.messages.create(**args, thinking={"type": "disabled"})
+    assert [b.type for b in off.content] == ["text"] and off.content[0].text

@@ -2,7 +2,8 @@
 events and error shape it sends.
 
 Content blocks of type `text`, `tool_use` and `tool_result` are read, `thinking` passed back as the
-template renders reasoning (`redacted_thinking` left out), and `image` and `document` refused with
+template renders reasoning (`redacted_thinking` left out), and the request's `thinking` turns a
+thinking model's thinking on or off; and `image` and `document` refused with
 a 400 naming them (mlxkv serves text models); `cache_control` is accepted
 (the prefix cache keeps every prompt's pages while the pool has room). Unknown fields, such as
 `metadata`, are ignored, as Anthropic's clients send some of their own.
@@ -10,7 +11,7 @@ a 400 naming them (mlxkv serves text models); `cache_control` is accepted
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -95,14 +96,15 @@ class MessageParam(BaseModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
-    def as_template_inputs(self) -> list[dict[str, Any]]:
+    def as_template_inputs(self, trusted: Callable[[ThinkingBlock], bool]) -> list[dict[str, Any]]:
         """The message as chat templates read it (mlx-lm's way): a user's tool results as `tool`
-        messages before its text, an assistant's tool uses as `tool_calls` with object arguments."""
+        messages before its text, an assistant's tool uses as `tool_calls` with object arguments,
+        its `trusted` thinking blocks as `reasoning_content`."""
         blocks = [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
         text = _joined(blocks)
         if self.role == "assistant":
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            thought = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+            thought = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock) and trusted(b))
             if thought:
                 message["reasoning_content"] = thought
             uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
@@ -139,8 +141,15 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: StrictBool = False
 
 
+class ThinkingConfig(BaseModel):
+    """Extended thinking: on (with a budget of reasoning tokens) or off."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1)
+
+
 class CountTokensBody(BaseModel):
-    """What decides a prompt's tokens: the model, system prompt, messages and tools."""
+    """What decides a prompt's tokens: the model, system prompt, messages, tools and thinking."""
 
     model_config = ConfigDict(extra="allow")
     model: str
@@ -148,6 +157,11 @@ class CountTokensBody(BaseModel):
     system: str | list[TextBlock] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template reads of `thinking`: thinking on or off."""
+        return {} if self.thinking is None else {"enable_thinking": self.thinking.type != "disabled"}
 
     def upto_last_cache_mark(self) -> tuple[CountTokensBody, CacheControl] | None:
         """The conversation cut after its last block marked with `cache_control` (system blocks,
@@ -169,10 +183,11 @@ class CountTokensBody(BaseModel):
         cut = message.model_copy(update={"content": message.content[: j + 1]})
         return self.model_copy(update={"messages": [*self.messages[:i], cut]}), mark
 
-    def template_inputs(self) -> list[dict[str, Any]]:
+    def template_inputs(self, trusted: Callable[[ThinkingBlock], bool] = lambda block: True) -> list[dict[str, Any]]:
+        """The conversation as chat templates read it, with the `trusted` thinking blocks only."""
         system = self.system if isinstance(self.system, str) or self.system is None else _joined(self.system)
         head = [{"role": "system", "content": system}] if system else []
-        return head + [m for message in self.messages for m in message.as_template_inputs()]
+        return head + [m for message in self.messages for m in message.as_template_inputs(trusted)]
 
     def shown_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template shows the model: all of them, or none with `tool_choice` none."""
@@ -238,7 +253,15 @@ class ToolUseContent(BaseModel):
     input: dict[str, Any]
 
 
-Content = TextContent | ToolUseContent
+class ThinkingContent(BaseModel):
+    """A thinking model's reasoning, signed so that the server knows it again when it comes back."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str
+
+
+Content = ThinkingContent | TextContent | ToolUseContent
 
 
 class Usage(BaseModel):
@@ -277,6 +300,16 @@ class InputJsonDelta(BaseModel):
     partial_json: str
 
 
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class SignatureDelta(BaseModel):
+    type: Literal["signature_delta"] = "signature_delta"
+    signature: str
+
+
 class MessageStart(BaseModel):
     type: Literal["message_start"] = "message_start"
     message: Message
@@ -291,7 +324,7 @@ class ContentBlockStart(BaseModel):
 class ContentBlockDelta(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta
 
 
 class ContentBlockStop(BaseModel):

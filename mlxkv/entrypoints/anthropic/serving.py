@@ -2,10 +2,12 @@
 stream, and `/v1/messages/count_tokens`.
 
 A reply's text and tool calls become content blocks (`text`, `tool_use`), in the order the model
-wrote them. Streamed, each block opens, grows (`text_delta`, or the call's whole input as one
-`input_json_delta`) and closes; the same splitter makes whole and streamed replies, so they are
-equal. Usage counts the prompt tokens read from the prefix cache as `cache_read_input_tokens`
-and the rest as `input_tokens`.
+wrote them, after a thinking model's reasoning as a signed `thinking` block. Streamed, each block
+opens, grows (`thinking_delta` then its `signature_delta`, `text_delta`, or the call's whole input
+as one `input_json_delta`) and closes; the same splitter makes whole and streamed replies, so they
+are equal. A thinking block sent back with a signature this server did not give it is left out of the prompt.
+Usage counts the prompt tokens read from the prefix cache as `cache_read_input_tokens` and the
+rest as `input_tokens`.
 """
 
 from __future__ import annotations
@@ -37,15 +39,20 @@ from .protocol import (
     MessageStart,
     MessageStop,
     Ping,
+    SignatureDelta,
     Stop,
     TextContent,
     TextDelta,
+    ThinkingBlock,
+    ThinkingContent,
+    ThinkingDelta,
     TokenCount,
     ToolUseContent,
     Usage,
     error_body,
     event,
 )
+from .signatures import ThinkingSignatures
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
@@ -53,8 +60,9 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 class AnthropicServing:
     """Turns Messages bodies into engine requests and their outputs into Anthropic's JSON and events."""
 
-    def __init__(self, core: ServingCore) -> None:
+    def __init__(self, core: ServingCore, signatures: ThinkingSignatures | None = None) -> None:
         self.core = core
+        self.signatures = signatures or ThinkingSignatures()
 
     async def messages(self, body: MessagesBody, request: HTTPRequest) -> Any:
         prompt, tools = await self._prompt(body)
@@ -64,13 +72,14 @@ class AnthropicServing:
         run = await self.core.start([(prompt, params)], tools, source, pin=await self._pin(body, prompt, tools))
         ident = f"msg_{uuid.uuid4().hex[:24]}"
         if body.stream:
-            framer = _Events(self._message(ident, [], None, Usage(input_tokens=len(prompt))))
+            framer = _Events(self._message(ident, [], None, Usage(input_tokens=len(prompt))), self.signatures)
             return StreamingResponse(run.stream(framer), media_type="text/event-stream")
         replies = await run.collect(request)
         if not isinstance(replies, list):
             return replies
         (reply,) = replies
-        return self._message(ident, _blocks(reply.pieces), reply.last, _usage(reply.usage)).model_dump()
+        thought = [self._thinking(reply.reasoning)] if reply.reasoning else []
+        return self._message(ident, thought + _blocks(reply.pieces), reply.last, _usage(reply.usage)).model_dump()
 
     async def count_tokens(self, body: CountTokensBody) -> TokenCount:
         return TokenCount(input_tokens=len((await self._prompt(body))[0]))
@@ -81,8 +90,16 @@ class AnthropicServing:
         field = "tool_choice" if body.tool_choice else "tools"
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), parallel, field)
         with self.core.reading("messages"):
-            messages = body.template_inputs()
-        return await self.core.chat_prompt(messages, tools), tools
+            messages = body.template_inputs(self._ours)
+        return await self.core.chat_prompt(messages, tools, template_kwargs=body.template_kwargs()), tools
+
+    def _ours(self, block: ThinkingBlock) -> bool:
+        """Whether a thinking block passed back is one this server wrote, unchanged: only those go
+        back into the prompt (another model's, or an edited one, is left out as redacted thinking is)."""
+        return block.signature is not None and self.signatures.check(block.thinking, block.signature)
+
+    def _thinking(self, reasoning: str) -> ThinkingContent:
+        return ThinkingContent(thinking=reasoning, signature=self.signatures.sign(reasoning))
 
     async def _pin(self, body: MessagesBody, prompt: list[int], tools: Tools) -> Pin | None:
         """What `cache_control` pins: the whole prompt for the request's own (top-level) mark,
@@ -96,7 +113,7 @@ class AnthropicServing:
             return None
         cut, mark = upto
         try:
-            head = await self.core.chat_prompt(cut.template_inputs(), tools)
+            head = await self.core.chat_prompt(cut.template_inputs(self._ours), tools)
         except ServingError:  # the template will not render the conversation cut there
             return None
         shared = next((k for k, (a, b) in enumerate(zip(head, prompt)) if a != b), min(len(head), len(prompt)))
@@ -113,9 +130,11 @@ class _Events:
     """Anthropic's event stream: `message_start`, each block's start, deltas and stop, `message_delta`
     with the stop reason and usage, `message_stop`; `ping` while there is nothing to send."""
 
-    def __init__(self, start: Message) -> None:
-        self.start = start
+    def __init__(self, start: Message, signatures: ThinkingSignatures) -> None:
+        self.start, self.signatures = start, signatures
         self.count = 0  # blocks opened
+        self.thinking: str | None = None  # the reasoning so far, while its block is open
+        self.answered = False  # a text or tool_use block has opened
         self.text_open = False
         self.called = False
         self.last: RequestOutput | None = None
@@ -128,7 +147,8 @@ class _Events:
 
     def output(self, index: int, output: RequestOutput, pieces: list[Piece]) -> Iterable[str]:
         self.last = output
-        return [event(e) for piece in pieces for e in self._add(piece)]
+        thought = self._think(output.reasoning) if output.reasoning else []
+        return [event(e) for e in thought] + [event(e) for piece in pieces for e in self._add(piece)]
 
     def failed(self, error: ServingError) -> Iterable[str]:
         return [event(error_body(error))]
@@ -136,16 +156,33 @@ class _Events:
     def closing(self) -> Iterable[str]:
         """The last block's stop (a reply with no blocks at all gets one empty text block), the stop
         reason and usage, and the end."""
-        if self.count == 0:
-            events = self._start(TextContent(text="")) + [ContentBlockStop(index=0)]
+        events = self._stop_thinking()
+        if not self.answered:
+            events += self._start(TextContent(text="")) + [ContentBlockStop(index=self.count - 1)]
         else:
-            events = self._stop_text()
+            events += self._stop_text()
         reason, stop = _stop(self.last, self.called)
         usage = _usage(self.last.usage if self.last else None)
         ending = [MessageDelta(delta=Stop(stop_reason=reason, stop_sequence=stop), usage=usage), MessageStop()]
         return [event(e) for e in events + ending]
 
+    def _think(self, reasoning: str) -> list[Any]:
+        opened = [] if self.thinking is not None else self._start(ThinkingContent(thinking="", signature=""))
+        self.thinking = (self.thinking or "") + reasoning
+        return opened + [ContentBlockDelta(index=self.count - 1, delta=ThinkingDelta(thinking=reasoning))]
+
+    def _stop_thinking(self) -> list[Any]:
+        """The thinking block's end: its signature, then its stop."""
+        if self.thinking is None:
+            return []
+        signature = SignatureDelta(signature=self.signatures.sign(self.thinking))
+        self.thinking = None
+        return [ContentBlockDelta(index=self.count - 1, delta=signature), ContentBlockStop(index=self.count - 1)]
+
     def _add(self, piece: Piece) -> list[Any]:
+        if self.thinking is not None:
+            return self._stop_thinking() + self._add(piece)
+        self.answered = True
         if isinstance(piece, str):
             opened = [] if self.text_open else self._start(TextContent(text=""))
             self.text_open = True
