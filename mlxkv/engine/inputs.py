@@ -117,6 +117,8 @@ def new_request(
         )
     detokenizer = ContinuingDetokenizer(tokenizer.decode, prompt_ids) if continuation else tokenizer.detokenizer
     request.stream = TextStream(detokenizer, params.stop)
-    request.reasoning = None if continuation else reasoning_for(tokenizer, prompt_ids, lambda: tokenizer.detokenizer)
+    if not continuation:
+        budget = params.thinking_token_budget
+        request.reasoning = reasoning_for(tokenizer, prompt_ids, lambda: tokenizer.detokenizer, budget)
     request.constraint = structured.constraint(params)
     return request

@@ -53,6 +53,16 @@ class InFlight:
     launched: float  # seconds from the step's start (drafting included) until its evaluation was started
 
 
+def _masked_after(request: Request) -> bool:
+    """Whether `request`'s mask this step depends on the token still pending from the step before:
+    it follows a constraint, or its thinking may have to close within its budget."""
+    if not request.num_pending:
+        return False
+    reasoning = request.reasoning
+    free = reasoning.free(request.num_pending) if reasoning is not None else None
+    return request.constraint is not None or (free is not None and free <= 0)
+
+
 NO_DRAWS: tuple[mx.array, tuple[mx.array, ...]] = (mx.array([], mx.uint32), ())  # a step in which no row samples
 
 
@@ -296,7 +306,7 @@ class LLMEngine:
         earlier token of its request: when one's last token comes from `previous`, start this step's
         forward pass and read `previous` while it runs (its tokens accepted, the constraints
         advanced). None when no row has to wait."""
-        if logits is None or previous is None or not any(r.constraint is not None and r.num_pending for r in sampling):
+        if logits is None or previous is None or not any(_masked_after(r) for r in sampling):
             return None
         self.cache.evaluate(logits, wait=False)
         return self._resolve(previous, batch.requests)

@@ -14,6 +14,9 @@ from ..engine.sampling.params import SamplingParams
 logger = logging.getLogger(__name__)
 
 CONVERSATION: dict[str, Any] = {"temperature": 0.7}
+# The thinking budget a reasoning effort (OpenAI's `reasoning_effort`, Ollama's `think` level)
+# stands for where a request gives none; None: unbounded.
+EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": None}
 FIELDS = ("temperature", "top_p", "top_k", "min_p")  # what generation_config.json may recommend
 
 

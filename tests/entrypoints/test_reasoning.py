@@ -113,3 +113,25 @@ def test_anthropic_thinking_blocks_streamed_whole_and_only_this_server_s_go_back
     assert prompt_tokens(ours | {"signature": "c2ln"}) == unchanged  # another server's
     off = api.messages.create(**args, thinking={"type": "disabled"})
     assert [b.type for b in off.content] == ["text"] and off.content[0].text
+
+
+def test_a_budget_of_16_closes_the_thinking_and_an_answer_follows_on_each_api(client):
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic package could not be installed")
+    api, model, url = client
+    chat = api.chat.completions.create(
+        model=model, messages=HELLO, max_tokens=40, temperature=0, extra_body={"thinking_token_budget": 16}
+    )
+    assert chat.usage.completion_tokens_details.reasoning_tokens == 16 and chat.choices[0].message.content
+    message = anthropic.Anthropic(base_url=url, api_key="none").messages.create(
+        model=model,
+        max_tokens=40,
+        messages=HELLO,
+        thinking={"type": "enabled", "budget_tokens": 16},
+        extra_body={"temperature": 0},
+    )
+    thinking, text = message.content
+    assert thinking.thinking == chat.choices[0].message.reasoning and text.text == chat.choices[0].message.content
+    reply = ollama.Client(host=url).chat(
+        model=model, messages=HELLO, options={"num_predict": 40, "temperature": 0, "thinking_token_budget": 16}
+    )
+    assert (reply.message.thinking, reply.message.content) == (thinking.thinking, text.text)

@@ -80,6 +80,12 @@ class SamplingParams:
         optional(Check(integer(0, 2**64 - 1).accepts, "an integer in [0, 2**64)")),
     )
     ignore_eos: bool = setting(False, "Generate past the end-of-sequence token (for benchmarks).", BOOLEAN)
+    thinking_token_budget: int | None = setting(
+        None,
+        "Most tokens a thinking model may reason before its answer (its think markers included): at the "
+        "budget its thinking is closed and the answer follows.",
+        optional(integer(0)),
+    )
     logprobs: int | None = setting(
         None,
         "Report each token's log-probability and this many most likely others.",

@@ -1,7 +1,9 @@
 """A reply's reasoning apart from its answer: a thinking model's tokens between its think markers
 (Qwen3's `<think>` and `</think>`, as mlx-lm finds them in the vocabulary) are its reasoning, the
 rest its answer, the markers neither. Thinking starts only where the reply starts (or the prompt
-opened it) and never again once it has ended."""
+opened it) and never again once it has ended. With a budget, the reply's thinking is closed when
+its reasoning (markers included) would outgrow it: the end marker is forced, token by token, as a
+constraint forces a grammar's tokens, and the answer follows."""
 
 from __future__ import annotations
 
@@ -38,8 +40,11 @@ class Reasoning:
     """Routes a reply's tokens to its reasoning or its answer as they are accepted, holding back
     those that may be the start of a marker; keeps the reasoning's text."""
 
-    def __init__(self, markers: ThinkMarkers, thinking: bool, detokenizer: StreamingDetokenizer) -> None:
+    def __init__(
+        self, markers: ThinkMarkers, thinking: bool, detokenizer: StreamingDetokenizer, budget: int | None = None
+    ) -> None:
         self.markers = markers
+        self.budget = budget  # most reasoning tokens, markers included
         self.thinking = thinking  # the tokens now are reasoning
         self.ended = False  # thinking has ended: it never starts again
         self.tokens = 0  # reasoning tokens so far, markers included
@@ -64,6 +69,19 @@ class Reasoning:
         released, self._held, self._opening = self._held, [], False
         return [(t, self.thinking) for t in released]
 
+    def free(self, pending: int = 0) -> int | None:
+        """How many more tokens the reply may sample freely before its thinking must close (with
+        `pending` tokens sampled but not yet routed); None while it is not thinking under a budget."""
+        if self.budget is None or not self.thinking:
+            return None
+        closing = len(self.markers.end) - len(self._held)  # the end marker's tokens still to come
+        return self.budget - self.tokens - pending - closing
+
+    def forced(self) -> int | None:
+        """The token the reply must take next to close its thinking within its budget; None if free."""
+        free = self.free()
+        return None if free is None or free > 0 else self.markers.end[len(self._held)]
+
     def flush(self) -> list[tuple[int, bool]]:
         """The tokens still held, at the end of the reply."""
         released, self._held = self._held, []
@@ -71,11 +89,15 @@ class Reasoning:
 
 
 def reasoning_for(
-    tokenizer: TokenizerWrapper, prompt: Sequence[int], detokenizer: Callable[[], StreamingDetokenizer]
+    tokenizer: TokenizerWrapper,
+    prompt: Sequence[int],
+    detokenizer: Callable[[], StreamingDetokenizer],
+    budget: int | None = None,
 ) -> Reasoning | None:
-    """A reply's `Reasoning`, for a model that thinks; None for one that does not."""
+    """A reply's `Reasoning` (of at most `budget` tokens), for a model that thinks; None for one
+    that does not."""
     markers = ThinkMarkers.of(tokenizer)
-    return None if markers is None else Reasoning(markers, markers.open_in(prompt), detokenizer())
+    return None if markers is None else Reasoning(markers, markers.open_in(prompt), detokenizer(), budget)
 
 
 def _last(tokens: Sequence[int], marker: tuple[int, ...]) -> int:

@@ -122,6 +122,16 @@ def _draw(logits: mx.array, params: list[SamplingParams], keys: mx.array) -> mx.
     return mx.argmax(scaled + noise, axis=-1).astype(mx.uint32)
 
 
+def _forced(logits: mx.array, forced: list[tuple[int, int]]) -> mx.array:
+    """`logits` with each of `forced`'s rows allowing its one token only (a thinking budget's end marker)."""
+    rows = np.array([row for row, _ in forced])
+    allowed = np.zeros((len(forced), logits.shape[-1]), dtype=np.bool_)
+    allowed[np.arange(len(forced)), [token for _, token in forced]] = True
+    index = mx.array(rows)
+    logits[index] = mx.where(mx.array(allowed), logits[index], -mx.inf)
+    return logits
+
+
 def draw(
     logits: mx.array,
     requests: Sequence[Request],
@@ -141,6 +151,9 @@ def draw(
     ]
     if constrained:
         logits = structured.masked(logits, constrained)
+    forced = [(int(f), t) for r, f in zip(requests, firsts) if r.reasoning and (t := r.reasoning.forced()) is not None]
+    if forced:
+        logits = _forced(logits, forced)
     samplers = [r.sampler for r, w in zip(requests, widths) for _ in range(w)]
     tokens = sample(logits, samplers, [n + i for n, w in zip(indices, widths) for i in range(w)])
     wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]

@@ -139,6 +139,9 @@ class Speculator:
         wanted = {}
         for request in requests:
             room = request.params.max_tokens - len(request.output_ids) - 1  # k drafts make k + 1 outputs
+            free = request.reasoning.free(request.num_pending) if request.reasoning is not None else None
+            if free is not None:  # no draft reaches where a thinking budget forces its end marker
+                room = min(room, free - 1)
             k = min(request.speculation.length(self.most, share), room)
             if k > 0:
                 wanted[request] = k

@@ -224,11 +224,13 @@ class MessagesBody(CountTokensBody):
 
     def sampling_fields(self) -> dict[str, Any]:
         """The sampling fields given (null is unset), as `SamplingParams` names them, with the JSON
-        schema of `output_config.format` (Anthropic's structured outputs)."""
+        schema of `output_config.format` (Anthropic's structured outputs) and the thinking budget."""
         given: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         given["stop"] = self.stop_sequences
         if self.output_config is not None and self.output_config.format is not None:
             given["json_schema"] = self.output_config.format.schema_
+        if self.thinking is not None and self.thinking.type == "enabled":
+            given["thinking_token_budget"] = self.thinking.budget_tokens
         return {k: v for k, v in given.items() if v is not None}
 
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from ..errors import ServingError, UnsupportedContent
+from ..sampling_defaults import EFFORT_BUDGETS
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these routes follow, for apps that check it
 PART = re.compile(r"(\d+(\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -35,6 +36,7 @@ class Options(BaseModel):
     seed: int | None = None
     stop: list[str] | None = None
     num_predict: int | None = None  # -1 or unset: as many as fit
+    thinking_token_budget: int | None = None  # mlxkv's: most tokens a thinking model reasons
 
     def sampling_fields(self) -> dict[str, Any]:
         given = {
@@ -44,6 +46,7 @@ class Options(BaseModel):
             "min_p": self.min_p,
             "seed": self.seed,
             "stop": self.stop,
+            "thinking_token_budget": self.thinking_token_budget,
         }
         return {k: v for k, v in given.items() if v is not None}
 
@@ -98,6 +101,10 @@ class Body(BaseModel):
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template reads of `think`: thinking on (a level too) or off."""
         return {} if self.think is None else {"enable_thinking": self.think is not False}
+
+    def think_fields(self) -> dict[str, Any]:
+        """The thinking budget a `think` level stands for (OpenAI's `reasoning_effort` budgets)."""
+        return {"thinking_token_budget": EFFORT_BUDGETS[self.think]} if isinstance(self.think, str) else {}
 
     @field_validator("keep_alive", mode="before")
     @classmethod

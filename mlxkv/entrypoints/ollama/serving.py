@@ -101,7 +101,8 @@ class OllamaServing:
     ) -> Any:
         options = body.options
         wanted = options.num_predict if options is not None and options.num_predict not in (None, -1) else None
-        fields = self.core.defaults | (options.sampling_fields() if options else {}) | body.constraint()
+        given = options.sampling_fields() if options else {}
+        fields = self.core.defaults | body.think_fields() | given | body.constraint()
         fields = tools.constrain(fields) if tools else fields
         params = self.core.sampling(prompt, wanted, fields)
         source = tools.source if fields.get("grammar") and tools else "format" if body.format is not None else None

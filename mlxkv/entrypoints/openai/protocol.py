@@ -24,6 +24,7 @@ from ...engine.sampling.params import CONSTRAINTS, SamplingParams
 from ...engine.sampling.sampler import TokenLogprob as TokenScore
 from ..core import forced_tools
 from ..errors import ServingError, UnsupportedContent
+from ..sampling_defaults import EFFORT_BUDGETS
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "logprobs"}
@@ -203,6 +204,10 @@ class ChatBody(Body):
     parallel_tool_calls: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: what the template reads besides
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def effort_fields(self) -> dict[str, Any]:
+        """The thinking budget `reasoning_effort` stands for (`EFFORT_BUDGETS`), as a default."""
+        return {} if self.reasoning_effort is None else {"thinking_token_budget": EFFORT_BUDGETS[self.reasoning_effort]}
 
     def template_kwargs(self) -> dict[str, Any]:
         """`chat_template_kwargs`, with `enable_thinking` off for `reasoning_effort` "none" and on

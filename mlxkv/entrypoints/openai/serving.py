@@ -106,7 +106,8 @@ class OpenAIServing:
         limit = self.core.room(prompt, max_tokens)
         with refused_as():
             check_salt(body.cache_salt)
-            return body.sampling(limit, logprobs, self.core.defaults, constraint)
+            defaults = self.core.defaults | (body.effort_fields() if isinstance(body, ChatBody) else {})
+            return body.sampling(limit, logprobs, defaults, constraint)
 
     async def _respond(
         self,

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from helpers import mlx_lm_text
+from helpers import drafts_always_pay, mlx_lm_text
 
 from mlxkv import LLM, SamplingParams
 from mlxkv.engine.sampling.reasoning import Reasoning, ThinkMarkers
@@ -86,3 +86,38 @@ def test_without_thinking_the_reply_is_all_answer(thinker):
     )
     [done] = thinker.generate(prompt, SamplingParams(max_tokens=12), continuation=False)
     assert (done.reasoning, done.text) == ("", mlx_lm_text(tokenizer, done.token_ids))
+
+
+def test_a_budget_closes_the_thinking_and_an_answer_follows(thinker):
+    tokenizer = thinker.tokenizer
+    prompt = prompt_ids(tokenizer, [{"role": "user", "content": "Hello"}])
+    [free] = thinker.generate(prompt, SamplingParams(max_tokens=40), continuation=False)
+    [held] = thinker.generate(prompt, SamplingParams(max_tokens=40, thinking_token_budget=16), continuation=False)
+    end = held.token_ids.index(tokenizer.think_end_id)
+    assert end == 15 and held.token_ids[:15] == free.token_ids[:15]  # 15 free tokens, then the end marker
+    assert held.reasoning == mlx_lm_text(tokenizer, held.token_ids[:15])
+    assert held.text == mlx_lm_text(tokenizer, held.token_ids[16:]) != ""
+
+
+def test_budgets_in_a_batch_each_hold_their_own_request_only(thinker):
+    tokenizer = thinker.tokenizer
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": f"Question {i}?"}]) for i in range(16)]
+    params = [SamplingParams(max_tokens=30, thinking_token_budget=None if i % 4 == 0 else i) for i in range(16)]
+    alone = [thinker.generate(p, sp, continuation=False)[0] for p, sp in zip(prompts, params)]
+    together = thinker.generate(prompts, params, continuation=False)
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    for done, sp in zip(together, params):
+        budget = sp.thinking_token_budget
+        if budget is not None:
+            assert done.token_ids.index(tokenizer.think_end_id) == max(budget - 1, 0)
+
+
+def test_speculation_drafts_nothing_past_where_a_budget_closes_the_thinking(thinker):
+    tokenizer = thinker.tokenizer
+    speculating = LLM((thinker.model, tokenizer), max_model_len=256, prompt_lookup=True)
+    drafts_always_pay(speculating.engine)
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": f"Again and again {i}"}]) for i in range(6)]
+    params = [SamplingParams(max_tokens=40, thinking_token_budget=4 + 3 * i) for i in range(6)]
+    expected = [c.token_ids for c in thinker.generate(prompts, params, continuation=False)]
+    assert [c.token_ids for c in speculating.generate(prompts, params, continuation=False)] == expected
+    assert speculating.stats().speculation.drafted > 0
