@@ -98,12 +98,18 @@ class OutputProcessor:
         else:
             request.append_output(token)
         constraint = request.constraint
-        if constraint is not None and not constraint.consume(token):  # the mask allowed it: a bug
-            request.error = MlxkvError(f"structured output failed: {constraint.error()}")
-            return "error"
-        if _add_text(request, token):
-            request.truncate_outputs(index + 1)
-            return "stop"
+        assert request.stream is not None  # every request the engine admits has its stream
+        for routed, thinking in _routed(request, token):
+            if thinking:  # a thinking model's reasoning: free text, whatever the answer must follow
+                assert request.reasoning is not None
+                request.reasoning.stream.add(routed)
+                continue
+            if constraint is not None and not constraint.consume(routed):  # the mask allowed it: a bug
+                request.error = MlxkvError(f"structured output failed: {constraint.error()}")
+                return "error"
+            if request.stream.add(routed):
+                request.truncate_outputs(index + 1)
+                return "stop"
         if constraint is not None and constraint.is_stopped():  # its constraint allows nothing more
             return "stop"
         if index + 1 >= request.params.max_tokens:
@@ -163,18 +169,10 @@ def output_of(
     )
 
 
-def _add_text(request: Request, token: int) -> bool:
-    """Add an accepted token to its request's text: the answer's, or a thinking model's reasoning
-    (see `Reasoning`); True when a stop string has appeared in the answer."""
-    assert request.stream is not None  # every request the engine admits has its stream
-    if request.reasoning is None:
-        return request.stream.add(token)
-    for routed, thinking in request.reasoning.route(token):
-        if thinking:
-            request.reasoning.stream.add(routed)
-        elif request.stream.add(routed):
-            return True
-    return False
+def _routed(request: Request, token: int) -> list[tuple[int, bool]]:
+    """An accepted token, with those a thinking model held before it, each with whether it is
+    reasoning (see `Reasoning`): as it is, for a model that does not think."""
+    return request.reasoning.route(token) if request.reasoning is not None else [(token, False)]
 
 
 def _present(scores: list[TokenLogprob | None]) -> tuple[TokenLogprob, ...]:

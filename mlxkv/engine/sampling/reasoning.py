@@ -15,6 +15,8 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 
 from .text import TextStream
 
+CLOSED_TAIL = 4  # tokens after a prompt's last end marker that still leave its reply all answer
+
 
 @dataclass(frozen=True)
 class ThinkMarkers:
@@ -25,8 +27,14 @@ class ThinkMarkers:
 
     @staticmethod
     def of(tokenizer: TokenizerWrapper) -> ThinkMarkers | None:
-        """The tokenizer's markers, where mlx-lm finds some."""
+        """The tokenizer's markers, where mlx-lm finds some in the vocabulary and the chat template
+        thinks too (names its start marker or `enable_thinking`): a vocabulary may hold the
+        markers for a model that never thinks, and its replies are all answer."""
         if not tokenizer.has_thinking:
+            return None
+        template = getattr(tokenizer, "chat_template", None)
+        text = " ".join(template.values()) if isinstance(template, dict) else template or ""
+        if tokenizer.think_start not in text and "enable_thinking" not in text:
             return None
         return ThinkMarkers(tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens))
 
@@ -35,13 +43,24 @@ class ThinkMarkers:
         (a template that opens the reply's thinking itself)."""
         return _last(prompt, self.start) > _last(prompt, self.end)
 
+    def closed_in(self, prompt: Sequence[int]) -> bool:
+        """Whether `prompt` ends with a thinking block closed (Qwen3's template with thinking off
+        writes an empty one): the reply is then all answer."""
+        end = _last(prompt, self.end)
+        return end >= 0 and end + len(self.end) >= len(prompt) - CLOSED_TAIL
+
 
 class Reasoning:
     """Routes a reply's tokens to its reasoning or its answer as they are accepted, holding back
     those that may be the start of a marker; keeps the reasoning's text."""
 
     def __init__(
-        self, markers: ThinkMarkers, thinking: bool, detokenizer: StreamingDetokenizer, budget: int | None = None
+        self,
+        markers: ThinkMarkers,
+        thinking: bool,
+        detokenizer: StreamingDetokenizer,
+        budget: int | None = None,
+        opening: bool = True,
     ) -> None:
         self.markers = markers
         self.budget = budget  # most reasoning tokens, markers included
@@ -49,7 +68,7 @@ class Reasoning:
         self.ended = False  # thinking has ended: it never starts again
         self.tokens = 0  # reasoning tokens so far, markers included
         self.stream = TextStream(detokenizer, ())
-        self._opening = not thinking  # the reply has not started: a start marker opens thinking
+        self._opening = opening and not thinking  # the reply has not started: a start marker opens thinking
         self._held: list[int] = []
 
     def route(self, token: int) -> list[tuple[int, bool]]:
@@ -68,6 +87,11 @@ class Reasoning:
                 return []  # may still become the marker
         released, self._held, self._opening = self._held, [], False
         return [(t, self.thinking) for t in released]
+
+    @property
+    def opening(self) -> bool:
+        """Whether the reply has not started: its next token may open thinking."""
+        return self._opening
 
     def free(self, pending: int = 0) -> int | None:
         """How many more tokens the reply may sample freely before its thinking must close (with
@@ -97,7 +121,9 @@ def reasoning_for(
     """A reply's `Reasoning` (of at most `budget` tokens), for a model that thinks; None for one
     that does not."""
     markers = ThinkMarkers.of(tokenizer)
-    return None if markers is None else Reasoning(markers, markers.open_in(prompt), detokenizer(), budget)
+    if markers is None:
+        return None
+    return Reasoning(markers, markers.open_in(prompt), detokenizer(), budget, not markers.closed_in(prompt))
 
 
 def _last(tokens: Sequence[int], marker: tuple[int, ...]) -> int:

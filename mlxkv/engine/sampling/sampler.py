@@ -122,6 +122,20 @@ def _draw(logits: mx.array, params: list[SamplingParams], keys: mx.array) -> mx.
     return mx.argmax(scaled + noise, axis=-1).astype(mx.uint32)
 
 
+def _after_thinking(
+    logits: mx.array, structured: StructuredOutput, rows: list[tuple[Request, int, Sequence[int]]]
+) -> mx.array:
+    """`logits` with each constrained row masked by its matcher: a thinking model's constraint holds
+    its answer only, so a reply that has not started may still open its thinking, the first token
+    of its start marker allowed beside what the grammar allows."""
+    opening = [(first, r.reasoning.markers.start[0]) for r, first, _ in rows if r.reasoning and r.reasoning.opening]
+    kept = logits[mx.array([f for f, _ in opening]), mx.array([t for _, t in opening])] if opening else None
+    logits = structured.masked(logits, [(r.constraint.matcher, first, d) for r, first, d in rows if r.constraint])
+    if kept is not None:
+        logits[mx.array([f for f, _ in opening]), mx.array([t for _, t in opening])] = kept
+    return logits
+
+
 def _forced(logits: mx.array, forced: list[tuple[int, int]]) -> mx.array:
     """`logits` with each of `forced`'s rows allowing its one token only (a thinking budget's end marker)."""
     rows = np.array([row for row, _ in forced])
@@ -145,12 +159,12 @@ def draw(
     widths = [1 + len(d) for d in drafts]
     firsts = np.cumsum(widths) - widths  # each row's first row of logits
     constrained = [
-        (r.constraint.matcher, int(f), d)
+        (r, int(f), d)
         for r, f, d in zip(requests, firsts, drafts)
-        if r.constraint is not None and r.constraint.active
+        if r.constraint is not None and r.constraint.active and not (r.reasoning and r.reasoning.thinking)
     ]
     if constrained:
-        logits = structured.masked(logits, constrained)
+        logits = _after_thinking(logits, structured, constrained)
     forced = [(int(f), t) for r, f in zip(requests, firsts) if r.reasoning and (t := r.reasoning.forced()) is not None]
     if forced:
         logits = _forced(logits, forced)

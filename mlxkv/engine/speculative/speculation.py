@@ -173,7 +173,9 @@ class Speculator:
         for request, proposal, most in zip(requests, proposals, lengths):
             request.draft = proposal[:most]
             if request.constraint is not None and request.draft:
-                del request.draft[request.constraint.draftable(request.draft) :]
+                reasoning = request.reasoning
+                thinking = reasoning is not None and not reasoning.ended  # a draft could end it unchecked
+                del request.draft[0 if thinking else request.constraint.draftable(request.draft) :]
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:
         request.speculation.record(drafted, accepted)

@@ -1,5 +1,6 @@
 """A thinking model's reply split into reasoning and answer as its tokens are accepted."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,27 @@ def test_speculation_drafts_nothing_past_where_a_budget_closes_the_thinking(thin
     expected = [c.token_ids for c in thinker.generate(prompts, params, continuation=False)]
     assert [c.token_ids for c in speculating.generate(prompts, params, continuation=False)] == expected
     assert speculating.stats().speculation.drafted > 0
+
+
+def test_a_constraint_holds_the_answer_only_the_reasoning_is_free(thinker):
+    tokenizer = thinker.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    prompt = prompt_ids(tokenizer, [{"role": "user", "content": "Is it?"}])
+    [free] = thinker.generate(prompt, SamplingParams(max_tokens=12), continuation=False)
+    params = SamplingParams(max_tokens=60, json_schema=schema, thinking_token_budget=12)
+    [done] = thinker.generate(prompt, params, continuation=False)
+    assert done.token_ids[:11] == free.token_ids[:11]  # the reasoning as without a schema
+    assert done.reasoning == mlx_lm_text(tokenizer, done.token_ids[:11])
+    assert json.loads(done.text) in ({"ok": True}, {"ok": False}) and done.finish_reason == "stop"
+
+
+def test_a_prompt_that_closed_an_empty_thinking_block_leaves_the_reply_all_answer():
+    assert SINGLE.closed_in([1, 5, 2, 6, 3]) and not SINGLE.closed_in([1, 5, 2, 6, 3, 3, 3, 3, 3])
+    assert split(SINGLE, [5, 10, 6])[:2] == ([10], [])
+    reasoning = Reasoning(SINGLE, False, Tokens(), opening=False)
+    assert [r for t in (5, 10, 6) for r in reasoning.route(t)] == [(5, False), (10, False), (6, False)]
