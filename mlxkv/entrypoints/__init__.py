@@ -1,6 +1,7 @@
 """What users call: the `LLM` API, the `mlxkv` command line and the `mlxkv serve` HTTP server.
 
-`llm` is `LLM`, whose `prompts` turn a conversation into prompt ids through the chat template. `cli`
+`llm` is `LLM`, whose `prompts` turn a conversation into prompt ids through the chat template, and
+`sampling_defaults` say how a conversation samples where its request does not. `cli`
 holds the commands, their options derived from the settings by `cli_options`, and `doctor` the
 report a Mac user pastes into an issue. `server` builds the HTTP app: each API's folder (`openai/`,
 `anthropic/`, `ollama/`) owns its routes, request and response bodies and serving, over one serving

@@ -4,5 +4,6 @@
 argmax, one Gumbel-max draw) and their log-probabilities; `structured_output` masks the logits of
 constrained requests with llguidance's grammars, whose text `lark` spells as the tokenizer does,
 each request's `constraint` following its output (from the first token, or lazily from a trigger);
-`text` turns tokens into streamed text and finds stop strings.
+`text` turns tokens into streamed text and finds stop strings, and `reasoning` keeps a thinking
+model's reasoning apart from its answer, closing its thinking at a budget.
 """

@@ -1,2 +1,3 @@
 """Anthropic's Messages API: `router` (its routes), `protocol` (request and response bodies, stream
-events, error shape) and `serving` (requests into engine requests, outputs into messages and events)."""
+events, error shape), `serving` (requests into engine requests, outputs into messages and events)
+and `signatures` (the thinking blocks it writes, signed to be known again)."""
