@@ -132,7 +132,8 @@ class OutputProcessor:
         if request.reasoning is not None:
             for token, thinking in request.reasoning.flush():
                 (request.reasoning.stream if thinking else request.stream).add(token)
-            request.reasoning.stream.finish()
+            if not request.reasoning.stream.finished:
+                request.reasoning.stream.finish()
         request.stream.finish()
         if self.recent is not None and request.error is None:
             self.recent.remember(request, whole=not request.stream.stopped)  # a stop string cuts the text

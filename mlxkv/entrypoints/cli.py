@@ -52,6 +52,11 @@ MODEL = typer.Option(
     rich_help_panel="Model",
 )
 SYSTEM = typer.Option(None, help="System prompt for the chat template.", rich_help_panel="Prompt")
+REASONING = typer.Option(
+    True,
+    "--reasoning/--no-reasoning",
+    help="Print a thinking model's reasoning before its answer (dimmed on a terminal).",
+)
 VERBOSE = typer.Option(
     True,
     "--verbose/--no-verbose",
@@ -113,23 +118,45 @@ def speculation_figures(request: Request) -> str:
     return f"; speculation: {spec.accepted} of {spec.drafted} draft tokens accepted ({rate:.0%})"
 
 
-def run_and_report(llm: LLM, prompt: list[int], params: SamplingParams, verbose: bool) -> Request:
-    """Stream one completion to stdout, then (verbose) print mlx-lm's figures and the KV cache's;
-    returns the finished request."""
+def run_and_report(
+    llm: LLM, prompt: list[int], params: SamplingParams, verbose: bool, reasoning: bool = True
+) -> Request:
+    """Stream one completion to stdout (a thinking model's reasoning first, dimmed on a terminal,
+    unless not `reasoning`), then (verbose) print mlx-lm's figures and the KV cache's; returns the
+    finished request."""
     llm.engine.cache.reset_peak_usage()
     stream = llm.stream(prompt, params, continuation=False)  # a reply, printed as mlx-lm prints it
     if verbose:
         typer.echo("==========")
+    dim, thinking = sys.stdout.isatty(), False
     try:
         show_prefill(stream)
-        for delta in stream:
-            typer.echo(delta, nl=False)
+        for text, thought in stream.pieces():
+            if thought and not reasoning:
+                continue
+            if thought != thinking:
+                typer.echo(switch(thought, dim), nl=False)
+                thinking = thought
+            typer.echo(text, nl=False)
     finally:
         stream.close()
+        if thinking and dim:
+            typer.echo(PLAIN, nl=False)
     typer.echo()
     if verbose:
         report(llm, stream.request)
     return stream.request
+
+
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # a terminal's faint text, and back
+
+
+def switch(thought: bool, dim: bool) -> str:
+    """What is printed where the reasoning starts (dimming, on a terminal) or ends (plain text again,
+    and the answer on a line of its own)."""
+    if thought:
+        return DIM if dim else ""
+    return (PLAIN if dim else "") + "\n"
 
 
 def report(llm: LLM, request: Request) -> None:
@@ -184,6 +211,7 @@ def generate(
         False, help="Use the prompt as is, without the chat template.", rich_help_panel="Prompt"
     ),
     verbose: bool = VERBOSE,
+    reasoning: bool = REASONING,
     *,
     config: EngineConfig,
     params: SamplingParams,
@@ -202,7 +230,7 @@ def generate(
         ids = prompt_ids(loaded[1], messages, ignore_chat_template)
         context = context_length(config.max_model_len, model_context(loaded[0]))
         config = replace(config, max_model_len=min(context, len(ids) + params.max_tokens))
-        run_and_report(LLM(loaded, config=config, group=group), ids, params, verbose)
+        run_and_report(LLM(loaded, config=config, group=group), ids, params, verbose, reasoning)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
 
@@ -223,6 +251,7 @@ def chat(
     model: Optional[str] = MODEL,  # noqa: UP045
     system_prompt: Optional[str] = SYSTEM,  # noqa: UP045
     verbose: bool = CHAT_VERBOSE,
+    reasoning: bool = REASONING,
     *,
     config: EngineConfig,
     params: SamplingParams,
@@ -268,7 +297,7 @@ def chat(
                 report(llm, last)
             continue
         messages.append({"role": "user", "content": line})
-        messages, last = chat_turn(llm, messages, params, verbose)
+        messages, last = chat_turn(llm, messages, params, verbose, reasoning)
 
 
 def sampling_line(params: SamplingParams) -> str:
@@ -287,7 +316,7 @@ def given(ctx: typer.Context, name: str) -> bool:
 
 
 def chat_turn(
-    llm: LLM, messages: list[dict[str, str]], params: SamplingParams, verbose: bool
+    llm: LLM, messages: list[dict[str, str]], params: SamplingParams, verbose: bool, reasoning: bool = True
 ) -> tuple[list[dict[str, str]], Request | None]:
     """Answer the last message within what is left of the context; returns the conversation after
     it, and the reply's request (None when there was none)."""
@@ -302,7 +331,7 @@ def chat_turn(
         return messages[:-1], None
     turn = replace(params, max_tokens=min(params.max_tokens, room))
     try:
-        request = run_and_report(llm, ids, turn, verbose)
+        request = run_and_report(llm, ids, turn, verbose, reasoning)
     except KeyboardInterrupt:
         typer.echo("\n[reply stopped]")
         return messages[:-1], None

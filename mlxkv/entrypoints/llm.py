@@ -43,6 +43,7 @@ class Completion:
 
 class Stream:
     """Text deltas of one request as they are produced; `request` holds its tokens and timings.
+    Iterating gives the text (a thinking model's answer); `pieces` gives its reasoning too.
 
     Iterating steps the shared engine when this request has no text waiting; text the step
     makes for other requests waits for their own consumers. Closing the stream, or dropping
@@ -59,6 +60,20 @@ class Stream:
         return self
 
     def __next__(self) -> str:
+        while True:
+            text, reasoning = self._next_piece()
+            if not reasoning:
+                return text
+
+    def pieces(self) -> Iterator[tuple[str, bool]]:
+        """Each new piece of text as it is produced, with whether it is a thinking model's reasoning."""
+        while True:
+            try:
+                yield self._next_piece()
+            except StopIteration:
+                return
+
+    def _next_piece(self) -> tuple[str, bool]:
         while not self._deltas:
             if self.request.finish_reason is not None:
                 self.close()
@@ -113,7 +128,7 @@ class LLM:
         if self.engine.rank != 0:
             self.engine.follow()
             raise SystemExit(0)
-        self._deltas: dict[str, deque[str]] = {}  # text waiting for each live request's consumer
+        self._deltas: dict[str, deque[tuple[str, bool]]] = {}  # text waiting for each request's consumer
 
     def generate(
         self,
@@ -168,8 +183,9 @@ class LLM:
         """One engine step; each request's new text goes to its own consumer."""
         for output in self.engine.step():
             deltas = self._deltas.get(output.request_id)
-            if deltas is not None and output.delta:
-                deltas.append(output.delta)
+            if deltas is not None:
+                new = ((output.reasoning, True), (output.delta, False))  # a step's reasoning comes first
+                deltas.extend((text, reasoning) for text, reasoning in new if text)
 
     def _submit(
         self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: str | None, continuation: bool

@@ -268,6 +268,21 @@ def test_chat_samples_as_the_model_recommends_unless_told(tmp_path):
     assert runner.invoke(app, ["chat"], input="").stdout.splitlines()[1] == "Sampling: --temp 0.7."
 
 
+def test_generate_prints_a_thinking_model_s_reasoning_first_unless_told_not_to(tmp_path):
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n<think>\n"
+    )
+    path = str(make_checkpoint(tmp_path / "thinker", chat_template=template))
+    llm = LLM(path, max_model_len=128)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    [done] = llm.generate(prompt, SamplingParams(max_tokens=30, thinking_token_budget=10), continuation=False)
+    assert done.reasoning and done.text
+    flags = ["generate", "--model", path, "-p", "Hi", "-m", "30", "--thinking-token-budget", "10", "--no-verbose"]
+    assert runner.invoke(app, flags).stdout == done.reasoning + "\n" + done.text + "\n"  # not a terminal: no dimming
+    assert runner.invoke(app, [*flags, "--no-reasoning"]).stdout == done.text + "\n"
+
+
 def test_no_verbose_prints_only_the_text(checkpoint):
     path = checkpoint("llama-fp32")
     result = runner.invoke(app, ["generate", "--model", str(path), "--prompt", PROMPT, "-m", "12", "--no-verbose"])

@@ -82,6 +82,8 @@ class Reasoning:
                 self.tokens += 0 if self.thinking else len(marker)  # and the start marker's
                 self._held, self._opening = [], False
                 self.thinking, self.ended = not self.thinking, self.thinking
+                if self.ended:  # all the reasoning's text goes out before the answer's
+                    self.stream.finish()
                 return []
             if marker[: len(self._held)] == tuple(self._held):
                 return []  # may still become the marker
