@@ -135,3 +135,32 @@ def test_a_budget_of_16_closes_the_thinking_and_an_answer_follows_on_each_api(cl
         model=model, messages=HELLO, options={"num_predict": 40, "temperature": 0, "thinking_token_budget": 16}
     )
     assert (reply.message.thinking, reply.message.content) == (thinking.thinking, text.text)
+
+
+def test_responses_reasoning_items_streamed_and_whole_and_passed_back(client):
+    api, model, _ = client
+    whole = api.responses.create(model=model, input="Hello", max_output_tokens=12, temperature=0)
+    [reasoning] = whole.output  # cut inside its thinking: no message at all
+    assert (reasoning.type, whole.output_text, whole.status) == ("reasoning", "", "incomplete")
+    text = reasoning.summary[0].text
+    assert text and reasoning.content[0].text == text and whole.usage.output_tokens_details.reasoning_tokens == 12
+    events = list(api.responses.create(model=model, input="Hello", max_output_tokens=12, temperature=0, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_summary_text.delta"]
+    assert "".join(deltas) == text
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning"] and final.output[0].summary[0].text == text
+    off = api.responses.create(
+        model=model, input="Hello", max_output_tokens=8, temperature=0, reasoning={"effort": "none"}
+    )
+    assert [item.type for item in off.output] == ["message"] and off.output_text
+    passed = api.responses.create(
+        model=model,
+        input=[
+            {"role": "user", "content": "Hello"},
+            reasoning.model_dump(exclude_none=True),
+            {"role": "user", "content": "More?"},
+        ],
+        max_output_tokens=4,
+        temperature=0,
+    )
+    assert passed.usage.input_tokens > off.usage.input_tokens  # the reasoning went back into the prompt

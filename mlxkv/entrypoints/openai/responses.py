@@ -36,9 +36,12 @@ from .responses_protocol import (
     OutputDetails,
     OutputItem,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     Response,
     ResponsesBody,
     ResponseUsage,
+    SummaryText,
     template_inputs,
 )
 
@@ -102,9 +105,10 @@ class ResponsesServing:
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         field = "tool_choice" if body.tool_choice else "tools"
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
-        prompt = await self.core.chat_prompt(system + messages, tools, "input")
+        prompt = await self.core.chat_prompt(system + messages, tools, "input", template_kwargs=body.template_kwargs())
         given = {"temperature": body.temperature, "top_p": body.top_p}
-        fields: dict[str, Any] = self.core.defaults | {k: v for k, v in given.items() if v is not None}
+        defaults = self.core.defaults | body.effort_fields()
+        fields: dict[str, Any] = defaults | {k: v for k, v in given.items() if v is not None}
         fields = tools.constrain(fields | body.constraint())
         params = self.core.sampling(
             prompt, body.max_output_tokens, fields | {"logprobs": body.logprobs}, {"logprobs": "top_logprobs"}
@@ -119,8 +123,11 @@ class ResponsesServing:
             return replies
         reply.last = replies[0].last
         reply.pending = list(replies[0].logprobs)
+        if replies[0].reasoning:
+            reply.think(replies[0].reasoning)
         for piece in replies[0].pieces:
             reply.add(piece)
+        reply.close_reasoning()
         reply.close_message()
         reply.keep()
         return reply.response("completed").model_dump(exclude_unset=True)
@@ -153,23 +160,62 @@ class _Reply:
         """The pieces' events; the log-probabilities of tokens so far go with the next text."""
         self.last = output
         self.pending += output.logprobs
-        return [event for piece in pieces for event in self.add(piece)]
+        thought = self.think(output.reasoning) if output.reasoning else []
+        return thought + [event for piece in pieces for event in self.add(piece)]
 
     def failed(self, error: ServingError) -> Iterable[str]:
         return [self._event("error", code=error.code or error.kind, message=str(error), param=error.param)]
 
     def closing(self) -> Iterable[str]:
-        events = self.close_message()
+        events = self.close_reasoning() + self.close_message()
         self.keep()
         final = self.response("completed")
         done = "response.incomplete" if final.status == "incomplete" else "response.completed"
         return events + [self._event(done, response=final)]
 
+    def think(self, text: str) -> list[str]:
+        """The events of reasoning text: it grows the reasoning item (opened first, if need be)."""
+        events = []
+        if not self.items or not isinstance(self.items[-1], ReasoningItem):
+            item = ReasoningItem(
+                type="reasoning", id=f"rs_{uuid.uuid4().hex}", summary=[], content=[], status="in_progress"
+            )
+            self.items.append(item)
+            empty = SummaryText(type="summary_text", text="")
+            events += [
+                self._at("response.output_item.added", item=item.model_copy(deep=True)),
+                self._at("response.reasoning_summary_part.added", item_id=item.id, summary_index=0, part=empty),
+            ]
+            item.summary, item.content = (
+                [SummaryText(type="summary_text", text="")],
+                [ReasoningText(type="reasoning_text", text="")],
+            )
+        reasoning = self.items[-1]
+        assert isinstance(reasoning, ReasoningItem)
+        reasoning.summary[0].text += text
+        reasoning.content[0].text += text
+        return events + [
+            self._at("response.reasoning_summary_text.delta", item_id=reasoning.id, summary_index=0, delta=text)
+        ]
+
+    def close_reasoning(self) -> list[str]:
+        """Complete the open reasoning item, if any: its summary's text, part and item done events."""
+        item = self.items[-1] if self.items else None
+        if not isinstance(item, ReasoningItem) or item.status == "completed":
+            return []
+        item.status = "completed"
+        summary = item.summary[0]
+        return [
+            self._at("response.reasoning_summary_text.done", item_id=item.id, summary_index=0, text=summary.text),
+            self._at("response.reasoning_summary_part.done", item_id=item.id, summary_index=0, part=summary),
+            self._at("response.output_item.done", item=item),
+        ]
+
     def add(self, piece: Piece) -> list[str]:
         """The events of one piece: text grows the open message item (with the log-probabilities
         of the tokens since the last text, where they were asked for), a call is an item of its own."""
         if isinstance(piece, str):
-            events = []
+            events = self.close_reasoning()
             if not self.items or not isinstance(self.items[-1], MessageItem):
                 part = OutputText(type="output_text", text="", annotations=[])
                 item = MessageItem(
@@ -188,7 +234,7 @@ class _Reply:
                 "response.output_text.delta", item_id=message.id, content_index=0, delta=piece, logprobs=logprobs
             )
             return events + [delta]
-        events = self.close_message()
+        events = self.close_reasoning() + self.close_message()
         call = FunctionCallItem(
             type="function_call",
             id=f"fc_{uuid.uuid4().hex}",
@@ -266,7 +312,7 @@ class _Reply:
                     cache_write_tokens=max(0, usage.pinned_tokens - usage.cached_tokens),
                 ),
                 output_tokens=usage.completion_tokens,
-                output_tokens_details=OutputDetails(reasoning_tokens=0),
+                output_tokens_details=OutputDetails(reasoning_tokens=usage.reasoning_tokens),
                 total_tokens=usage.prompt_tokens + usage.completion_tokens,
             ),
         )
@@ -277,7 +323,9 @@ class _Reply:
             return
         reply: dict[str, Any] = {"role": "assistant", "content": ""}
         for item in self.items:
-            if isinstance(item, MessageItem):
+            if isinstance(item, ReasoningItem):
+                reply["reasoning_content"] = item.content[0].text
+            elif isinstance(item, MessageItem):
                 reply["content"] += item.content[0].text
             else:
                 call = {"name": item.name, "arguments": json.loads(item.arguments)}

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..core import forced_tools
 from ..errors import UnsupportedContent
+from ..sampling_defaults import EFFORT_BUDGETS
 from .protocol import TokenLogprob
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the text's log-probabilities
@@ -48,6 +49,11 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `summary`, ...: the whole reasoning is its summary here
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+
 class ResponsesBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -65,6 +71,17 @@ class ResponsesBody(BaseModel):
     previous_response_id: str | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
+    reasoning: ReasoningConfig | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template reads of `reasoning.effort`: thinking off for "none", else on."""
+        effort = self.reasoning.effort if self.reasoning else None
+        return {} if effort is None else {"enable_thinking": effort != "none"}
+
+    def effort_fields(self) -> dict[str, Any]:
+        """The thinking budget `reasoning.effort` stands for (`EFFORT_BUDGETS`), as a default."""
+        effort = self.reasoning.effort if self.reasoning else None
+        return {} if effort is None else {"thinking_token_budget": EFFORT_BUDGETS[effort]}
 
     @property
     def logprobs(self) -> int | None:
@@ -102,7 +119,10 @@ def template_inputs(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             content = item.get("content", "")
             text = content if isinstance(content, str) else _text(content)
             role = "system" if item.get("role") == "developer" else item.get("role", "user")
-            messages.append({"role": role, "content": text})
+            if role == "assistant" and messages and messages[-1].keys() == {"role", "content", "reasoning_content"}:
+                messages[-1]["content"] = text  # the answer after its reasoning
+            else:
+                messages.append({"role": role, "content": text})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function"}
             call["function"] = {"name": item["name"], "arguments": json.loads(item.get("arguments") or "{}")}
@@ -110,11 +130,15 @@ def template_inputs(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "reasoning":  # a reply's reasoning passed back: the template's reasoning_content
+            parts = item.get("content") or item.get("summary") or []
+            messages.append({"role": "assistant", "content": "", "reasoning_content": _text(parts)})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": str(item.get("output", ""))})
         else:
             raise ValueError(
-                f"input items of type {kind!r} are not supported; use message, function_call, function_call_output"
+                f"input items of type {kind!r} are not supported; use message, reasoning, function_call, "
+                "function_call_output"
             )
     return messages
 
@@ -147,6 +171,28 @@ class MessageItem(BaseModel):
     content: list[OutputText]
 
 
+class SummaryText(BaseModel):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A thinking model's reasoning, an output item before the message: its whole text as the
+    summary (there is no other) and as the content. (Types are given, never defaults: a dump that
+    leaves out what was not set must keep them.)"""
+
+    type: Literal["reasoning"]
+    id: str
+    summary: list[SummaryText]
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed"]
+
+
 class FunctionCallItem(BaseModel):
     """A call of a function tool, an output item of its own."""
 
@@ -158,7 +204,7 @@ class FunctionCallItem(BaseModel):
     status: Literal["in_progress", "completed"]
 
 
-OutputItem = MessageItem | FunctionCallItem
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem
 
 
 class InputDetails(BaseModel):
@@ -223,7 +269,8 @@ class Event(BaseModel):
     item: OutputItem | None = None
     item_id: str | None = None
     content_index: int | None = None
-    part: OutputText | None = None
+    summary_index: int | None = None
+    part: OutputText | SummaryText | None = None
     delta: str | None = None
     text: str | None = None
     logprobs: list[TokenLogprob] | None = None
