@@ -71,6 +71,9 @@ class Metrics:
         self.registry.register(EngineCollector(engine))
         self.prompt_tokens = Counter("mlxkv_prompt_tokens", "Prompt tokens served", registry=self.registry)
         self.generation_tokens = Counter("mlxkv_generation_tokens", "Tokens generated", registry=self.registry)
+        self.reasoning_tokens = Counter(
+            "mlxkv_reasoning_tokens", "Tokens generated as a thinking model's reasoning", registry=self.registry
+        )
         self.ttft = Histogram(
             "mlxkv_time_to_first_token_seconds",
             "Time to first token",
@@ -105,3 +108,4 @@ class RequestTimer:
             self.metrics.generation_tokens.inc(tokens)
         if output.finished and output.usage is not None:
             self.metrics.prompt_tokens.inc(output.usage.prompt_tokens)
+            self.metrics.reasoning_tokens.inc(output.usage.reasoning_tokens)

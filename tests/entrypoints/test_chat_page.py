@@ -278,3 +278,30 @@ def test_the_temperature_field_starts_at_the_server_s_default(tmp_path):
     finally:
         browser.quit()
         stop_server(proc)
+
+
+def test_a_thinking_model_s_reasoning_is_folded_above_its_answer(tmp_path):
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    )
+    path = make_checkpoint(tmp_path / "thinker", chat_template=template)
+    proc, url = start_server("--model", str(path), "--max-model-len", "256")
+    browser = chromium()
+    try:
+        browser.get(url + "/")
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == str(path))
+        set_field(browser, "max-tokens", "12")
+        set_field(browser, "temperature", "0")
+        send(browser, "Hello")
+        WebDriverWait(browser, 60).until(lambda b: "tokens/s" in b.find_element(By.ID, "figures").text)
+        box = browser.find_element(By.CSS_SELECTOR, "#log details.thinking")
+        assert box.get_attribute("open") is None  # folded
+        shown = browser.execute_script("return arguments[0].lastChild.textContent", box)
+        body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12, "temperature": 0}
+        message = httpx.post(f"{url}/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert shown == message["reasoning_content"] != ""
+        assert [kind for kind, _ in turns(browser)] == ["turn user", "turn thinking", "turn assistant"]
+    finally:
+        browser.quit()
+        stop_server(proc)

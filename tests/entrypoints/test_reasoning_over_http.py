@@ -1,5 +1,7 @@
 """A thinking model's reasoning apart from its answer over HTTP, with each API's official client."""
 
+import re
+
 import httpx
 import pytest
 from helpers import start_server, stop_server
@@ -51,6 +53,8 @@ def test_openai_chat_keeps_the_reasoning_apart_streamed_and_whole(client):
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == choice.message.reasoning
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == choice.message.reasoning
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
+    counted = httpx.get(f"{client[2]}/metrics").text  # this module's first test: its two replies
+    assert float(re.search(r"^mlxkv_reasoning_tokens_total (\S+)$", counted, re.MULTILINE).group(1)) == 24
 
 
 def test_thinking_turned_off_gives_no_reasoning_on_each_api(client):
