@@ -59,11 +59,14 @@ class RecentOutputs:
 
     def remember(self, request: Request, whole: bool) -> None:
         """Keep the text of a request that ended with the output ids that produced it (handed over,
-        not copied); `whole`: the text is all of theirs, else a start of it."""
+        not copied): a thinking model's reasoning and answer as it wrote them; `whole`: the text is
+        all of theirs, else a start of it."""
         assert request.stream is not None  # every request the engine admits has its stream
-        text, ids = request.stream.text, request.output_ids
-        if not text or len(ids) > self.capacity or (request.reasoning is not None and request.reasoning.tokens):
-            return  # a thinking model's answer is not all its ids' text
+        text, ids, reasoning = request.stream.text, request.output_ids, request.reasoning
+        if reasoning is not None and reasoning.tokens:
+            text = reasoning.written(text)
+        if not text or len(ids) > self.capacity:
+            return
         key = (request.cache_salt, text)
         after = [t for t in request.prompt_ids[-CONTEXT:] if t != self._bos]
         with self._lock:

@@ -168,3 +168,35 @@ def test_responses_reasoning_items_streamed_and_whole_and_passed_back(client):
         temperature=0,
     )
     assert passed.usage.input_tokens > off.usage.input_tokens  # the reasoning went back into the prompt
+
+
+def test_a_next_turn_that_sends_the_reasoning_back_reuses_every_token_of_the_turn_before(tmp_path):
+    """A template that renders past reasoning as the model wrote it (Qwen3's does, for the turns of
+    an agent's current task): the reply's reasoning and answer are spliced back as their own ids."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' %}<think>\n{{ m.reasoning_content or '' }}</think>{% endif %}"
+        "{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    )
+    path = make_checkpoint(tmp_path / "thinker", chat_template=template)
+    proc, url = start_server("--model", str(path), "--max-model-len", "512")
+    try:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        messages, turns = list(HELLO), []
+        for question in ("And then?", "Why?", "Sure?"):
+            reply = api.chat.completions.create(
+                model=str(path),
+                messages=messages,
+                max_tokens=40,
+                temperature=0.7,
+                extra_body={"thinking_token_budget": 10},
+            )
+            message, usage = reply.choices[0].message, reply.usage
+            turns.append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens))
+            assert message.reasoning_content and reply.choices[0].finish_reason == "length"
+            back = {"role": "assistant", "content": message.content, "reasoning_content": message.reasoning_content}
+            messages += [back, {"role": "user", "content": question}]
+    finally:
+        stop_server(proc)
+    assert [cached for _, cached, _ in turns] == [0] + [p + c - 1 for p, _, c in turns[:-1]]

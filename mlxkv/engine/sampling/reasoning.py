@@ -20,10 +20,12 @@ CLOSED_TAIL = 4  # tokens after a prompt's last end marker that still leave its 
 
 @dataclass(frozen=True)
 class ThinkMarkers:
-    """The token ids that open and close a model's thinking."""
+    """The token ids that open and close a model's thinking, and their text."""
 
     start: tuple[int, ...]
     end: tuple[int, ...]
+    start_text: str = ""
+    end_text: str = ""
 
     @staticmethod
     def of(tokenizer: TokenizerWrapper) -> ThinkMarkers | None:
@@ -36,7 +38,8 @@ class ThinkMarkers:
         text = " ".join(template.values()) if isinstance(template, dict) else template or ""
         if tokenizer.think_start not in text and "enable_thinking" not in text:
             return None
-        return ThinkMarkers(tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens))
+        start, end = tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens)
+        return ThinkMarkers(start, end, tokenizer.think_start, tokenizer.think_end)
 
     def open_in(self, prompt: Sequence[int]) -> bool:
         """Whether `prompt` leaves thinking open: its last start marker after its last end marker
@@ -69,6 +72,7 @@ class Reasoning:
         self.tokens = 0  # reasoning tokens so far, markers included
         self.stream = TextStream(detokenizer, ())
         self._opening = opening and not thinking  # the reply has not started: a start marker opens thinking
+        self.opened = False  # the reply wrote the start marker itself
         self._held: list[int] = []
 
     def route(self, token: int) -> list[tuple[int, bool]]:
@@ -81,6 +85,7 @@ class Reasoning:
             if tuple(self._held) == marker:
                 self.tokens += 0 if self.thinking else len(marker)  # and the start marker's
                 self._held, self._opening = [], False
+                self.opened = self.opened or not self.thinking
                 self.thinking, self.ended = not self.thinking, self.thinking
                 if self.ended:  # all the reasoning's text goes out before the answer's
                     self.stream.finish()
@@ -107,6 +112,12 @@ class Reasoning:
         """The token the reply must take next to close its thinking within its budget; None if free."""
         free = self.free()
         return None if free is None or free > 0 else self.markers.end[len(self._held)]
+
+    def written(self, answer: str) -> str:
+        """The reply's text as the model wrote it, markers and all, around `answer`: what a template
+        that renders past reasoning as the model wrote it gives back."""
+        start = self.markers.start_text if self.opened else ""
+        return start + self.stream.text + (self.markers.end_text if self.ended else "") + answer
 
     def flush(self) -> list[tuple[int, bool]]:
         """The tokens still held, at the end of the reply."""

@@ -146,10 +146,13 @@ class Message(BaseModel):
     content: str | list[Part] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's answer: to which call
+    reasoning_content: str | None = None  # an assistant's reasoning, passed back (or as `reasoning`)
+    reasoning: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as chat templates read it (mlx-lm's way): an assistant's calls with their
-        arguments as objects, a tool's answer with the id of its call."""
+        arguments as objects, its reasoning as `reasoning_content`, a tool's answer with the id of
+        its call."""
         content = self.content or ""
         media = next((p.type for p in content if isinstance(p, MediaPart)), None) if isinstance(content, list) else None
         if media is not None:
@@ -163,6 +166,9 @@ class Message(BaseModel):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content or self.reasoning
+        if thought:
+            message["reasoning_content"] = thought
         return message
 
 
