@@ -309,14 +309,14 @@ def test_chat_banner_and_a_conversation_that_outgrows_the_context(checkpoint):
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(checkpoint, monkeypatch):
     from mlxkv.entrypoints.llm import Stream
 
-    original, calls = Stream.__next__, iter(range(10**6))
+    original, calls = Stream._next_piece, iter(range(10**6))
 
-    def interrupted_once(self):
+    def interrupted_once(self):  # Ctrl-C while the third piece of the first reply is awaited
         if next(calls) == 2:
             raise KeyboardInterrupt
         return original(self)
 
-    monkeypatch.setattr(Stream, "__next__", interrupted_once)
+    monkeypatch.setattr(Stream, "_next_piece", interrupted_once)
     result = runner.invoke(
         app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6", "--verbose"], input="The quick\nbrown fox\n"
     )
