@@ -186,7 +186,7 @@ def test_help_lists_both_commands():
 def test_chat_keeps_the_conversation_and_reports_each_turn(checkpoint):
     result = runner.invoke(
         app,
-        ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6", "--verbose"],
+        ["chat", "--model", str(checkpoint("llama-fp32")), "--temp", "0", "-m", "6", "--verbose"],
         input="The quick\n/reset\nbrown fox\n",
     )
     assert result.exit_code == 0, result.output
@@ -196,7 +196,9 @@ def test_chat_keeps_the_conversation_and_reports_each_turn(checkpoint):
 
 def test_chat_shows_a_reply_s_figures_when_asked_with_stats(checkpoint):
     result = runner.invoke(
-        app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6"], input="/stats\nThe quick\n/stats\n"
+        app,
+        ["chat", "--model", str(checkpoint("llama-fp32")), "--temp", "0", "-m", "6"],
+        input="/stats\nThe quick\n/stats\n",
     )
     assert result.exit_code == 0, result.output
     before, after = result.stdout.split("[no reply yet]")
@@ -293,7 +295,18 @@ def test_no_verbose_prints_only_the_text(checkpoint):
 def test_chat_banner_and_a_conversation_that_outgrows_the_context(checkpoint):
     result = runner.invoke(
         app,
-        ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6", "--max-model-len", "24", "--no-verbose"],
+        [
+            "chat",
+            "--model",
+            str(checkpoint("llama-fp32")),
+            "--temp",
+            "0",
+            "-m",
+            "6",
+            "--max-model-len",
+            "24",
+            "--no-verbose",
+        ],
         input="The quick brown\nfox jumps over\nthe lazy dog\n/reset\nhi\n",
     )
     assert result.exit_code == 0, result.output
@@ -318,7 +331,9 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(checkpoint, monkeypatch):
 
     monkeypatch.setattr(Stream, "_next_piece", interrupted_once)
     result = runner.invoke(
-        app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "6", "--verbose"], input="The quick\nbrown fox\n"
+        app,
+        ["chat", "--model", str(checkpoint("llama-fp32")), "--temp", "0", "-m", "6", "--verbose"],
+        input="The quick\nbrown fox\n",
     )
     assert result.exit_code == 0, result.output
     assert "[reply stopped]" in result.stdout
@@ -327,7 +342,19 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(checkpoint, monkeypatch):
 
 def test_chat_names_a_line_that_is_not_utf8_and_goes_on(checkpoint):
     proc = subprocess.run(
-        [sys.executable, "-m", "mlxkv", "chat", "--model", str(checkpoint("llama-fp32")), "-m", "4", "--verbose"],
+        [
+            sys.executable,
+            "-m",
+            "mlxkv",
+            "chat",
+            "--model",
+            str(checkpoint("llama-fp32")),
+            "--temp",
+            "0",
+            "-m",
+            "4",
+            "--verbose",
+        ],
         input=b"caf\xe9\xff\nThe quick\n",
         capture_output=True,
         timeout=120,
@@ -347,7 +374,7 @@ def test_each_chat_turn_computes_only_what_the_turn_before_did_not(checkpoint, m
     monkeypatch.setattr(LLM, "stream", lambda self, *a, **kw: requests.append(original(self, *a, **kw)) or requests[-1])
     result = runner.invoke(
         app,
-        ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "12", "--verbose", *flags],
+        ["chat", "--model", str(checkpoint("llama-fp32")), "--temp", "0", "-m", "12", "--verbose", *flags],
         input="The quick brown fox\njumps over the lazy dog\nPaged attention keeps keys\n",
     )
     assert result.exit_code == 0, result.output
@@ -401,7 +428,9 @@ def test_usage_errors_are_one_line_naming_the_flag_not_a_usage_block(args, line)
 
 def test_reset_in_chat_says_so(checkpoint):
     result = runner.invoke(
-        app, ["chat", "--model", str(checkpoint("llama-fp32")), "-m", "3", "--no-verbose"], input="The quick\n/reset\n"
+        app,
+        ["chat", "--model", str(checkpoint("llama-fp32")), "--temp", "0", "-m", "3", "--no-verbose"],
+        input="The quick\n/reset\n",
     )
     assert result.exit_code == 0, result.output
     assert ">> [conversation reset]\n>> " in result.stdout
@@ -435,7 +464,7 @@ def test_a_hybrid_generates_mlx_lms_text_and_its_chat_turns_reuse_the_one_before
     assert re.search(r", recurrent state 1/1 sequences of 0\.04 MiB, 1 kept for prefix hits \(pool", kv_line), kv_line
     chat = runner.invoke(
         app,
-        ["chat", "--model", str(path), "-m", "6", "--page-size", "4", "--verbose"],
+        ["chat", "--model", str(path), "--temp", "0", "-m", "6", "--page-size", "4", "--verbose"],
         input=f"{PROMPT} over the lazy dog\nbrown fox\n",
     )
     assert chat.exit_code == 0, chat.output
