@@ -247,12 +247,16 @@ def test_a_five_turn_chat_reuses_every_token_computed_for_the_turns_before():
         WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "mlxkv-demo")
         assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0.7"
         set_field(browser, "max-tokens", "200")
-        figures = []
+        figures, line = [], ""
         for turn in range(5):
             send(browser, f"Question {turn}: what does the with statement do?")
             shown = 2 * (turn + 1)
-            WebDriverWait(browser, 120).until(
-                lambda b, shown=shown: len(turns(b)) == shown and b.find_element(By.ID, "send").is_enabled()
+            WebDriverWait(browser, 120).until(  # the figures line is written after Send is enabled again
+                lambda b, shown=shown, before=line: (
+                    len(turns(b)) == shown
+                    and "reused" in (now := b.find_element(By.ID, "figures").text)
+                    and now != before
+                )
             )
             line = browser.find_element(By.ID, "figures").text
             generated, reused, prompt = re.match(

@@ -113,7 +113,10 @@ def test_kv_line_counts_the_pages_one_request_used(checkpoint):
 
 
 @pytest.mark.parametrize("drafting", [["--prompt-lookup"], ["--draft-model", "self"]], ids=["lookup", "draft"])
-def test_speculation_prints_the_same_text_and_what_it_accepted(checkpoint, drafting):
+def test_speculation_prints_the_same_text_and_what_it_accepted(checkpoint, drafting, monkeypatch):
+    from mlxkv.engine.speculative.speculation import Speculator
+
+    monkeypatch.setattr(Speculator, "_share", lambda self, tokens, attended: 0.0)  # drafts pay, however loaded
     path = str(checkpoint("llama-fp32"))
     drafting = [path if arg == "self" else arg for arg in drafting]  # the model drafting for itself
     args = ["generate", "--model", path, "--prompt", "ab ab ab ab ab ab", "-m", "40", "--ignore-eos"]
