@@ -31,6 +31,7 @@ class Output:
     ids: list[int]
     whole: bool
     after: list[int]
+    before: str | None = None  # the text of `after`, decoded the first time a prompt is searched for it
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,9 @@ class RecentOutputs:
         if output is None:  # forgotten meanwhile
             return []
         quoted, found = key[1], []
-        before = self._decode(output.after).lstrip("\ufffd")  # from a character's start
+        if output.before is None:  # decoded once, not for every prompt searched
+            output.before = self._decode(output.after).lstrip("\ufffd")  # from a character's start
+        before = output.before
         needle = before + quoted[:ANCHOR]
         at = text.find(needle)
         while at >= 0:
