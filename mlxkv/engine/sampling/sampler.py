@@ -129,10 +129,11 @@ def _after_thinking(
     its answer only, so a reply that has not started may still open its thinking, the first token
     of its start marker allowed beside what the grammar allows."""
     opening = [(first, r.reasoning.markers.start[0]) for r, first, _ in rows if r.reasoning and r.reasoning.opening]
-    kept = logits[mx.array([f for f, _ in opening]), mx.array([t for _, t in opening])] if opening else None
+    at = (mx.array([f for f, _ in opening]), mx.array([t for _, t in opening])) if opening else None
+    kept = logits[at] if at is not None else None
     logits = structured.masked(logits, [(r.constraint.matcher, first, d) for r, first, d in rows if r.constraint])
-    if kept is not None:
-        logits[mx.array([f for f, _ in opening]), mx.array([t for _, t in opening])] = kept
+    if at is not None and kept is not None:
+        logits[at] = kept
     return logits
 
 
