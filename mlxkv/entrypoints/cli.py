@@ -345,7 +345,7 @@ def chat_turn(
 
 
 @app.command(cls=PanelledCommand)
-@with_settings(defaults={"max_itl_factor": SERVE_MAX_ITL_FACTOR})
+@with_settings(defaults={"max_itl_factor": SERVE_MAX_ITL_FACTOR}, sampling=("thinking_token_budget",))
 def serve(
     model: Optional[str] = MODEL,  # noqa: UP045
     host: str = typer.Option(
@@ -379,11 +379,13 @@ def serve(
     ),
     *,
     config: EngineConfig,
+    params: SamplingParams,
 ) -> None:
     """Serve the model over HTTP: OpenAI's Chat Completions, Completions and Responses APIs
     (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models), Anthropic's Messages API
     (/v1/messages) and Ollama's API (/api/chat, /api/generate, /api/tags), with /health, /metrics
-    and a chat page at /."""
+    and a chat page at /. --thinking-token-budget bounds the requests that set no budget (nor a
+    reasoning effort) of their own."""
     import uvicorn  # the server's imports wait until a server is asked for
 
     from .server import build_app
@@ -405,6 +407,8 @@ def serve(
     llm = AsyncLLM(engine)
     names = served_model_name or [model or "mlxkv-demo"]
     sampling = conversation_sampling(resolve_model_path(model or DEMO_MODEL))
+    if params.thinking_token_budget is not None:
+        sampling["thinking_token_budget"] = params.thinking_token_budget
     logger.info("requests that do not say sample with %s", ", ".join(f"{k}={v}" for k, v in sampling.items()))
     app_ = build_app(
         llm,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import Field, fields
 from typing import Any, NoReturn, Optional, get_args, get_type_hints
 
@@ -102,13 +102,17 @@ def _option(item: Field[Any], hint: Any, default: Any) -> inspect.Parameter:
 
 
 def with_settings(
-    defaults: Mapping[str, Any] | None = None, fixed: Mapping[str, Any] | None = None
+    defaults: Mapping[str, Any] | None = None,
+    fixed: Mapping[str, Any] | None = None,
+    sampling: Collection[str] | None = None,
 ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a command one option per field of `EngineConfig` (if it takes `config`) and of
-    `SamplingParams` (if it takes `params`), with `defaults` of its own; `fixed` fields are set, not
-    offered. The command is called with the records built from the options; a bad value ends it
-    with one error line naming the setting."""
+    `SamplingParams` (if it takes `params`; only the fields in `sampling` where given), with
+    `defaults` of its own; `fixed` fields are set, not offered. The command is called with the
+    records built from the options; a bad value ends it with one error line naming the setting."""
     defaults, fixed = dict(defaults or {}), dict(fixed or {})
+    if sampling is not None:
+        fixed |= {f.name: f.default for f in fields(SamplingParams) if f.name not in sampling}
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
         signature = inspect.signature(command)

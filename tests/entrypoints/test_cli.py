@@ -244,7 +244,7 @@ def test_help_groups_the_options_in_sections_sampling_first_with_their_choices()
     sections = {
         "generate": ["Sampling", "Prompt", "Model", "Engine", "Memory", "Speculation", "Tensor parallel"],
         "chat": ["Sampling", "Prompt", "Model", "Engine", "Memory", "Speculation", "Tensor parallel"],
-        "serve": ["Model", "Serving", "Engine", "Memory", "Speculation", "Tensor parallel"],
+        "serve": ["Sampling", "Model", "Serving", "Engine", "Memory", "Speculation", "Tensor parallel"],
     }
     for command, expected in sections.items():
         text = runner.invoke(app, [command, "-h"]).stdout
@@ -257,6 +257,7 @@ def test_help_groups_the_options_in_sections_sampling_first_with_their_choices()
         assert choices in generate
     serve = " ".join(runner.invoke(app, ["serve", "-h"]).stdout.split())
     assert serve.index("--served-model-name") < serve.index("Serving options:") < serve.index("--port")
+    assert serve[serve.index("Sampling options:") : serve.index("Model options:")].count("--") == 1  # the budget
 
 
 def test_chat_samples_as_the_model_recommends_unless_told(tmp_path):

@@ -200,3 +200,20 @@ def test_a_next_turn_that_sends_the_reasoning_back_reuses_every_token_of_the_tur
     finally:
         stop_server(proc)
     assert [cached for _, cached, _ in turns] == [0] + [p + c - 1 for p, _, c in turns[:-1]]
+
+
+def test_a_server_wide_budget_bounds_the_requests_that_set_none(tmp_path):
+    path = make_checkpoint(tmp_path / "thinker", chat_template=OPENING_TEMPLATE)
+    proc, url = start_server("--model", str(path), "--max-model-len", "256", "--thinking-token-budget", "16")
+    try:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+
+        def reasoned(**extra):
+            reply = api.chat.completions.create(
+                model=str(path), messages=HELLO, max_tokens=40, temperature=0, extra_body=extra
+            )
+            return reply.usage.completion_tokens_details.reasoning_tokens
+
+        assert (reasoned(), reasoned(thinking_token_budget=8), reasoned(reasoning_effort="high")) == (16, 8, 40)
+    finally:
+        stop_server(proc)
