@@ -27,11 +27,22 @@ def prompt_ids(
     templated = tokenizer.has_chat_template and not ignore_template
     if templated:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+            [_with_thinking(m) for m in messages],
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
     else:
         text = plain_text(messages)
     return encode_text(tokenizer, text, engine.recent if engine else None, cache_salt, templated)
+
+
+def _with_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with its reasoning under both names templates read it by: `reasoning_content`
+    (Qwen's, DeepSeek's) and `thinking` (gpt-oss's)."""
+    thought = message.get("reasoning_content")
+    return message | {"thinking": thought} if thought and "thinking" not in message else message
 
 
 def plain_text(messages: list[dict[str, Any]]) -> str:

@@ -17,6 +17,23 @@ CONVERSATION: dict[str, Any] = {"temperature": 0.7}
 # The thinking budget a reasoning effort (OpenAI's `reasoning_effort`, Ollama's `think` level)
 # stands for where a request gives none; None: unbounded.
 EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": None}
+GPT_OSS_EFFORTS = ("low", "medium", "high")  # the levels gpt-oss's template writes into its system message
+
+
+def effort_kwargs(effort: str) -> dict[str, Any]:
+    """What a chat template reads of a reasoning effort: `enable_thinking`, off for "none", and
+    `reasoning_effort` itself where gpt-oss's template knows the level."""
+    kwargs: dict[str, Any] = {"enable_thinking": effort != "none"}
+    if effort in GPT_OSS_EFFORTS:
+        kwargs["reasoning_effort"] = effort
+    return kwargs
+
+
+def effort_fields(effort: str | None) -> dict[str, Any]:
+    """The thinking budget a reasoning effort stands for (`EFFORT_BUDGETS`), as a default."""
+    return {} if effort is None else {"thinking_token_budget": EFFORT_BUDGETS[effort]}
+
+
 FIELDS = ("temperature", "top_p", "top_k", "min_p")  # what generation_config.json may recommend
 
 

@@ -50,6 +50,29 @@ TOOLS_CHAT_TEMPLATE = """\
 {% endif %}"""
 
 
+# OpenAI's harmony format as gpt-oss's template writes it: the reasoning of replies passed back
+# (`thinking`) only after the last user message, earlier replies as their final channel alone.
+# Unlike gpt-oss's, this one opens the reply's analysis channel itself, as a random model never
+# would; like gpt-oss, it always thinks.
+HARMONY_CHAT_TEMPLATE = (
+    "{%- set last = namespace(user=-1) -%}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set last.user = loop.index0 %}{% endif %}{% endfor -%}"
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort or 'medium' }}<|end|>"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- if m.thinking and loop.index0 > last.user -%}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>"
+    "{%- endif -%}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- else -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<|start|>assistant<|channel|>analysis<|message|>{% endif -%}"
+)
+# A harmony tokenizer's added tokens: its reply ends (`<|return|>`, `<|call|>`), `<|constrain|>`,
+# and the role and channel names, one token each as in gpt-oss's vocabulary.
+HARMONY_MARKERS = ("<|return|>", "<|call|>", "<|constrain|>", "assistant", "analysis", "final")
+
+
 # Tokens real tokenizers add beside their learned vocabulary: special ones that text never spells
 # (turn, image and channel markers), and Qwen's markers for tool calls and thinking, which are
 # added but not special: each is one token, which the model writes as a whole and never byte by byte.

@@ -1,12 +1,13 @@
 """A thinking model's reasoning apart from its answer over HTTP, with each API's official client."""
 
 import re
+from pathlib import Path
 
 import httpx
 import pytest
 from helpers import start_server, stop_server
 
-from mlxkv.models.random_model import make_checkpoint
+from mlxkv.models.random_model import HARMONY_CHAT_TEMPLATE, HARMONY_MARKERS, make_checkpoint
 
 openai = pytest.importorskip("openai", reason="the openai package could not be installed")
 ollama = pytest.importorskip("ollama", reason="the ollama package could not be installed")
@@ -21,14 +22,27 @@ OPENING_TEMPLATE = (
     "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}"
 )
 HELLO = [{"role": "user", "content": "Hello"}]
+TEMPLATES = {
+    "qwen3.5": {"chat_template": OPENING_TEMPLATE},
+    "harmony": {  # gpt-oss's channels: the analysis is the reasoning, the final channel the answer
+        "chat_template": HARMONY_CHAT_TEMPLATE,
+        "markers": HARMONY_MARKERS,
+        "tokenizer_config": {"eos_token": "<|return|>"},
+    },
+}
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("think") / "thinker", chat_template=OPENING_TEMPLATE)
+@pytest.fixture(scope="module", params=list(TEMPLATES))
+def client(request, tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("think") / "thinker", **TEMPLATES[request.param])
     proc, url = start_server("--model", str(path), "--max-model-len", "256")
     yield openai.OpenAI(base_url=f"{url}/v1", api_key="none"), str(path), url
     stop_server(proc)
+
+
+def thinks_always(model: str) -> bool:
+    """Whether the model's template thinks whatever the request says (gpt-oss's)."""
+    return "<|channel|>" in (Path(model) / "tokenizer_config.json").read_text()
 
 
 def test_openai_chat_keeps_the_reasoning_apart_streamed_and_whole(client):
@@ -58,7 +72,10 @@ def test_openai_chat_keeps_the_reasoning_apart_streamed_and_whole(client):
 
 
 def test_thinking_turned_off_gives_no_reasoning_on_each_api(client):
+    anthropic = pytest.importorskip("anthropic", reason="the anthropic package could not be installed")
     api, model, url = client
+    if thinks_always(model):
+        pytest.skip("gpt-oss's template cannot turn thinking off")
 
     def chat(**extra):
         reply = api.chat.completions.create(model=model, messages=HELLO, max_tokens=8, temperature=0, **extra)
@@ -73,6 +90,14 @@ def test_thinking_turned_off_gives_no_reasoning_on_each_api(client):
     on = ask.chat(model=model, messages=HELLO, think=True, options={"num_predict": 8, "temperature": 0})
     assert off.message.content and not off.message.thinking
     assert (on.message.content, on.message.thinking) == ("", chat().reasoning)
+    disabled = anthropic.Anthropic(base_url=url, api_key="none").messages.create(
+        model=model, max_tokens=8, messages=HELLO, thinking={"type": "disabled"}, extra_body={"temperature": 0}
+    )
+    assert [b.type for b in disabled.content] == ["text"] and disabled.content[0].text
+    none = api.responses.create(
+        model=model, input="Hello", max_output_tokens=8, temperature=0, reasoning={"effort": "none"}
+    )
+    assert [item.type for item in none.output] == ["message"] and none.output_text
 
 
 def test_ollama_streams_the_thinking_apart(client):
@@ -108,15 +133,19 @@ def test_anthropic_thinking_blocks_streamed_whole_and_only_this_server_s_go_back
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in whole.content]
 
     def prompt_tokens(*blocks):
-        history = [*HELLO, {"role": "assistant", "content": [*blocks, {"type": "text", "text": "Hi"}]}, *HELLO]
+        """A tool loop's prompt (templates render the reasoning after the last user message only)."""
+        call = {"type": "tool_use", "id": "t1", "name": "now", "input": {}}
+        history = [
+            *HELLO,
+            {"role": "assistant", "content": [*blocks, {"type": "text", "text": "Hi"}, call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "noon"}]},
+        ]
         return api.messages.count_tokens(model=model, messages=history).input_tokens
 
     ours, unchanged = thinking.model_dump(), prompt_tokens()
     assert prompt_tokens(ours) > unchanged  # its reasoning goes back into the prompt
     assert prompt_tokens(ours | {"thinking": ours["thinking"] + " (edited)"}) == unchanged  # left out
     assert prompt_tokens(ours | {"signature": "c2ln"}) == unchanged  # another server's
-    off = api.messages.create(**args, thinking={"type": "disabled"})
-    assert [b.type for b in off.content] == ["text"] and off.content[0].text
 
 
 def test_a_budget_of_16_closes_the_thinking_and_an_answer_follows_on_each_api(client):
@@ -153,21 +182,16 @@ def test_responses_reasoning_items_streamed_and_whole_and_passed_back(client):
     assert "".join(deltas) == text
     final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning"] and final.output[0].summary[0].text == text
-    off = api.responses.create(
-        model=model, input="Hello", max_output_tokens=8, temperature=0, reasoning={"effort": "none"}
-    )
-    assert [item.type for item in off.output] == ["message"] and off.output_text
-    passed = api.responses.create(
-        model=model,
-        input=[
-            {"role": "user", "content": "Hello"},
-            reasoning.model_dump(exclude_none=True),
-            {"role": "user", "content": "More?"},
-        ],
-        max_output_tokens=4,
-        temperature=0,
-    )
-    assert passed.usage.input_tokens > off.usage.input_tokens  # the reasoning went back into the prompt
+    call = {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "{}"}
+    loop = [call, {"type": "function_call_output", "call_id": "c1", "output": "noon"}]  # one task's tool loop
+
+    def input_tokens(*items):
+        reply = api.responses.create(model=model, input=[*items, *loop], max_output_tokens=4, temperature=0)
+        return reply.usage.input_tokens
+
+    unpassed = input_tokens({"role": "user", "content": "Hello"})
+    passed = input_tokens({"role": "user", "content": "Hello"}, reasoning.model_dump(exclude_none=True))
+    assert passed > unpassed  # the reasoning went back into the prompt
 
 
 def test_a_next_turn_that_sends_the_reasoning_back_reuses_every_token_of_the_turn_before(tmp_path):

@@ -1,5 +1,6 @@
 """A reply's reasoning apart from its answer: a thinking model's tokens between its think markers
-(Qwen3's `<think>` and `</think>`, as mlx-lm finds them in the vocabulary) are its reasoning, the
+(Qwen3's `<think>` and `</think>`, as mlx-lm finds them in the vocabulary; gpt-oss's harmony
+channels, `<|channel|>analysis<|message|>` up to the final channel's header) are its reasoning, the
 rest its answer, the markers neither. Thinking starts only where the reply starts (or the prompt
 opened it) and never again once it has ended. With a budget, the reply's thinking is closed when
 its reasoning (markers included) would outgrow it: the end marker is forced, token by token, as a
@@ -16,26 +17,39 @@ from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 from .text import TextStream
 
 CLOSED_TAIL = 4  # tokens after a prompt's last end marker that still leave its reply all answer
+# OpenAI's harmony format (gpt-oss): a reply's analysis channel is its reasoning, its final channel
+# its answer. The end marker closes the analysis and opens the final channel, so that a budget
+# that forces it is followed by an answer; a reply that writes no analysis opens with the header.
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+HARMONY_START = "<|channel|>analysis<|message|>"
+HARMONY_ANSWER = "<|channel|>final<|message|>"
+HARMONY_END = "<|end|><|start|>assistant" + HARMONY_ANSWER
 
 
 @dataclass(frozen=True)
 class ThinkMarkers:
-    """The token ids that open and close a model's thinking, and their text."""
+    """The token ids that open and close a model's thinking, and their text; where the model has
+    them, the header it opens an answer without reasoning with (`answer`, dropped like a marker)
+    and what ends a thinking block in a prompt where that is less than the end marker (`close`)."""
 
     start: tuple[int, ...]
     end: tuple[int, ...]
     start_text: str = ""
     end_text: str = ""
+    answer: tuple[int, ...] = ()
+    answer_text: str = ""
+    close: tuple[int, ...] = ()
 
     @staticmethod
     def of(tokenizer: TokenizerWrapper) -> ThinkMarkers | None:
-        """The tokenizer's markers, where mlx-lm finds some in the vocabulary and the chat template
-        thinks too (names its start marker or `enable_thinking`): a vocabulary may hold the
-        markers for a model that never thinks, and its replies are all answer."""
-        if not tokenizer.has_thinking:
-            return None
+        """The tokenizer's markers, where mlx-lm finds some in the vocabulary (or the vocabulary
+        has harmony's) and the chat template thinks too (names the start marker or
+        `enable_thinking`): a vocabulary may hold the markers for a model that never thinks, and
+        its replies are all answer."""
         template = getattr(tokenizer, "chat_template", None)
         text = " ".join(template.values()) if isinstance(template, dict) else template or ""
+        if not tokenizer.has_thinking:
+            return _harmony(tokenizer) if "<|channel|>" in text else None
         if tokenizer.think_start not in text and "enable_thinking" not in text:
             return None
         start, end = tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens)
@@ -44,13 +58,33 @@ class ThinkMarkers:
     def open_in(self, prompt: Sequence[int]) -> bool:
         """Whether `prompt` leaves thinking open: its last start marker after its last end marker
         (a template that opens the reply's thinking itself)."""
-        return _last(prompt, self.start) > _last(prompt, self.end)
+        return _last(prompt, self.start) > _last(prompt, self.close or self.end)
 
     def closed_in(self, prompt: Sequence[int]) -> bool:
         """Whether `prompt` ends with a thinking block closed (Qwen3's template with thinking off
         writes an empty one): the reply is then all answer."""
         end = _last(prompt, self.end)
         return end >= 0 and end + len(self.end) >= len(prompt) - CLOSED_TAIL
+
+
+def _harmony(tokenizer: TokenizerWrapper) -> ThinkMarkers | None:
+    """Harmony's markers, where the vocabulary has its special tokens."""
+    vocab = tokenizer.get_vocab()
+    if not all(token in vocab for token in HARMONY_TOKENS):
+        return None
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    return ThinkMarkers(
+        ids(HARMONY_START),
+        ids(HARMONY_END),
+        HARMONY_START,
+        HARMONY_END,
+        ids(HARMONY_ANSWER),
+        HARMONY_ANSWER,
+        (vocab["<|end|>"],),
+    )
 
 
 class Reasoning:
@@ -72,28 +106,44 @@ class Reasoning:
         self.tokens = 0  # reasoning tokens so far, markers included
         self.stream = TextStream(detokenizer, ())
         self._opening = opening and not thinking  # the reply has not started: a start marker opens thinking
-        self.opened = False  # the reply wrote the start marker itself
+        self.opened = ""  # the marker the reply opened with, as text (its start marker or answer header)
         self._held: list[int] = []
 
     def route(self, token: int) -> list[tuple[int, bool]]:
         """`token`, with those held before it, each with whether it is reasoning, as far as they are
         settled; marker tokens are dropped."""
         self._held.append(token)
-        if self.thinking or self._opening:
-            self.tokens += self.thinking  # the end marker's tokens count as reasoning
-            marker = self.markers.end if self.thinking else self.markers.start
-            if tuple(self._held) == marker:
-                self.tokens += 0 if self.thinking else len(marker)  # and the start marker's
-                self._held, self._opening = [], False
-                self.opened = self.opened or not self.thinking
-                self.thinking, self.ended = not self.thinking, self.thinking
-                if self.ended:  # all the reasoning's text goes out before the answer's
-                    self.stream.finish()
+        held = tuple(self._held)
+        if self.thinking:
+            self.tokens += 1  # the end marker's tokens count as reasoning
+            if held == self.markers.end:
+                self._held, self.thinking, self.ended = [], False, True
+                self.stream.finish()  # all the reasoning's text goes out before the answer's
                 return []
-            if marker[: len(self._held)] == tuple(self._held):
+            if _begins(self.markers.end, held):
                 return []  # may still become the marker
+        elif self._opening:
+            if held in (self.markers.start, self.markers.answer):
+                self._held, self._opening, self.thinking = [], False, held == self.markers.start
+                self.opened = self.markers.start_text if self.thinking else self.markers.answer_text
+                self.tokens += len(held) if self.thinking else 0  # the start marker counts as reasoning
+                return []
+            if self.continuations():
+                return []
         released, self._held, self._opening = self._held, [], False
         return [(t, self.thinking) for t in released]
+
+    def continuations(self) -> tuple[int, ...]:
+        """While the reply has not started and the tokens held begin a marker that opens it (the
+        start marker, or harmony's answer header), the tokens that go on with one; else none."""
+        if not self._opening or not self._held:
+            return ()
+        held = tuple(self._held)
+        return tuple({m[len(held)] for m in (self.markers.start, self.markers.answer) if _begins(m, held)})
+
+    def openers(self) -> tuple[int, ...]:
+        """The tokens that may open the reply: the first of its start marker (and answer header)."""
+        return tuple({m[0] for m in (self.markers.start, self.markers.answer) if m})
 
     @property
     def opening(self) -> bool:
@@ -116,8 +166,7 @@ class Reasoning:
     def written(self, answer: str) -> str:
         """The reply's text as the model wrote it, markers and all, around `answer`: what a template
         that renders past reasoning as the model wrote it gives back."""
-        start = self.markers.start_text if self.opened else ""
-        return start + self.stream.text + (self.markers.end_text if self.ended else "") + answer
+        return self.opened + self.stream.text + (self.markers.end_text if self.ended else "") + answer
 
     def flush(self) -> list[tuple[int, bool]]:
         """The tokens still held, at the end of the reply."""
@@ -137,6 +186,11 @@ def reasoning_for(
     if markers is None:
         return None
     return Reasoning(markers, markers.open_in(prompt), detokenizer(), budget, not markers.closed_in(prompt))
+
+
+def _begins(marker: tuple[int, ...], held: tuple[int, ...]) -> bool:
+    """Whether `held` is a proper start of `marker`."""
+    return len(held) < len(marker) and marker[: len(held)] == held
 
 
 def _last(tokens: Sequence[int], marker: tuple[int, ...]) -> int:

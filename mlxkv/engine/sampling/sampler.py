@@ -126,23 +126,30 @@ def _after_thinking(
     logits: mx.array, structured: StructuredOutput, rows: list[tuple[Request, int, Sequence[int]]]
 ) -> mx.array:
     """`logits` with each constrained row masked by its matcher: a thinking model's constraint holds
-    its answer only, so a reply that has not started may still open its thinking, the first token
-    of its start marker allowed beside what the grammar allows."""
-    opening = [(first, r.reasoning.markers.start[0]) for r, first, _ in rows if r.reasoning and r.reasoning.opening]
+    its answer only, so a reply that has not started may still open its thinking (or, harmony's,
+    its answer's header): the first tokens of those markers are allowed beside what the grammar
+    allows, and once it has begun one, only the tokens that go on with it."""
+    thinkers = [(r.reasoning, first) for r, first, _ in rows if r.reasoning and r.reasoning.opening]
+    begun = [(first, next_ones) for reasoning, first in thinkers if (next_ones := reasoning.continuations())]
+    masked = {first for first, _ in begun}
+    opening = [(first, t) for reasoning, first in thinkers if first not in masked for t in reasoning.openers()]
     at = (mx.array([f for f, _ in opening]), mx.array([t for _, t in opening])) if opening else None
     kept = logits[at] if at is not None else None
-    logits = structured.masked(logits, [(r.constraint.matcher, first, d) for r, first, d in rows if r.constraint])
+    logits = structured.masked(
+        logits, [(r.constraint.matcher, first, d) for r, first, d in rows if r.constraint and first not in masked]
+    )
     if at is not None and kept is not None:
         logits[at] = kept
-    return logits
+    return _only(logits, begun) if begun else logits
 
 
-def _forced(logits: mx.array, forced: list[tuple[int, int]]) -> mx.array:
-    """`logits` with each of `forced`'s rows allowing its one token only (a thinking budget's end marker)."""
-    rows = np.array([row for row, _ in forced])
-    allowed = np.zeros((len(forced), logits.shape[-1]), dtype=np.bool_)
-    allowed[np.arange(len(forced)), [token for _, token in forced]] = True
-    index = mx.array(rows)
+def _only(logits: mx.array, rows: Sequence[tuple[int, Sequence[int]]]) -> mx.array:
+    """`logits` with each of `rows` allowing its tokens only (a thinking budget's end marker, the
+    rest of a marker a constrained reply has begun)."""
+    allowed = np.zeros((len(rows), logits.shape[-1]), dtype=np.bool_)
+    for i, (_, tokens) in enumerate(rows):
+        allowed[i, list(tokens)] = True
+    index = mx.array([row for row, _ in rows])
     logits[index] = mx.where(mx.array(allowed), logits[index], -mx.inf)
     return logits
 
@@ -166,9 +173,11 @@ def draw(
     ]
     if constrained:
         logits = _after_thinking(logits, structured, constrained)
-    forced = [(int(f), t) for r, f in zip(requests, firsts) if r.reasoning and (t := r.reasoning.forced()) is not None]
+    forced = [
+        (int(f), (t,)) for r, f in zip(requests, firsts) if r.reasoning and (t := r.reasoning.forced()) is not None
+    ]
     if forced:
-        logits = _forced(logits, forced)
+        logits = _only(logits, forced)
     samplers = [r.sampler for r, w in zip(requests, widths) for _ in range(w)]
     tokens = sample(logits, samplers, [n + i for n, w in zip(indices, widths) for i in range(w)])
     wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from ..errors import ServingError, UnsupportedContent
-from ..sampling_defaults import EFFORT_BUDGETS
+from ..sampling_defaults import effort_fields, effort_kwargs
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these routes follow, for apps that check it
 PART = re.compile(r"(\d+(\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -99,12 +99,14 @@ class Body(BaseModel):
     think: StrictBool | Literal["low", "medium", "high"] | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
-        """What the chat template reads of `think`: thinking on (a level too) or off."""
-        return {} if self.think is None else {"enable_thinking": self.think is not False}
+        """What the chat template reads of `think`: thinking on (a level too, see `effort_kwargs`) or off."""
+        if isinstance(self.think, str):
+            return effort_kwargs(self.think)
+        return {} if self.think is None else {"enable_thinking": self.think}
 
     def think_fields(self) -> dict[str, Any]:
         """The thinking budget a `think` level stands for (OpenAI's `reasoning_effort` budgets)."""
-        return {"thinking_token_budget": EFFORT_BUDGETS[self.think]} if isinstance(self.think, str) else {}
+        return effort_fields(self.think if isinstance(self.think, str) else None)
 
     @field_validator("keep_alive", mode="before")
     @classmethod

@@ -24,7 +24,7 @@ from ...engine.sampling.params import CONSTRAINTS, SamplingParams
 from ...engine.sampling.sampler import TokenLogprob as TokenScore
 from ..core import forced_tools
 from ..errors import ServingError, UnsupportedContent
-from ..sampling_defaults import EFFORT_BUDGETS
+from ..sampling_defaults import effort_fields, effort_kwargs
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "logprobs"}
@@ -213,19 +213,17 @@ class ChatBody(Body):
 
     def effort_fields(self) -> dict[str, Any]:
         """The thinking budget `reasoning_effort` stands for (`EFFORT_BUDGETS`), as a default."""
-        return {} if self.reasoning_effort is None else {"thinking_token_budget": EFFORT_BUDGETS[self.reasoning_effort]}
+        return effort_fields(self.reasoning_effort)
 
     def template_kwargs(self) -> dict[str, Any]:
-        """`chat_template_kwargs`, with `enable_thinking` off for `reasoning_effort` "none" and on
-        for any other effort, unless the kwargs say it themselves; ValueError for a name the
-        server sets itself."""
+        """`chat_template_kwargs`, with what the template reads of `reasoning_effort` (see
+        `effort_kwargs`) unless the kwargs say it themselves; ValueError for a name the server
+        sets itself."""
         kwargs = dict(self.chat_template_kwargs or {})
         taken = sorted(kwargs.keys() & {"messages", "tools", "add_generation_prompt", "tokenize"})
         if taken:
             raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them")
-        if self.reasoning_effort is not None:
-            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
-        return kwargs
+        return (effort_kwargs(self.reasoning_effort) if self.reasoning_effort else {}) | kwargs
 
     def shown_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template shows the model, as OpenAI's entries (which templates and

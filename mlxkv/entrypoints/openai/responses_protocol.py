@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..core import forced_tools
 from ..errors import UnsupportedContent
-from ..sampling_defaults import EFFORT_BUDGETS
+from ..sampling_defaults import effort_fields, effort_kwargs
 from .protocol import TokenLogprob
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the text's log-probabilities
@@ -74,14 +74,13 @@ class ResponsesBody(BaseModel):
     reasoning: ReasoningConfig | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
-        """What the chat template reads of `reasoning.effort`: thinking off for "none", else on."""
+        """What the chat template reads of `reasoning.effort` (see `effort_kwargs`)."""
         effort = self.reasoning.effort if self.reasoning else None
-        return {} if effort is None else {"enable_thinking": effort != "none"}
+        return {} if effort is None else effort_kwargs(effort)
 
     def effort_fields(self) -> dict[str, Any]:
         """The thinking budget `reasoning.effort` stands for (`EFFORT_BUDGETS`), as a default."""
-        effort = self.reasoning.effort if self.reasoning else None
-        return {} if effort is None else {"thinking_token_budget": EFFORT_BUDGETS[effort]}
+        return effort_fields(self.reasoning.effort if self.reasoning else None)
 
     @property
     def logprobs(self) -> int | None:
