@@ -31,7 +31,7 @@ from ..models.loading import DEMO_MODEL, load, model_context, resolve_model_path
 from ..models.sharding import world
 from .cli_options import PanelledCommand, fail, in_flags, with_settings
 from .llm import LLM, Stream
-from .prompts import prompt_ids
+from .prompts import prompt_ids, template_kwargs_of
 from .sampling_defaults import CONVERSATION, conversation_sampling
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,12 @@ MODEL = typer.Option(
     rich_help_panel="Model",
 )
 SYSTEM = typer.Option(None, help="System prompt for the chat template.", rich_help_panel="Prompt")
+TEMPLATE_KWARGS = typer.Option(
+    None,
+    help="What the chat template reads besides the messages, as a JSON object: '{\"enable_thinking\": false}'.",
+    metavar="<json>",
+    rich_help_panel="Prompt",
+)
 REASONING = typer.Option(
     True,
     "--reasoning/--no-reasoning",
@@ -207,6 +213,7 @@ def generate(
         "hello", "--prompt", "-p", help="The prompt; - reads it from stdin.", rich_help_panel="Prompt"
     ),
     system_prompt: Optional[str] = SYSTEM,  # noqa: UP045
+    chat_template_kwargs: Optional[str] = TEMPLATE_KWARGS,  # noqa: UP045
     ignore_chat_template: bool = typer.Option(
         False, help="Use the prompt as is, without the chat template.", rich_help_panel="Prompt"
     ),
@@ -227,7 +234,8 @@ def generate(
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": text}
         ]
-        ids = prompt_ids(loaded[1], messages, ignore_chat_template)
+        kwargs = template_kwargs_of(chat_template_kwargs)
+        ids = prompt_ids(loaded[1], messages, ignore_chat_template, template_kwargs=kwargs)
         context = context_length(config.max_model_len, model_context(loaded[0]))
         config = replace(config, max_model_len=min(context, len(ids) + params.max_tokens))
         run_and_report(LLM(loaded, config=config, group=group), ids, params, verbose, reasoning)
@@ -250,6 +258,7 @@ def chat(
     ctx: typer.Context,
     model: Optional[str] = MODEL,  # noqa: UP045
     system_prompt: Optional[str] = SYSTEM,  # noqa: UP045
+    chat_template_kwargs: Optional[str] = TEMPLATE_KWARGS,  # noqa: UP045
     verbose: bool = CHAT_VERBOSE,
     reasoning: bool = REASONING,
     *,
@@ -260,6 +269,7 @@ def chat(
     tokens; with prefix caching each turn computes only what the turn before did not. Sampling
     not given here is as the model's generation_config.json recommends, else at --temp 0.7."""
     try:
+        kwargs = template_kwargs_of(chat_template_kwargs)
         group = world()
         llm = LLM(load(model, group), config=config, group=group)
         recommended = conversation_sampling(resolve_model_path(model or DEMO_MODEL))
@@ -297,7 +307,7 @@ def chat(
                 report(llm, last)
             continue
         messages.append({"role": "user", "content": line})
-        messages, last = chat_turn(llm, messages, params, verbose, reasoning)
+        messages, last = chat_turn(llm, messages, params, verbose, reasoning, kwargs)
 
 
 def sampling_line(params: SamplingParams) -> str:
@@ -316,11 +326,17 @@ def given(ctx: typer.Context, name: str) -> bool:
 
 
 def chat_turn(
-    llm: LLM, messages: list[dict[str, str]], params: SamplingParams, verbose: bool, reasoning: bool = True
+    llm: LLM,
+    messages: list[dict[str, str]],
+    params: SamplingParams,
+    verbose: bool,
+    reasoning: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, str]], Request | None]:
-    """Answer the last message within what is left of the context; returns the conversation after
-    it, and the reply's request (None when there was none)."""
-    ids = prompt_ids(llm.tokenizer, messages, engine=llm.engine)
+    """Answer the last message within what is left of the context (the template reading
+    `template_kwargs`); returns the conversation after it, and the reply's request (None when
+    there was none)."""
+    ids = prompt_ids(llm.tokenizer, messages, engine=llm.engine, template_kwargs=template_kwargs)
     room = llm.engine.max_request_tokens - len(ids)
     if room < 1:
         typer.echo(
@@ -370,6 +386,7 @@ def serve(
         "per token of the context.",
         rich_help_panel=SERVING,
     ),
+    chat_template_kwargs: Optional[str] = TEMPLATE_KWARGS,  # noqa: UP045
     served_model_name: list[str] = typer.Option(
         [],
         help="A name the model answers to (repeatable): the first is the one the server reports "
@@ -398,6 +415,7 @@ def serve(
     logging.getLogger("mlxkv").setLevel(logging.INFO)  # the package's loggers: what the server does
     listener = listen(host, port)  # first: a port in use is one line, before a model is loaded
     try:
+        kwargs = template_kwargs_of(chat_template_kwargs)
         logger.info("loading %s ...", model or "the demo model")
         started = time.perf_counter()
         engine = LLMEngine(*load(model, group), config, group=group)
@@ -419,6 +437,7 @@ def serve(
         max_request_bytes=max_request_bytes,
         aliases=names[1:],
         sampling=sampling,
+        template_kwargs=kwargs,
     )
     logger.info("serving on http://%s:%d (chat page at /)", host, listener.getsockname()[1])
     server = Server(uvicorn.Config(app_, log_level="warning"), llm)

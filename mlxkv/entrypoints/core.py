@@ -120,10 +120,13 @@ class ServingCore:
         keepalive_s: float,
         aliases: Sequence[str] = (),
         sampling: Mapping[str, Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        """`sampling`: the fields a request that gives none samples with (see `sampling_defaults`)."""
+        """`sampling`: the fields a request that gives none samples with (see `sampling_defaults`);
+        `template_kwargs`: what the chat template reads where a request does not say."""
         self.llm, self.model_id, self.metrics = llm, model_id, metrics
         self.defaults = dict(CONVERSATION if sampling is None else sampling)
+        self.template_kwargs = dict(template_kwargs or {})
         self.names = {model_id, *aliases}  # what a request's `model` may say
         self.max_queue, self.keepalive_s = max_queue, keepalive_s
         self.tokenizer = llm.engine.tokenizer
@@ -175,7 +178,7 @@ class ServingCore:
         """The prompt of a conversation (role/content dicts, as chat templates read them), built on a
         worker thread (a long conversation takes the template and tokenizer seconds: the event loop
         keeps serving everyone else meanwhile), replies the engine produced (under `salt`) kept as
-        their token ids, the template reading `template_kwargs`; a 400 naming `field` if it gives
+        their token ids, the template reading `template_kwargs` over the server's; a 400 naming `field` if it gives
         nothing to reply to."""
         shown = tools.shown if tools else None
         try:
@@ -186,7 +189,7 @@ class ServingCore:
                 tools=shown,
                 engine=self.llm.engine,
                 cache_salt=salt,
-                template_kwargs=template_kwargs,
+                template_kwargs=self.template_kwargs | (template_kwargs or {}),
             )
         except Exception as exc:
             raise ServingError(400, f"the messages do not fit the model's chat template: {exc}", field) from None

@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..engine.inputs import encode_text
 from ..engine.llm_engine import LLMEngine
+
+SERVER_KWARGS = ("messages", "tools", "add_generation_prompt", "tokenize")  # what mlxkv itself gives a template
+
+
+def checked_template_kwargs(kwargs: Any, name: str = "chat_template_kwargs") -> dict[str, Any]:
+    """`kwargs` as what a chat template reads besides the conversation (`enable_thinking`,
+    `preserve_thinking`, ...); ValueError naming `name` for anything but an object, or one that
+    sets what mlxkv gives the template itself."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f'{name} must be a JSON object, such as {{"enable_thinking": false}}')
+    taken = [k for k in SERVER_KWARGS if k in kwargs]
+    if taken:
+        raise ValueError(f"{name} may not set {', '.join(taken)}: mlxkv sets them")
+    return dict(kwargs)
+
+
+def template_kwargs_of(text: str | None, name: str = "--chat-template-kwargs") -> dict[str, Any]:
+    """The chat-template kwargs a JSON text gives (none for None); ValueError naming `name`."""
+    if text is None:
+        return {}
+    try:
+        return checked_template_kwargs(json.loads(text), name)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{name} is not JSON ({exc.msg}); give an object, such as '{{\"enable_thinking\": false}}'"
+        ) from None
 
 
 def prompt_ids(

@@ -54,9 +54,11 @@ def build_app(
     max_request_bytes: int | None = None,
     aliases: Sequence[str] = (),
     sampling: Mapping[str, Any] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `llm` as `model_id` (requests may also name it by `aliases`), sampling
-    with `sampling`'s fields where a request gives none (default: `sampling_defaults.CONVERSATION`);
+    with `sampling`'s fields where a request gives none (default: `sampling_defaults.CONVERSATION`),
+    its chat template reading `template_kwargs` where a request does not say;
     bodies over `max_request_bytes` (default: a few MiB above the longest prompt the context holds,
     `request_bytes_for`) are refused."""
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorizer(api_key))])
@@ -69,7 +71,7 @@ def build_app(
     handle_errors(app)
     metrics = Metrics(llm.engine)
     serve_own_paths(app, llm, metrics)
-    core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s, aliases, sampling)
+    core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s, aliases, sampling, template_kwargs)
     for api in (openai_router, anthropic_router, ollama_router):
         app.include_router(api.router(core))
     return app

@@ -244,7 +244,7 @@ def test_help_groups_the_options_in_sections_sampling_first_with_their_choices()
     sections = {
         "generate": ["Sampling", "Prompt", "Model", "Engine", "Memory", "Speculation", "Tensor parallel"],
         "chat": ["Sampling", "Prompt", "Model", "Engine", "Memory", "Speculation", "Tensor parallel"],
-        "serve": ["Sampling", "Model", "Serving", "Engine", "Memory", "Speculation", "Tensor parallel"],
+        "serve": ["Sampling", "Prompt", "Model", "Serving", "Engine", "Memory", "Speculation", "Tensor parallel"],
     }
     for command, expected in sections.items():
         text = runner.invoke(app, [command, "-h"]).stdout
@@ -257,7 +257,7 @@ def test_help_groups_the_options_in_sections_sampling_first_with_their_choices()
         assert choices in generate
     serve = " ".join(runner.invoke(app, ["serve", "-h"]).stdout.split())
     assert serve.index("--served-model-name") < serve.index("Serving options:") < serve.index("--port")
-    assert serve[serve.index("Sampling options:") : serve.index("Model options:")].count("--") == 1  # the budget
+    assert serve[serve.index("Sampling options:") : serve.index("Prompt options:")].count("--") == 1  # the budget
 
 
 def test_chat_samples_as_the_model_recommends_unless_told(tmp_path):
@@ -287,6 +287,32 @@ def test_generate_prints_a_thinking_model_s_reasoning_first_unless_told_not_to(t
     flags = ["generate", "--model", path, "-p", "Hi", "-m", "30", "--thinking-token-budget", "10", "--no-verbose"]
     assert runner.invoke(app, flags).stdout == done.reasoning + "\n" + done.text + "\n"  # not a terminal: no dimming
     assert runner.invoke(app, [*flags, "--no-reasoning"]).stdout == done.text + "\n"
+
+
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_one_line(tmp_path):
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}"
+    )
+    path = str(make_checkpoint(tmp_path / "thinker", chat_template=template))
+    llm = LLM(path, max_model_len=128)
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, enable_thinking=False
+    )
+    [done] = llm.generate(prompt, SamplingParams(max_tokens=8), continuation=False)
+    flags = ["generate", "--model", path, "-p", "Hi", "-m", "8", "--no-verbose", "--chat-template-kwargs"]
+    assert runner.invoke(app, [*flags, '{"enable_thinking": false}']).stdout == done.text + "\n"
+    assert runner.invoke(app, [*flags, '{"enable_thinking": true}']).stdout != done.text + "\n"
+    for bad, said in (
+        ("[1]", 'must be a JSON object, such as {"enable_thinking": false}'),
+        ('{"tokenize": 1}', "may not set tokenize: mlxkv sets them"),
+        ("{", "is not JSON (Expecting property name enclosed in double quotes)"),
+    ):
+        failed = runner.invoke(app, ["chat", "--chat-template-kwargs", bad], input="")
+        assert (failed.exit_code, failed.stderr.splitlines()[-1].split(";")[0]) == (
+            1,
+            f"error: --chat-template-kwargs {said}",
+        )
 
 
 def test_no_verbose_prints_only_the_text(checkpoint):

@@ -24,6 +24,7 @@ from ...engine.sampling.params import CONSTRAINTS, SamplingParams
 from ...engine.sampling.sampler import TokenLogprob as TokenScore
 from ..core import forced_tools
 from ..errors import ServingError, UnsupportedContent
+from ..prompts import checked_template_kwargs
 from ..sampling_defaults import effort_fields, effort_kwargs
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.
@@ -219,10 +220,7 @@ class ChatBody(Body):
         """`chat_template_kwargs`, with what the template reads of `reasoning_effort` (see
         `effort_kwargs`) unless the kwargs say it themselves; ValueError for a name the server
         sets itself."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        taken = sorted(kwargs.keys() & {"messages", "tools", "add_generation_prompt", "tokenize"})
-        if taken:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them")
+        kwargs = checked_template_kwargs(self.chat_template_kwargs or {})
         return (effort_kwargs(self.reasoning_effort) if self.reasoning_effort else {}) | kwargs
 
     def shown_tools(self) -> list[dict[str, Any]]:
