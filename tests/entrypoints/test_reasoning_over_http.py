@@ -98,6 +98,9 @@ def test_thinking_turned_off_gives_no_reasoning_on_each_api(client):
         model=model, input="Hello", max_output_tokens=8, temperature=0, reasoning={"effort": "none"}
     )
     assert [item.type for item in none.output] == ["message"] and none.output_text
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    off_too = api.responses.create(model=model, input="Hello", max_output_tokens=8, temperature=0, extra_body=kwargs)
+    assert [item.type for item in off_too.output] == ["message"]
 
 
 def test_ollama_streams_the_thinking_apart(client):
@@ -117,6 +120,9 @@ def test_template_kwargs_the_server_sets_itself_are_refused(client):
     refused = httpx.post(f"{url}/v1/chat/completions", json=body)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
     assert "may not set tools" in refused.json()["error"]["message"]
+    body = {"model": model, "input": "Hello", "chat_template_kwargs": {"tokenize": True}}
+    refused = httpx.post(f"{url}/v1/responses", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_anthropic_thinking_blocks_streamed_whole_and_only_this_server_s_go_back_into_the_prompt(client):
@@ -168,6 +174,16 @@ def test_a_budget_of_16_closes_the_thinking_and_an_answer_follows_on_each_api(cl
         model=model, messages=HELLO, options={"num_predict": 40, "temperature": 0, "thinking_token_budget": 16}
     )
     assert (reply.message.thinking, reply.message.content) == (thinking.thinking, text.text)
+    response = api.responses.create(
+        model=model, input="Hello", max_output_tokens=40, temperature=0, extra_body={"thinking_token_budget": 16}
+    )
+    reasoning, message_item = response.output
+    assert (reasoning.type, message_item.type) == ("reasoning", "message")
+    assert (reasoning.summary[0].text, response.output_text) == (thinking.thinking, text.text)
+    assert response.usage.output_tokens_details.reasoning_tokens == 16
+    markers = ("<think>", "</think>", "<|channel|>analysis<|message|>", "<|end|><|start|>", "<|channel|>final")
+    for tag in markers:  # neither reasoning nor answer
+        assert tag not in text.text and tag not in thinking.thinking
 
 
 def test_responses_reasoning_items_streamed_and_whole_and_passed_back(client):

@@ -105,10 +105,10 @@ class ResponsesServing:
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         field = "tool_choice" if body.tool_choice else "tools"
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
-        prompt = await self.core.chat_prompt(system + messages, tools, "input", template_kwargs=body.template_kwargs())
-        given = {"temperature": body.temperature, "top_p": body.top_p}
-        defaults = self.core.defaults | body.effort_fields()
-        fields: dict[str, Any] = defaults | {k: v for k, v in given.items() if v is not None}
+        with self.core.reading("chat_template_kwargs"):
+            kwargs = body.template_kwargs()
+        prompt = await self.core.chat_prompt(system + messages, tools, "input", template_kwargs=kwargs)
+        fields: dict[str, Any] = self.core.defaults | body.effort_fields() | body.sampling_fields()
         fields = tools.constrain(fields | body.constraint())
         params = self.core.sampling(
             prompt, body.max_output_tokens, fields | {"logprobs": body.logprobs}, {"logprobs": "top_logprobs"}

@@ -9,10 +9,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from ...engine.sampling.params import CONSTRAINTS
 from ..core import forced_tools
 from ..errors import UnsupportedContent
+from ..prompts import checked_template_kwargs
 from ..sampling_defaults import effort_fields, effort_kwargs
-from .protocol import TokenLogprob
+from .protocol import SAMPLING_FIELDS, TokenLogprob
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the text's log-probabilities
 
@@ -72,11 +74,21 @@ class ResponsesBody(BaseModel):
     top_logprobs: int | None = None
     include: list[str] | None = None
     reasoning: ReasoningConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: what the template reads besides
 
     def template_kwargs(self) -> dict[str, Any]:
-        """What the chat template reads of `reasoning.effort` (see `effort_kwargs`)."""
+        """`chat_template_kwargs`, with what the chat template reads of `reasoning.effort` (see
+        `effort_kwargs`) unless the kwargs say it themselves; ValueError for a name the server
+        sets itself."""
         effort = self.reasoning.effort if self.reasoning else None
-        return {} if effort is None else effort_kwargs(effort)
+        return (effort_kwargs(effort) if effort else {}) | checked_template_kwargs(self.chat_template_kwargs or {})
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The sampling fields given (null is unset): `temperature`, `top_p`, and as in chat
+        bodies, any other `SamplingParams` field but the constraints (`text.format` sets those)."""
+        extra = {k: v for k, v in (self.model_extra or {}).items() if k in SAMPLING_FIELDS and k not in CONSTRAINTS}
+        given = extra | {"temperature": self.temperature, "top_p": self.top_p}
+        return {k: v for k, v in given.items() if v is not None}
 
     def effort_fields(self) -> dict[str, Any]:
         """The thinking budget `reasoning.effort` stands for (`EFFORT_BUDGETS`), as a default."""
