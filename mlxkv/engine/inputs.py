@@ -11,7 +11,6 @@ from ..errors import RequestTooLong, counted
 from .recent_outputs import RecentOutputs
 from .request import Request
 from .sampling.params import SamplingParams
-from .sampling.reasoning import reasoning_for
 from .sampling.structured_output import StructuredOutput
 from .sampling.text import ContinuingDetokenizer, TextStream
 
@@ -117,8 +116,5 @@ def new_request(
         )
     detokenizer = ContinuingDetokenizer(tokenizer.decode, prompt_ids) if continuation else tokenizer.detokenizer
     request.stream = TextStream(detokenizer, params.stop)
-    if not continuation:
-        budget = params.thinking_token_budget
-        request.reasoning = reasoning_for(tokenizer, prompt_ids, lambda: tokenizer.detokenizer, budget)
     request.constraint = structured.constraint(params)
     return request

@@ -64,7 +64,7 @@ class RecentOutputs:
         all of theirs, else a start of it."""
         assert request.stream is not None  # every request the engine admits has its stream
         text, ids, reasoning = request.stream.text, request.output_ids, request.reasoning
-        if reasoning is not None and reasoning.tokens:
+        if reasoning is not None and (reasoning.tokens or reasoning.opened):  # it thought, or wrote a header
             text = reasoning.written(text)
         if not text or len(ids) > self.capacity:
             return

@@ -228,13 +228,15 @@ def generate(
     The KV cache is sized to this one request (prompt plus --max-tokens) unless
     --kv-cache-memory or --num-pages says otherwise."""
     try:
+        kwargs = template_kwargs_of(chat_template_kwargs)
+        if kwargs and ignore_chat_template:
+            raise ValueError("--chat-template-kwargs is for the chat template, which --ignore-chat-template leaves out")
         text = utf8(sys.stdin.buffer.read(), "the prompt on stdin") if prompt == "-" else utf8(prompt, "--prompt")
         group = world()
         loaded = load(model, group)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": text}
         ]
-        kwargs = template_kwargs_of(chat_template_kwargs)
         ids = prompt_ids(loaded[1], messages, ignore_chat_template, template_kwargs=kwargs)
         context = context_length(config.max_model_len, model_context(loaded[0]))
         config = replace(config, max_model_len=min(context, len(ids) + params.max_tokens))

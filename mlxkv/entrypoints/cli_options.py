@@ -112,6 +112,8 @@ def with_settings(
     records built from the options; a bad value ends it with one error line naming the setting."""
     defaults, fixed = dict(defaults or {}), dict(fixed or {})
     if sampling is not None:
+        names = {f.name for f in fields(SamplingParams)}
+        assert not isinstance(sampling, str) and set(sampling) <= names, f"not SamplingParams fields: {sampling}"
         fixed |= {f.name: f.default for f in fields(SamplingParams) if f.name not in sampling}
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:

@@ -9,6 +9,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..engine.inputs import encode_text
 from ..engine.llm_engine import LLMEngine
+from .sampling_defaults import effort_kwargs
 
 SERVER_KWARGS = ("messages", "tools", "add_generation_prompt", "tokenize")  # what mlxkv itself gives a template
 
@@ -23,6 +24,12 @@ def checked_template_kwargs(kwargs: Any, name: str = "chat_template_kwargs") -> 
     if taken:
         raise ValueError(f"{name} may not set {', '.join(taken)}: mlxkv sets them")
     return dict(kwargs)
+
+
+def request_template_kwargs(given: Any, effort: str | None) -> dict[str, Any]:
+    """A request's `chat_template_kwargs` (checked), over what the template reads of its reasoning
+    effort (see `effort_kwargs`)."""
+    return (effort_kwargs(effort) if effort else {}) | checked_template_kwargs(given or {})
 
 
 def template_kwargs_of(text: str | None, name: str = "--chat-template-kwargs") -> dict[str, Any]:

@@ -303,6 +303,12 @@ def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_one_line(tmp_p
     flags = ["generate", "--model", path, "-p", "Hi", "-m", "8", "--no-verbose", "--chat-template-kwargs"]
     assert runner.invoke(app, [*flags, '{"enable_thinking": false}']).stdout == done.text + "\n"
     assert runner.invoke(app, [*flags, '{"enable_thinking": true}']).stdout != done.text + "\n"
+    ignored = runner.invoke(app, [*flags, "{}", "--ignore-chat-template"])
+    assert ignored.exit_code == 0  # nothing to ignore
+    refused = runner.invoke(app, [*flags, '{"enable_thinking": false}', "--ignore-chat-template"])
+    assert refused.stderr.strip() == (
+        "error: --chat-template-kwargs is for the chat template, which --ignore-chat-template leaves out"
+    )
     for bad, said in (
         ("[1]", 'must be a JSON object, such as {"enable_thinking": false}'),
         ('{"tokenize": 1}', "may not set tokenize: mlxkv sets them"),

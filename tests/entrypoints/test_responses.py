@@ -131,6 +131,15 @@ def test_unsupported_input_items_are_400s(client):
     assert "input items of type 'image_generation_call' are not supported" in refused.value.body["message"]
 
 
+def test_sampling_fields_as_chat_bodies_give_them_but_constraints_through_text_format(client):
+    seeded = [create(client, temperature=1.0, extra_body={"seed": 7, "top_k": 5}).output_text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(client, extra_body={"regex": "[a-z]+"})
+    error = refused.value.body
+    assert error["param"] == "regex" and "constrains its output through text.format" in error["message"]
+
+
 def test_a_kept_response_can_be_fetched_and_deleted(client):
     made = create(client)
     fetched = client.responses.retrieve(made.id)

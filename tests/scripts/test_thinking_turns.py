@@ -1,7 +1,11 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+pytest.importorskip("openai", reason="the openai package could not be installed")
+pytest.importorskip("anthropic", reason="the anthropic package could not be installed")
 
 import thinking_turns
 

@@ -8,13 +8,17 @@ constraint forces a grammar's tokens, and the answer follows."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
 
 from .text import TextStream
+
+if TYPE_CHECKING:
+    from ..request import Request
 
 CLOSED_TAIL = 4  # tokens after a prompt's last end marker that still leave its reply all answer
 # OpenAI's harmony format (gpt-oss): a reply's analysis channel is its reasoning, its final channel
@@ -120,9 +124,10 @@ class Reasoning:
                 self._held, self.thinking, self.ended = [], False, True
                 self.stream.finish()  # all the reasoning's text goes out before the answer's
                 return []
-            if _begins(self.markers.end, held):
-                return []  # may still become the marker
-        elif self._opening:
+            kept = _restart(self.markers.end, held)  # the held tokens that may still begin the marker
+            released, self._held = self._held[: len(held) - kept], self._held[len(held) - kept :]
+            return [(t, True) for t in released]
+        if self._opening:
             if held in (self.markers.start, self.markers.answer):
                 self._held, self._opening, self.thinking = [], False, held == self.markers.start
                 self.opened = self.markers.start_text if self.thinking else self.markers.answer_text
@@ -155,8 +160,9 @@ class Reasoning:
         `pending` tokens sampled but not yet routed); None while it is not thinking under a budget."""
         if self.budget is None or not self.thinking:
             return None
-        closing = len(self.markers.end) - len(self._held)  # the end marker's tokens still to come
-        return self.budget - self.tokens - pending - closing
+        # Tokens held as the end marker's start are counted as reasoning, not as the marker's: the
+        # model may yet write something else after them, and the whole marker must still fit.
+        return self.budget - self.tokens - pending - len(self.markers.end)
 
     def forced(self) -> int | None:
         """The token the reply must take next to close its thinking within its budget; None if free."""
@@ -174,23 +180,21 @@ class Reasoning:
         return [(t, self.thinking) for t in released]
 
 
-def reasoning_for(
-    tokenizer: TokenizerWrapper,
-    prompt: Sequence[int],
-    detokenizer: Callable[[], StreamingDetokenizer],
-    budget: int | None = None,
-) -> Reasoning | None:
-    """A reply's `Reasoning` (of at most `budget` tokens), for a model that thinks; None for one
-    that does not."""
-    markers = ThinkMarkers.of(tokenizer)
-    if markers is None:
-        return None
-    return Reasoning(markers, markers.open_in(prompt), detokenizer(), budget, not markers.closed_in(prompt))
+def reasoning_for(markers: ThinkMarkers, request: Request, detokenizer: StreamingDetokenizer) -> Reasoning:
+    """The `Reasoning` of `request`'s reply (of at most its `thinking_token_budget` tokens): inside
+    the thinking where its prompt opened it, all answer where the prompt closed it."""
+    prompt, budget = request.prompt_ids, request.params.thinking_token_budget
+    return Reasoning(markers, markers.open_in(prompt), detokenizer, budget, not markers.closed_in(prompt))
 
 
 def _begins(marker: tuple[int, ...], held: tuple[int, ...]) -> bool:
     """Whether `held` is a proper start of `marker`."""
     return len(held) < len(marker) and marker[: len(held)] == held
+
+
+def _restart(marker: tuple[int, ...], held: tuple[int, ...]) -> int:
+    """How many of `held`'s last tokens are a proper start of `marker` (`held` itself, if it is one)."""
+    return next((n for n in range(len(held), 0, -1) if _begins(marker, held[-n:])), 0)
 
 
 def _last(tokens: Sequence[int], marker: tuple[int, ...]) -> int:

@@ -174,7 +174,8 @@ class Speculator:
             request.draft = proposal[:most]
             if request.constraint is not None and request.draft:
                 reasoning = request.reasoning
-                thinking = reasoning is not None and not reasoning.ended  # a draft could end it unchecked
+                # a draft could open or end the thinking, unchecked by the constraint
+                thinking = reasoning is not None and (reasoning.thinking or reasoning.opening)
                 del request.draft[0 if thinking else request.constraint.draftable(request.draft) :]
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:

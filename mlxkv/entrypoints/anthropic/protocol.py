@@ -231,6 +231,8 @@ class MessagesBody(CountTokensBody):
             given["json_schema"] = self.output_config.format.schema_
         if self.thinking is not None and self.thinking.type == "enabled":
             given["thinking_token_budget"] = self.thinking.budget_tokens
+        if self.thinking is not None and self.thinking.type == "disabled":  # for a template that thinks regardless
+            given["thinking_token_budget"] = 0
         return {k: v for k, v in given.items() if v is not None}
 
 

@@ -105,8 +105,9 @@ class Body(BaseModel):
         return {} if self.think is None else {"enable_thinking": self.think}
 
     def think_fields(self) -> dict[str, Any]:
-        """The thinking budget a `think` level stands for (OpenAI's `reasoning_effort` budgets)."""
-        return effort_fields(self.think if isinstance(self.think, str) else None)
+        """The thinking budget a `think` level stands for (OpenAI's `reasoning_effort` budgets); 0
+        for `think: false`, for a template that thinks regardless (gpt-oss's)."""
+        return effort_fields("none" if self.think is False else self.think if isinstance(self.think, str) else None)
 
     @field_validator("keep_alive", mode="before")
     @classmethod

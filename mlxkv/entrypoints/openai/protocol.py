@@ -24,8 +24,8 @@ from ...engine.sampling.params import CONSTRAINTS, SamplingParams
 from ...engine.sampling.sampler import TokenLogprob as TokenScore
 from ..core import forced_tools
 from ..errors import ServingError, UnsupportedContent
-from ..prompts import checked_template_kwargs
-from ..sampling_defaults import effort_fields, effort_kwargs
+from ..prompts import request_template_kwargs
+from ..sampling_defaults import effort_fields
 
 # The fields of SamplingParams a body may carry as they are; max_tokens and logprobs have their own shape here.
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"max_tokens", "logprobs"}
@@ -220,8 +220,7 @@ class ChatBody(Body):
         """`chat_template_kwargs`, with what the template reads of `reasoning_effort` (see
         `effort_kwargs`) unless the kwargs say it themselves; ValueError for a name the server
         sets itself."""
-        kwargs = checked_template_kwargs(self.chat_template_kwargs or {})
-        return (effort_kwargs(self.reasoning_effort) if self.reasoning_effort else {}) | kwargs
+        return request_template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     def shown_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template shows the model, as OpenAI's entries (which templates and

@@ -108,6 +108,10 @@ class ResponsesServing:
         with self.core.reading("chat_template_kwargs"):
             kwargs = body.template_kwargs()
         prompt = await self.core.chat_prompt(system + messages, tools, "input", template_kwargs=kwargs)
+        misplaced = body.misplaced_constraints()
+        if misplaced:
+            message = f"{misplaced[0]} is not a Responses field: this API constrains its output through text.format"
+            raise ServingError(400, message, misplaced[0])
         fields: dict[str, Any] = self.core.defaults | body.effort_fields() | body.sampling_fields()
         fields = tools.constrain(fields | body.constraint())
         params = self.core.sampling(

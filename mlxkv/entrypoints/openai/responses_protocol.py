@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from ...engine.sampling.params import CONSTRAINTS
 from ..core import forced_tools
 from ..errors import UnsupportedContent
-from ..prompts import checked_template_kwargs
-from ..sampling_defaults import effort_fields, effort_kwargs
+from ..prompts import request_template_kwargs
+from ..sampling_defaults import effort_fields
 from .protocol import SAMPLING_FIELDS, TokenLogprob
 
 LOGPROBS = "message.output_text.logprobs"  # what `include` names to get the text's log-probabilities
@@ -80,13 +80,18 @@ class ResponsesBody(BaseModel):
         """`chat_template_kwargs`, with what the chat template reads of `reasoning.effort` (see
         `effort_kwargs`) unless the kwargs say it themselves; ValueError for a name the server
         sets itself."""
-        effort = self.reasoning.effort if self.reasoning else None
-        return (effort_kwargs(effort) if effort else {}) | checked_template_kwargs(self.chat_template_kwargs or {})
+        return request_template_kwargs(self.chat_template_kwargs, self.reasoning.effort if self.reasoning else None)
+
+    def misplaced_constraints(self) -> list[str]:
+        """The constraint fields given in the body, where chat bodies take them: the Responses API
+        constrains its output through `text.format`."""
+        return [k for k in (*CONSTRAINTS, "grammar_trigger") if k in (self.model_extra or {})]
 
     def sampling_fields(self) -> dict[str, Any]:
         """The sampling fields given (null is unset): `temperature`, `top_p`, and as in chat
         bodies, any other `SamplingParams` field but the constraints (`text.format` sets those)."""
-        extra = {k: v for k, v in (self.model_extra or {}).items() if k in SAMPLING_FIELDS and k not in CONSTRAINTS}
+        extra = {k: v for k, v in (self.model_extra or {}).items() if k in SAMPLING_FIELDS}
+        extra = {k: v for k, v in extra.items() if k not in self.misplaced_constraints()}
         given = extra | {"temperature": self.temperature, "top_p": self.top_p}
         return {k: v for k, v in given.items() if v is not None}
 

@@ -3,12 +3,15 @@
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from helpers import drafts_always_pay, mlx_lm_text
 
-from mlxkv import LLM, SamplingParams
+from mlxkv import LLM, LLMEngine, SamplingParams
 from mlxkv.engine.sampling.reasoning import Reasoning, ThinkMarkers
+from mlxkv.engine.sampling.sampler import draw
 from mlxkv.entrypoints.prompts import prompt_ids
+from mlxkv.models import load
 from mlxkv.models.random_model import HARMONY_CHAT_TEMPLATE, HARMONY_MARKERS, make_checkpoint
 
 SINGLE = ThinkMarkers(start=(5,), end=(6,))
@@ -208,3 +211,41 @@ def test_while_a_harmony_reply_opens_a_channel_the_tokens_that_go_on_with_it_are
 def test_a_harmony_prompt_opens_or_closes_the_reply_s_analysis():
     assert HARMONY.open_in([6, 17, 7, 18, 8]) and not HARMONY.open_in([7, 18, 8, 1, 9, 6, 17])
     assert HARMONY.closed_in([1, 9, 6, 17, 7, 19, 8]) and not HARMONY.closed_in([1, 9, 6, 17])
+
+
+def test_a_constrained_reply_that_begins_a_channel_header_is_held_to_it(tmp_path):
+    """gpt-oss writes its channel header before a constrained answer: once it has begun one, the
+    grammar waits and only the header's next tokens may follow (every constrained row of the step
+    being such a row too)."""
+    harmony_as_gpt_oss = HARMONY_CHAT_TEMPLATE.replace(
+        "<|start|>assistant<|channel|>analysis<|message|>{% endif", "<|start|>assistant{% endif"
+    )
+    path = make_checkpoint(tmp_path / "gpt-oss", chat_template=harmony_as_gpt_oss, markers=HARMONY_MARKERS)
+    engine = LLMEngine(*load(str(path)))
+    vocab = engine.tokenizer.get_vocab()
+    prompt = prompt_ids(engine.tokenizer, [{"role": "user", "content": "Is it?"}])
+    request = engine.add_request(prompt, SamplingParams(temperature=1.0, json_schema={"type": "object"}))
+    assert request.reasoning.opening and engine.tokenizer.decode(prompt).endswith("<|start|>assistant")
+    logits = mx.zeros((1, engine.vocab_size))
+    first = {int(draw(logits, [request], [i], [[]], engine.structured)[0][0]) for i in range(40)}
+    assert vocab["<|channel|>"] in first and len(first) > 1  # the header, or what the grammar allows
+    request.reasoning.route(vocab["<|channel|>"])
+    after = {int(draw(logits, [request], [i], [[]], engine.structured)[0][0]) for i in range(40)}
+    assert after == {vocab["analysis"], vocab["final"]}
+
+
+def test_an_end_marker_that_starts_again_inside_a_partial_one_still_ends_the_thinking():
+    reasoning, answer, state = split(HARMONY, [7, 18, 8, 1, 9, 9, 6, 17, 7, 19, 8, 3])
+    assert (reasoning, answer, state.ended) == ([1, 9], [3], True)
+
+
+def test_a_budget_holds_though_the_model_begins_the_end_marker_and_turns_away():
+    for turn_away in (False, True):
+        state = Reasoning(HARMONY, True, Tokens(), budget=10)
+        written = [1, 2, 9, 5 if turn_away else 6]  # `<|end|>`, then something else or `<|start|>`
+        for token in written:
+            assert state.forced() is None
+            state.route(token)
+        while not state.ended:
+            state.route(state.forced())
+        assert state.tokens == (10 if turn_away else 8)  # never over the budget
