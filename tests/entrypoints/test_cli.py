@@ -274,13 +274,22 @@ def test_chat_samples_as_the_model_recommends_unless_told(tmp_path):
     assert runner.invoke(app, ["chat"], input="").stdout.splitlines()[1] == "Sampling: --temp 0.7."
 
 
-def test_generate_prints_a_thinking_model_s_reasoning_first_unless_told_not_to(tmp_path):
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-        "<|im_start|>assistant\n<think>\n"
-    )
-    path = str(make_checkpoint(tmp_path / "thinker", chat_template=template))
-    llm = LLM(path, max_model_len=128)
+# A template that opens the reply's thinking unless told not to (mlx-lm sets `enable_thinking` for
+# a vocabulary with think markers).
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    path = str(make_checkpoint(tmp_path_factory.mktemp("cli") / "thinker", chat_template=THINKING_TEMPLATE))
+    return path, LLM(path, max_model_len=128)
+
+
+def test_generate_prints_a_thinking_model_s_reasoning_first_unless_told_not_to(thinker):
+    path, llm = thinker
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
     [done] = llm.generate(prompt, SamplingParams(max_tokens=30, thinking_token_budget=10), continuation=False)
     assert done.reasoning and done.text
@@ -289,13 +298,8 @@ def test_generate_prints_a_thinking_model_s_reasoning_first_unless_told_not_to(t
     assert runner.invoke(app, [*flags, "--no-reasoning"]).stdout == done.text + "\n"
 
 
-def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_one_line(tmp_path):
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-        "<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}"
-    )
-    path = str(make_checkpoint(tmp_path / "thinker", chat_template=template))
-    llm = LLM(path, max_model_len=128)
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_one_line(thinker):
+    path, llm = thinker
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, enable_thinking=False
     )
