@@ -178,8 +178,8 @@ class ServingCore:
         """The prompt of a conversation (role/content dicts, as chat templates read them), built on a
         worker thread (a long conversation takes the template and tokenizer seconds: the event loop
         keeps serving everyone else meanwhile), replies the engine produced (under `salt`) kept as
-        their token ids, the template reading `template_kwargs` over the server's; a 400 naming `field` if it gives
-        nothing to reply to."""
+        their token ids, the template reading `template_kwargs` over the server's; a 400 naming
+        `field` if it gives nothing to reply to."""
         shown = tools.shown if tools else None
         try:
             prompt = await asyncio.to_thread(

@@ -133,12 +133,12 @@ def _after_thinking(
     begun = [(first, next_ones) for reasoning, first in thinkers if (next_ones := reasoning.continuations())]
     masked = {first for first, _ in begun}
     opening = [(first, t) for reasoning, first in thinkers if first not in masked for t in reasoning.openers()]
-    at = (mx.array([f for f, _ in opening]), mx.array([t for _, t in opening])) if opening else None
-    kept = logits[at] if at is not None else None
+    at = (mx.array([f for f, _ in opening]), mx.array([t for _, t in opening]))
+    kept = logits[at] if opening else None
     matched = [(r.constraint.matcher, first, d) for r, first, d in rows if r.constraint and first not in masked]
     if matched:
         logits = structured.masked(logits, matched)
-    if at is not None and kept is not None:
+    if kept is not None:
         logits[at] = kept
     return _only(logits, begun) if begun else logits
 

@@ -5,9 +5,9 @@ A reply's text and tool calls become content blocks (`text`, `tool_use`), in the
 wrote them, after a thinking model's reasoning as a signed `thinking` block. Streamed, each block
 opens, grows (`thinking_delta` then its `signature_delta`, `text_delta`, or the call's whole input
 as one `input_json_delta`) and closes; the same splitter makes whole and streamed replies, so they
-are equal. A thinking block sent back with a signature this server did not give it is left out of the prompt.
-Usage counts the prompt tokens read from the prefix cache as `cache_read_input_tokens` and the
-rest as `input_tokens`.
+are equal. A thinking block sent back with a signature this server did not give it is left out of
+the prompt. Usage counts the prompt tokens read from the prefix cache as `cache_read_input_tokens`
+and the rest as `input_tokens`.
 """
 
 from __future__ import annotations

@@ -98,16 +98,20 @@ class Body(BaseModel):
     keep_alive: float | None = None  # seconds; negative: forever
     think: StrictBool | Literal["low", "medium", "high"] | None = None
 
+    def _effort(self) -> str | None:
+        """`think` as a reasoning effort: its level, or "none" for false (None for true or unset)."""
+        return "none" if self.think is False else self.think if isinstance(self.think, str) else None
+
     def template_kwargs(self) -> dict[str, Any]:
-        """What the chat template reads of `think`: thinking on (a level too, see `effort_kwargs`) or off."""
-        if isinstance(self.think, str):
-            return effort_kwargs(self.think)
-        return {} if self.think is None else {"enable_thinking": self.think}
+        """What the chat template reads of `think`: thinking on, or what its effort says (see
+        `effort_kwargs`: off for false)."""
+        effort = self._effort()
+        return effort_kwargs(effort) if effort else {"enable_thinking": True} if self.think else {}
 
     def think_fields(self) -> dict[str, Any]:
-        """The thinking budget a `think` level stands for (OpenAI's `reasoning_effort` budgets); 0
-        for `think: false`, for a template that thinks regardless (gpt-oss's)."""
-        return effort_fields("none" if self.think is False else self.think if isinstance(self.think, str) else None)
+        """The thinking budget `think`'s effort stands for (OpenAI's `reasoning_effort` budgets); 0
+        for false, for a template that thinks regardless (gpt-oss's)."""
+        return effort_fields(self._effort())
 
     @field_validator("keep_alive", mode="before")
     @classmethod

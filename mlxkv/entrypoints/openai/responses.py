@@ -105,13 +105,13 @@ class ResponsesServing:
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         field = "tool_choice" if body.tool_choice else "tools"
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
-        with self.core.reading("chat_template_kwargs"):
-            kwargs = body.template_kwargs()
-        prompt = await self.core.chat_prompt(system + messages, tools, "input", template_kwargs=kwargs)
-        misplaced = body.misplaced_constraints()
+        misplaced = body.misplaced_constraints()  # before the prompt is built: a bad body costs nothing
         if misplaced:
             message = f"{misplaced[0]} is not a Responses field: this API constrains its output through text.format"
             raise ServingError(400, message, misplaced[0])
+        with self.core.reading("chat_template_kwargs"):
+            kwargs = body.template_kwargs()
+        prompt = await self.core.chat_prompt(system + messages, tools, "input", template_kwargs=kwargs)
         fields: dict[str, Any] = self.core.defaults | body.effort_fields() | body.sampling_fields()
         fields = tools.constrain(fields | body.constraint())
         params = self.core.sampling(
