@@ -62,7 +62,9 @@ class KVCacheManager:
     belongs to one sequence, so there is nothing to share and `prefix_caching` is False.
 
     `num_kv_heads` and `head_dim` are one int for every layer, or one per layer where a model's
-    layers differ (Gemma 4's global layers have wider heads than its sliding ones).
+    layers differ (Gemma 4's global layers have wider heads than its sliding ones). The layers in
+    `keys_only` keep K pages alone, read as their V pages too (multi-head latent attention's
+    latent rows, see `KVStorage`).
 
     `layer_windows` gives each layer's sliding window (None: it sees every earlier token).
     In the paged layout the layers of each window get pages of their own (a `PageGroup`
@@ -112,6 +114,7 @@ class KVCacheManager:
         state_shapes: Sequence[Sequence[StateShape]] = (),
         prefix_states: int | None = None,
         pinned_fraction: float = 0.5,
+        keys_only: Sequence[int] = (),
     ) -> None:
         sizes = dict(num_layers=num_layers, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size)
         for name, value in sizes.items():
@@ -149,8 +152,9 @@ class KVCacheManager:
             layers = [i for i, w in enumerate(windows) if (w if grouped else None) == window]
             pool = self.pool if window is None else PagePool(self._window_pages(window, window_pages), page_size)
             shape = (len(layers), pool.capacity, [heads[i] for i in layers], pool.page_size, [dims[i] for i in layers])
+            own = [index for index, layer in enumerate(layers) if layer in keys_only]
             self.groups[window] = self._page_group(
-                window, layers, pool, KVStorage(*shape, dtype, kv_bits, kv_group_size)
+                window, layers, pool, KVStorage(*shape, dtype, kv_bits, kv_group_size, own)
             )
         self._full = self.groups[None]
         self._tables = self._full.tables

@@ -126,11 +126,15 @@ def kv_bytes_per_token(
     dtype: mx.Dtype,
     bits: int | None = None,
     group_size: int = 64,
+    keys_only: Sequence[int] = (),
 ) -> int:
     """K and V bytes one token takes across all layers (with `bits`: packed values plus the
-    scale and bias of each group, in `dtype`)."""
+    scale and bias of each group, in `dtype`); the layers in `keys_only` keep keys alone."""
     heads, dims = per_layer("num_kv_heads", num_kv_heads, num_layers), per_layer("head_dim", head_dim, num_layers)
-    return sum(2 * h * _row_bytes(d, dtype, bits, group_size) for h, d in zip(heads, dims))
+    return sum(
+        (1 if i in keys_only else 2) * h * _row_bytes(d, dtype, bits, group_size)
+        for i, (h, d) in enumerate(zip(heads, dims))
+    )
 
 
 def _row_bytes(head_dim: int, dtype: mx.Dtype, bits: int | None, group_size: int) -> int:
@@ -167,8 +171,10 @@ class KVStorage:
     `head_dim`: one int for all, or one per layer).
 
     With `bits` (8 or 4) a token's K and V rows are quantized once, when written, in groups of
-    `group_size` along `head_dim`; attention reads the packed pages. The arguments are trusted
-    as `KVCacheManager` checked them.
+    `group_size` along `head_dim`; attention reads the packed pages. The layers in `keys_only`
+    (multi-head latent attention's: a token's one latent row is both its key and its value) keep
+    K pages alone, which they hand out as their V pages too. The arguments are trusted as
+    `KVCacheManager` checked them.
     """
 
     def __init__(
@@ -181,8 +187,10 @@ class KVStorage:
         dtype: mx.Dtype | str,
         bits: int | None = None,
         group_size: int = 64,
+        keys_only: Sequence[int] = (),
     ) -> None:
         self.dtype = resolve_dtype(dtype)
+        self.keys_only = frozenset(keys_only)
         self.bits = bits
         self.group_size = group_size
         self.kv_heads = per_layer("num_kv_heads", num_kv_heads, num_layers)
@@ -191,16 +199,18 @@ class KVStorage:
         self.num_pages = num_pages
         self.keys, self.values = self._zeroed()
         self.bytes_per_token = kv_bytes_per_token(
-            self.num_layers, self.kv_heads, self.head_dims, self.dtype, self.bits, self.group_size
+            self.num_layers, self.kv_heads, self.head_dims, self.dtype, self.bits, self.group_size, keys_only
         )  # kept: the KV usage line reads it every step
 
     def reset(self) -> None:
         """Fresh zeroed pages, for when a failed step left the old ones unusable."""
         self.keys, self.values = self._zeroed()
 
-    def _zeroed(self) -> tuple[list[Pages], list[Pages]]:
-        keys, values = ([self._zeroed_pages(layer) for layer in range(len(self.kv_heads))] for _ in range(2))
-        mx.eval([arrays_of(pages) for pages in keys + values])
+    def _zeroed(self) -> tuple[list[Pages], list[Pages | None]]:
+        layers = range(len(self.kv_heads))
+        keys = [self._zeroed_pages(layer) for layer in layers]
+        values = [None if layer in self.keys_only else self._zeroed_pages(layer) for layer in layers]
+        mx.eval([arrays_of(pages) for pages in keys + values if pages is not None])
         return keys, values
 
     def _zeroed_pages(self, layer: int) -> Pages:
@@ -214,7 +224,7 @@ class KVStorage:
     @property
     def tensors(self) -> list[mx.array]:
         """Every MLX array of every layer's pages, to evaluate them at the end of a step."""
-        return [part for pages in self.keys + self.values for part in arrays_of(pages)]
+        return [part for pages in self.keys + self.values if pages is not None for part in arrays_of(pages)]
 
     @property
     def num_layers(self) -> int:
@@ -222,13 +232,14 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
-        return sum(pages.nbytes for pages in self.keys + self.values)
+        return sum(pages.nbytes for pages in self.keys + self.values if pages is not None)
 
     def layer(self, layer: int) -> tuple[Pages, Pages]:
         """The K and V pages of `layer` (read them; don't keep them past the step)."""
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer!r} is outside 0..{self.num_layers - 1}")
-        return self.keys[layer], self.values[layer]
+        values = self.values[layer]
+        return self.keys[layer], self.keys[layer] if values is None else values
 
     def read(self, layer: int, pages: list[int], count: int) -> tuple[mx.array, mx.array]:
         """The first `count` tokens stored in `pages` of `layer`, as fresh `[count, kv_heads, head_dim]`
@@ -252,11 +263,17 @@ class KVStorage:
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `slots` of its pages
-        (`KVBatch.head_slots`), quantized once here when the pages are."""
+        (`KVBatch.head_slots`), quantized once here when the pages are; a keys-only layer's
+        `values` must be its `keys`."""
         for name, array in (("keys", keys), ("values", values)):
             self._check(layer, name, array, slots.size // self.kv_heads[layer])
         self.keys[layer] = self._scattered(self.keys[layer], slots, keys)
-        self.values[layer] = self._scattered(self.values[layer], slots, values)
+        stored = self.values[layer]
+        if stored is None:
+            if values is not keys:
+                raise ValueError(f"layer {layer} keeps keys alone; its values must be its keys")
+            return
+        self.values[layer] = self._scattered(stored, slots, values)
 
     def _scattered(self, pages: Pages, slots: mx.array, new: mx.array) -> Pages:
         if isinstance(pages, QuantizedPages):

@@ -19,7 +19,7 @@ from ..attention.variant import Variant
 from ..cache.manager import KVCacheManager
 from ..cache.state_pool import StateShape, state_bytes
 from ..cache.storage import PerLayer
-from ..models.adapters import Adapter, adapter_for
+from ..models.adapters import Adapter, LatentAdapter, ModuleAdapter, adapter_for
 from ..models.loading import model_context
 from ..models.structure import (
     LayerRoles,
@@ -36,8 +36,9 @@ from ..models.structure import (
 class ModelKV:
     """What sizing a KV cache needs to know of a model: its attention layers' K/V shape (KV heads and
     head dim: one for all layers, or each layer's) and dtype, its own context (None if its config
-    gives none), its weights' bytes, each attention layer's sliding window (None: full) and what
-    each recurrent layer of a hybrid keeps per sequence."""
+    gives none), its weights' bytes, each attention layer's sliding window (None: full), what
+    each recurrent layer of a hybrid keeps per sequence, and the layers whose keys are their
+    values (multi-head latent attention's)."""
 
     num_layers: int
     num_kv_heads: PerLayer
@@ -47,6 +48,7 @@ class ModelKV:
     weights_bytes: int = 0
     layer_windows: Sequence[int | None] | None = None
     state_shapes: Sequence[Sequence[StateShape]] = ()
+    keys_only: Sequence[int] = ()
 
     @property
     def state_bytes_per_sequence(self) -> int:
@@ -58,7 +60,7 @@ def _attention(layer: nn.Module) -> nn.Module:
     return mlx_lm_module(layer, LayerRoles.attention_module(layer))
 
 
-def _adapters(model: nn.Module) -> list[Adapter]:
+def _adapters(model: nn.Module) -> list[Adapter | ModuleAdapter | LatentAdapter]:
     """The adapters of `model`'s attention layers with pages of their own, in the cache's order."""
     layers = decoder(model).layers
     return [adapter_for(model, i, _attention(layers[i])) for i in layer_roles(model).attention]
@@ -75,7 +77,8 @@ def kv_shape(model: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ...], m
     model = text_model(model)
     adapters, args = _adapters(model), model.args
     head_dims = tuple(
-        getattr(a.attn, "head_dim", None)
+        getattr(a, "head_dim", None)
+        or getattr(a.attn, "head_dim", None)
         or getattr(args, "head_dim", None)
         or args.hidden_size // args.num_attention_heads
         for a in adapters
@@ -91,7 +94,8 @@ def model_kv(model: nn.Module) -> ModelKV:
     weights = sum(array.nbytes for _, array in parameters)
     windows = [variant.window for variant in layer_variants(model)]
     states = state_shapes(model, layer_roles(model))
-    return ModelKV(layers, kv_heads, head_dims, dtype, model_context(model), weights, windows, states)
+    keys_only = [i for i, adapter in enumerate(_adapters(text_model(model))) if getattr(adapter, "keys_only", False)]
+    return ModelKV(layers, kv_heads, head_dims, dtype, model_context(model), weights, windows, states, keys_only)
 
 
 def attention_heads(model: nn.Module) -> Heads:

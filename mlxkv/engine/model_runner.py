@@ -13,10 +13,11 @@ from ..attention.reference import reference_attention
 from ..cache.batch import KVBatch
 from ..cache.manager import KVCacheManager
 from ..cache.state_batch import state_batch
-from ..models.adapters import Gemma4Adapter, adapter_for
+from ..models.adapters import Gemma4Adapter, LatentAdapter, ModuleAdapter, adapter_for
 from ..models.rotary import Positions
 from ..models.structure import decoder, layer_roles, logits, mlx_lm_module, pads_exactly
-from .layers.attention import PagedAttention, SharingAttention
+from .layers.attention import LatentAttention, PagedAttention, SharingAttention
+from .layers.module_attention import ModuleAttention
 from .layers.recurrent import RecurrentLayer
 from .layers.step_context import StepContext
 from .scheduler import ScheduledBatch
@@ -37,11 +38,15 @@ class ModelRunner:
             name = roles.attention_module(layers[index])
             attn = mlx_lm_module(layers[index], name)
             adapter, number = adapter_for(model, index, attn), numbers[index if source is None else source]
-            wrapped = (
-                SharingAttention(attn, number, adapter, source is not None)
-                if isinstance(adapter, Gemma4Adapter)
-                else PagedAttention(attn, number, adapter)
-            )
+            wrapped: PagedAttention
+            if isinstance(adapter, Gemma4Adapter):
+                wrapped = SharingAttention(attn, number, adapter, source is not None)
+            elif isinstance(adapter, LatentAdapter):
+                wrapped = LatentAttention(attn, number, adapter)
+            elif isinstance(adapter, ModuleAdapter):
+                wrapped = ModuleAttention(attn, number, adapter)
+            else:
+                wrapped = PagedAttention(attn, number, adapter)
             setattr(layers[index], name, wrapped)
         for number, index in enumerate(roles.recurrent):
             name = roles.recurrent_module(layers[index])

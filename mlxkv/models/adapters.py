@@ -1,6 +1,8 @@
-"""How mlxkv runs each mlx-lm attention family over the paged cache: one small adapter per family.
+"""How mlxkv runs each mlx-lm attention family over the paged cache.
 
-An adapter turns one layer's input into per-token queries, keys and values through the
+Most families run their own attention module unchanged (`ModuleAdapter`, through
+`attention_hook`). The families below with an adapter of their own predate that path or need
+more: an adapter turns one layer's input into per-token queries, keys and values through the
 layer's own modules (projections, norms, RoPE), and says how the layer attends: its scale,
 sliding window, soft-cap and sinks. The model's own code computes everything else.
 """
@@ -11,10 +13,13 @@ from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..attention.variant import Variant
+from ..errors import ModelLoadError
+from .attention_hook import install
 from .rotary import Positions, Rotation
-from .structure import decoder
+from .structure import activation_dtype, decoder
 
 
 def _first(module: object, *names: str) -> Any:
@@ -141,6 +146,108 @@ class Ministral3Adapter(Adapter):
         return projected._replace(queries=projected.queries * factor[:, None, None].astype(projected.queries.dtype))
 
 
+class _Probe:
+    """The cache a `ModuleAdapter` runs its module with once, on one token, to learn its geometry."""
+
+    offset = 0
+
+    def __init__(self) -> None:
+        self.fetched: tuple[mx.array, mx.array] | None = None
+        self.attended: tuple[mx.array, mx.array, mx.array, float, mx.array | None] | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.fetched = keys, values
+        return keys, values
+
+    def attend(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, sinks: mx.array | None
+    ) -> mx.array:
+        self.attended = queries, keys, values, scale, sinks
+        return mx.zeros((*queries.shape[:-1], values.shape[-1]), queries.dtype)
+
+    def make_mask(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+class ModuleAdapter:
+    """A layer run through its own mlx-lm attention module, unchanged: its heads, head dim, scale and
+    sinks are what the module hands the cache when run once on one token (lazily: nothing is
+    computed). Refused with `ModelLoadError` when the module attends some other way than handing
+    the keys and values it cached to mlx-lm's `scaled_dot_product_attention`."""
+
+    def __init__(self, attn: nn.Module, window: int | None, width: int, dtype: mx.Dtype) -> None:
+        self.attn = attn
+        name = type(attn).__name__
+        if not install(type(attn)):
+            raise ModelLoadError(f"its attention ({name}) does not call mlx-lm's scaled_dot_product_attention")
+        probe = _Probe()
+        try:
+            attn(mx.zeros((1, 1, width), dtype), mask=None, cache=probe)
+        except Exception as exc:
+            raise ModelLoadError(f"its attention ({name}) does not run over mlxkv's pages: {exc}") from None
+        if probe.attended is None or probe.fetched is None:
+            raise ModelLoadError(f"its attention ({name}) does not attend the keys and values it caches")
+        queries, keys, values, scale, sinks = probe.attended
+        if keys is not probe.fetched[0] or values is not probe.fetched[1]:
+            raise ModelLoadError(f"its attention ({name}) transforms the cached keys and values before attending")
+        if keys.shape[-1] != values.shape[-1]:
+            raise ModelLoadError(f"its attention ({name}) has keys and values of different widths")
+        self.heads, self.kv_heads, self.head_dim = queries.shape[1], keys.shape[1], keys.shape[-1]
+        self.scale = float(scale)
+        self.variant = Variant(window=window, sinks=sinks)
+
+
+class LatentAdapter:
+    """Multi-head latent attention (DeepSeek V3, Kimi K2, GLM-4.7-Flash) in the absorbed form, as
+    mlx-lm's decode step computes it: a token's cache is its normed latent and its RoPE key, one row
+    shared by every head (`keys_only`: the row is its own value); each head's query is its
+    `embed_q`-absorbed no-RoPE part beside its rotated part, and the first `rank` values of each
+    head's output go through `unembed_out` (see `LatentAttention`)."""
+
+    keys_only = True
+
+    def __init__(self, attn: nn.Module) -> None:
+        self.attn = attn
+        self.heads, self.kv_heads = attn.num_heads, 1
+        self.rank, self.rope_dim = attn.kv_lora_rank, attn.qk_rope_head_dim
+        self.head_dim = self.rank + self.rope_dim
+        self.scale = float(attn.scale)
+        self.variant = Variant()
+        self.out_proj = attn.o_proj
+
+    def __call__(self, x: mx.array, positions: Positions) -> Projection:
+        """The queries `[tokens, heads, rank + rope]` and the latent rows `[tokens, 1, rank + rope]`
+        (as keys and values) of the packed tokens `x` (`[1, tokens, hidden]`)."""
+        attn, tokens = self.attn, x.shape[1]
+        x = x.reshape(tokens, 1, -1)
+        q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        q_nope, q_pe = mx.split(q.reshape(tokens, self.heads, 1, -1), [attn.qk_nope_head_dim], axis=-1)
+        latent, k_pe = mx.split(attn.kv_a_proj_with_mqa(x), [self.rank], axis=-1)
+        q_pe = attn.rope(q_pe, positions.array)
+        k_pe = attn.rope(k_pe[:, None], positions.array)[:, 0]
+        queries = mx.concatenate([attn.embed_q(q_nope), q_pe], axis=-1)[:, :, 0]
+        rows = mx.concatenate([attn.kv_a_layernorm(latent), k_pe], axis=-1)
+        return Projection(queries, rows, rows)
+
+    def output(self, out: mx.array) -> mx.array:
+        """The layer's output `[1, tokens, hidden]` from the attention's `[1, tokens, heads * (rank + rope)]`."""
+        tokens = out.shape[1]
+        latent = out.reshape(tokens, self.heads, 1, self.head_dim)[..., : self.rank]
+        values: mx.array = self.attn.unembed_out(latent)
+        return self.out_proj(values.reshape(1, tokens, -1))  # type: ignore[no-any-return]
+
+
+def _cache_window(model: nn.Module, index: int) -> int | None:
+    """Layer `index`'s sliding window as mlx-lm's caches for `model` say: a rotating cache's size."""
+    cache = model.make_cache()[index] if hasattr(model, "make_cache") else KVCache()
+    if isinstance(cache, RotatingKVCache):
+        return cast(int, cache.max_size)
+    if type(cache) is not KVCache:
+        kept = type(cache).__name__
+        raise ModelLoadError(f"layer {index} keeps mlx-lm's {kept}, which mlxkv's pages do not stand for")
+    return None
+
+
 def _window(model: nn.Module, attn: nn.Module, index: int) -> int | None:
     """The layer's sliding window as mlx-lm applies it: `layer_types` (Llama-style configs, and
     GPT-OSS, whose model fills in its default alternation) or Gemma 3's pattern; mlx-lm
@@ -189,9 +296,15 @@ def _gated(attn: nn.Module) -> bool:
     return head_dim is not None and hasattr(attn, "q_proj") and attn.q_proj.weight.shape[0] == 2 * heads * head_dim
 
 
-def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter:
-    """The adapter of layer `index`'s attention module `attn` in `model` (an mlx-lm model)."""
-    args, window = model.args, _window(model, attn, index)
+def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter | ModuleAdapter | LatentAdapter:
+    """The adapter of layer `index`'s attention module `attn` in `model` (an mlx-lm text model)."""
+    args = model.args
+    if hasattr(attn, "kv_lora_rank") and hasattr(attn, "embed_q"):
+        return LatentAdapter(attn)
+    if args.model_type not in FAMILIES:
+        width = _first(args, "hidden_size", "d_model", "n_embd", "dim")
+        return ModuleAdapter(attn, _cache_window(model, index), width, activation_dtype(model))
+    window = _window(model, attn, index)
     if hasattr(attn, "qkv_proj"):
         return FusedAdapter(attn, window)
     if args.model_type == "ministral3":

@@ -15,17 +15,17 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from mlx_lm.utils import load as mlx_lm_load
 
 from ..errors import ModelLoadError
-from .adapters import FAMILIES
+from .adapters import FAMILIES, adapter_for
 from .sharding import shard
+from .structure import LayerRoles, decoder, layer_roles, mlx_lm_module, text_model
 
-SUPPORTED_MODEL_TYPES = FAMILIES
+SUPPORTED_MODEL_TYPES = FAMILIES  # with adapters of their own; the others run when `check_runs` passes
 # Families mlx-lm runs and mlxkv does not yet, by the layers that stop them.
 MAMBA = "Mamba layers"
-MLA = "multi-head latent attention"
 NOT_YET = {
     "olmo_hybrid": "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding",
     **dict.fromkeys(("falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
-    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32"), MLA),
+    "deepseek_v32": "DeepSeek V3.2's sparse indexer (each query attends only the tokens it ranks highest)",
     "rwkv7": "RWKV-7 recurrent layers",
     "recurrent_gemma": "RG-LRU recurrent layers",
 }
@@ -73,12 +73,24 @@ def check_config(path: Path) -> dict[str, Any]:
             f"unsupported model_type {model_type!r} in {str(config_file)!r}: it uses {NOT_YET[model_type]}, "
             "not supported yet"
         )
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"unsupported model_type {model_type!r} in {str(config_file)!r}; mlxkv supports "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    if not isinstance(model_type, str):
+        raise ModelLoadError(f"{str(config_file)!r} has no model_type string; expected an mlx-lm checkpoint's config")
     return config
+
+
+def check_runs(model: nn.Module, model_type: str) -> None:
+    """Refuse a loaded model whose layers mlxkv cannot run over its pages, naming what stops it."""
+    text = text_model(model)
+    try:
+        layers = decoder(text).layers
+        for index in layer_roles(text).attention:
+            adapter_for(text, index, mlx_lm_module(layers[index], LayerRoles.attention_module(layers[index])))
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"unsupported model_type {model_type!r}: {exc}") from None
+    except (AttributeError, StopIteration, TypeError) as exc:
+        raise ModelLoadError(
+            f"unsupported model_type {model_type!r}: its layers are not laid out as mlxkv reads them ({exc!r})"
+        ) from None
 
 
 def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +123,7 @@ def load(
         model, tokenizer = mlx_lm_load(str(path), model_config=rope_overrides(config), lazy=sharded)[:2]
     except Exception as exc:
         raise ModelLoadError(f"could not load the checkpoint in {str(path)!r}: {exc}") from None
+    check_runs(model, config["model_type"])
     if sharded:
         assert group is not None
         shard(model, config["model_type"], group)

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...attention.first_chunk import first_chunk_attention
-from ...models.adapters import Adapter, Gemma4Adapter
+from ...models.adapters import Adapter, Gemma4Adapter, LatentAdapter, ModuleAdapter
 from .step_context import StepContext
 
 
@@ -22,7 +22,7 @@ class PagedAttention(nn.Module):
     handed to mlxkv still runs under mlx-lm.
     """
 
-    def __init__(self, inner: nn.Module, layer: int, adapter: Adapter) -> None:
+    def __init__(self, inner: nn.Module, layer: int, adapter: Adapter | ModuleAdapter | LatentAdapter) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # nn.Module's __init__ has no annotations
         self.inner = inner
         self.layer = layer  # the number of the pages it reads among the cache's layers
@@ -33,9 +33,11 @@ class PagedAttention(nn.Module):
         if step is None:
             original: mx.array = self.inner(x, *args, **kwargs)
             return original
-        queries, keys, values, gate = self.adapter(x, step.positions)
+        adapter = self.adapter
+        assert isinstance(adapter, Adapter), "the other adapters' layers have calls of their own"
+        queries, keys, values, gate = adapter(x, step.positions)
         out = self.attend(step, queries, keys, values, write=True)
-        projected: mx.array = self.adapter.out_proj(out if gate is None else out * mx.sigmoid(gate))
+        projected: mx.array = adapter.out_proj(out if gate is None else out * mx.sigmoid(gate))
         return projected
 
     def attend(self, step: StepContext, queries: mx.array, keys: mx.array, values: mx.array, write: bool) -> mx.array:
@@ -86,3 +88,19 @@ class SharingAttention(PagedAttention):
             queries, keys, values, _ = self.adapter(x, step.positions)
         out = self.attend(step, queries, keys, values, write=not self.shared)
         return self.adapter.out_proj(out), (keys, values), kwargs.get("offset")
+
+
+class LatentAttention(PagedAttention):
+    """Multi-head latent attention over the paged cache (see `LatentAdapter`): each token's latent
+    row is written once, read as both its key and its value, and the output leaves through the
+    layer's `unembed_out` and `o_proj`."""
+
+    adapter: LatentAdapter
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        step = StepContext.of(args, kwargs)
+        if step is None:
+            original: mx.array = self.inner(x, *args, **kwargs)
+            return original
+        queries, rows, _, _ = self.adapter(x, step.positions)
+        return self.adapter.output(self.attend(step, queries, rows, rows, write=True))

@@ -112,8 +112,10 @@ def _kv_costs(config: EngineConfig, model: ModelKV, draft: ModelKV | None) -> _K
         windows = list(model.layer_windows)
     heads = per_layer("num_kv_heads", model.num_kv_heads, model.num_layers)
     dims = per_layer("head_dim", model.head_dim, model.num_layers)
+    bits, group_size = config.kv_bits, config.kv_group_size
     layer_bytes = [
-        kv_bytes_per_token(1, h, d, model.dtype, config.kv_bits, config.kv_group_size) for h, d in zip(heads, dims)
+        kv_bytes_per_token(1, h, d, model.dtype, bits, group_size, [0] if i in model.keys_only else [])
+        for i, (h, d) in enumerate(zip(heads, dims))
     ]
     bytes_per_token = sum(size for size, w in zip(layer_bytes, windows) if w is None) + draft_bytes_per_token(draft)
     grouped = {w: window_pages(config, w) for w in set(windows) if w is not None}
@@ -149,7 +151,11 @@ def _beside(costs: _KVCosts) -> str:
 
 def draft_bytes_per_token(draft: ModelKV | None) -> int:
     """Bytes a token takes in a draft model's pages (float, every layer attending fully)."""
-    return 0 if draft is None else kv_bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, draft.dtype)
+    if draft is None:
+        return 0
+    return kv_bytes_per_token(
+        draft.num_layers, draft.num_kv_heads, draft.head_dim, draft.dtype, keys_only=draft.keys_only
+    )
 
 
 def build_kv_cache(config: EngineConfig, model: ModelKV, sizing: KVCacheSizing) -> KVCacheManager:
@@ -168,6 +174,7 @@ def build_kv_cache(config: EngineConfig, model: ModelKV, sizing: KVCacheSizing) 
         prefix_states=config.prefix_states,
         pinned_fraction=config.pinned_fraction,
         kv_bits=config.kv_bits,
+        keys_only=model.keys_only,
         kv_group_size=config.kv_group_size,
         layer_windows=sizing.layer_windows,
         window_pages=sizing.window_pages,

@@ -1,0 +1,63 @@
+"""A family's own mlx-lm attention module run over the paged cache (see `models.attention_hook`).
+
+The module is handed the packed tokens on its batch axis, one token a row, with a cache whose
+`offset` is each token's position: its RoPE (and anything else it computes from the offset)
+then takes each token's own position, and its mask, for one token a row, is None.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from ...models.adapters import ModuleAdapter
+from .attention import PagedAttention
+from .step_context import StepContext
+
+
+class LayerCache:
+    """What one layer's module is handed as its cache in a step: `update_and_fetch` writes its new
+    tokens' K/V to the layer's pages, and `attend` (through `attention_hook`) attends them."""
+
+    def __init__(self, step: StepContext, layer: PagedAttention) -> None:
+        self.step = step
+        self.layer = layer
+        self.offset = step.positions.array
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write `keys` and `values` (`[tokens, kv_heads, 1, head_dim]`) and hand them back."""
+        batch = self.step.batch.for_window(self.layer.adapter.variant.window)
+        self.step.cache.write(self.layer.layer, batch, keys[:, :, 0], values[:, :, 0])
+        return keys, values
+
+    def attend(
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, sinks: mx.array | None
+    ) -> mx.array:
+        """`[tokens, heads, 1, head_dim]`: the step's queries over the layer's pages (the module's
+        `scale` and `sinks` are those its adapter learned)."""
+        tokens, heads = queries.shape[:2]
+        out = self.layer.attend(self.step, queries[:, :, 0], keys[:, :, 0], values[:, :, 0], write=False)
+        return out.reshape(tokens, heads, 1, -1)
+
+    def make_mask(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+class ModuleAttention(PagedAttention):
+    """An mlx-lm attention module run unchanged over the paged cache, its tokens on the batch axis.
+    Called with any other cache (mlx-lm's own), it is the original module."""
+
+    adapter: ModuleAdapter
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        step = StepContext.of(args, kwargs)
+        if step is None:
+            original: mx.array = self.inner(x, *args, **kwargs)
+            return original
+        view = LayerCache(step, self)
+        args = tuple(view if arg is step else arg for arg in args)
+        kwargs = {name: view if value is step else value for name, value in kwargs.items()}
+        tokens = x.shape[1]
+        out: mx.array = self.inner(x.reshape(tokens, 1, -1), *args, **kwargs)
+        return out.reshape(1, tokens, -1)
