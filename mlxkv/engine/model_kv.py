@@ -24,7 +24,7 @@ from ..models.loading import model_context
 from ..models.structure import (
     LayerRoles,
     activation_dtype,
-    decoder,
+    decoder_layers,
     layer_roles,
     mlx_lm_module,
     state_shapes,
@@ -62,7 +62,7 @@ def _attention(layer: nn.Module) -> nn.Module:
 
 def _adapters(model: nn.Module) -> list[Adapter | ModuleAdapter | LatentAdapter]:
     """The adapters of `model`'s attention layers with pages of their own, in the cache's order."""
-    layers = decoder(model).layers
+    layers = decoder_layers(model)
     return [adapter_for(model, i, _attention(layers[i])) for i in layer_roles(model).attention]
 
 

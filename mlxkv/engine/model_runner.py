@@ -15,7 +15,7 @@ from ..cache.manager import KVCacheManager
 from ..cache.state_batch import state_batch
 from ..models.adapters import Gemma4Adapter, LatentAdapter, ModuleAdapter, adapter_for
 from ..models.rotary import Positions
-from ..models.structure import decoder, layer_roles, logits, mlx_lm_module, pads_exactly
+from ..models.structure import decoder, decoder_layers, layer_roles, logits, mlx_lm_module, pads_exactly
 from .layers.attention import LatentAttention, PagedAttention, SharingAttention
 from .layers.module_attention import ModuleAttention
 from .layers.recurrent import RecurrentLayer
@@ -30,7 +30,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.attention = attention
-        roles, layers = layer_roles(model), decoder(model).layers
+        roles, layers = layer_roles(model), decoder_layers(model)
         self.pads = pads_exactly(model, roles)  # else a step's prefill chunks run one by one
         # Always around mlx-lm's own module: a model handed to a second engine is wrapped afresh, alike.
         numbers = {index: number for number, index in enumerate(roles.attention)}
@@ -68,7 +68,7 @@ class ModelRunner:
         states = state_batch(kv, self.pads) if self.cache.states is not None else None
         context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, spans, states)
         inner = decoder(self.model)
-        hidden: mx.array = inner(mx.array(token_ids)[None], cache=[context] * len(inner.layers))
+        hidden: mx.array = inner(mx.array(token_ids)[None], cache=[context] * len(decoder_layers(self.model)))
         return hidden[0]
 
     def head(self, hidden: mx.array) -> mx.array:

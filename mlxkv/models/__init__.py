@@ -2,9 +2,11 @@
 
 `loading` loads checkpoints (local or from the hub) and refuses what mlxkv cannot run; `structure`
 says how a model is put together (text model, decoder, which layers attend, which keep a recurrent
-state); `adapters` turn each family's attention layer into per-token queries, keys and values;
-`rotary` applies RoPE from tables shared by the layers; `sharding` splits a model across a
-tensor-parallel group; `random_model` writes random checkpoints for tests and benchmarks.
+state); `adapters` say how each attention layer meets the pages (its own module, through
+`attention_hook`; multi-head latent attention; or a family's adapter); `rotary` applies RoPE from
+tables shared by the layers; `sharding` splits a model across a tensor-parallel group;
+`random_model` writes random checkpoints for tests and benchmarks, and `tiny_configs` a tiny config
+for every family mlx-lm has (the census's).
 """
 
 from .loading import DEMO_MODEL, SUPPORTED_MODEL_TYPES, load, model_context

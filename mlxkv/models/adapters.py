@@ -19,7 +19,7 @@ from ..attention.variant import Variant
 from ..errors import ModelLoadError
 from .attention_hook import install
 from .rotary import Positions, Rotation
-from .structure import activation_dtype, decoder
+from .structure import activation_dtype, decoder, hidden_size
 
 
 def _first(module: object, *names: str) -> Any:
@@ -237,14 +237,20 @@ class LatentAdapter:
         return self.out_proj(values.reshape(1, tokens, -1))  # type: ignore[no-any-return]
 
 
+KEPT = {  # what the mlx-lm caches that no page stands for hold
+    "ChunkedKVCache": "chunked local attention's keys (mlx-lm's ChunkedKVCache)",
+    "CacheList": "several caches (mlx-lm's CacheList)",
+}
+
+
 def _cache_window(model: nn.Module, index: int) -> int | None:
     """Layer `index`'s sliding window as mlx-lm's caches for `model` say: a rotating cache's size."""
     cache = model.make_cache()[index] if hasattr(model, "make_cache") else KVCache()
     if isinstance(cache, RotatingKVCache):
         return cast(int, cache.max_size)
     if type(cache) is not KVCache:
-        kept = type(cache).__name__
-        raise ModelLoadError(f"layer {index} keeps mlx-lm's {kept}, which mlxkv's pages do not stand for")
+        kept = KEPT.get(type(cache).__name__, f"mlx-lm's {type(cache).__name__}")
+        raise ModelLoadError(f"its layer {index} keeps {kept}, which mlxkv's pages do not stand for yet")
     return None
 
 
@@ -299,11 +305,12 @@ def _gated(attn: nn.Module) -> bool:
 def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter | ModuleAdapter | LatentAdapter:
     """The adapter of layer `index`'s attention module `attn` in `model` (an mlx-lm text model)."""
     args = model.args
+    if hasattr(attn, "indexer"):
+        raise ModelLoadError("its sparse indexer (each query attends only the tokens it ranks highest)")
     if hasattr(attn, "kv_lora_rank") and hasattr(attn, "embed_q"):
         return LatentAdapter(attn)
     if args.model_type not in FAMILIES:
-        width = _first(args, "hidden_size", "d_model", "n_embd", "dim")
-        return ModuleAdapter(attn, _cache_window(model, index), width, activation_dtype(model))
+        return ModuleAdapter(attn, _cache_window(model, index), hidden_size(model), activation_dtype(model))
     window = _window(model, attn, index)
     if hasattr(attn, "qkv_proj"):
         return FusedAdapter(attn, window)

@@ -17,7 +17,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from ..errors import ModelLoadError
 from .adapters import FAMILIES, adapter_for
 from .sharding import shard
-from .structure import LayerRoles, decoder, layer_roles, mlx_lm_module, text_model
+from .structure import LayerRoles, decoder, decoder_layers, layer_roles, mlx_lm_module, state_shapes, text_model
 
 SUPPORTED_MODEL_TYPES = FAMILIES  # with adapters of their own; the others run when `check_runs` passes
 # Families mlx-lm runs and mlxkv does not yet, by the layers that stop them.
@@ -25,10 +25,13 @@ MAMBA = "Mamba layers"
 NOT_YET = {
     "olmo_hybrid": "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding",
     **dict.fromkeys(("falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
-    "deepseek_v32": "DeepSeek V3.2's sparse indexer (each query attends only the tokens it ranks highest)",
     "rwkv7": "RWKV-7 recurrent layers",
+    "llama4": "chunked local attention (three layers in four attend only within their chunk of tokens)",
+    "hunyuan": "cross-layer attention (layers that attend another layer's keys and values)",
+    **dict.fromkeys(("gpt_neox", "lille-130m"), "a decoder that computes the logits itself"),
     "recurrent_gemma": "RG-LRU recurrent layers",
 }
+ABSOLUTE_POSITIONS = ("wpe", "embed_positions")  # GPT-2-style decoders' learned position embeddings
 DEMO_MODEL = Path(__file__).parents[1] / "demo_model"
 
 
@@ -82,14 +85,22 @@ def check_runs(model: nn.Module, model_type: str) -> None:
     """Refuse a loaded model whose layers mlxkv cannot run over its pages, naming what stops it."""
     text = text_model(model)
     try:
-        layers = decoder(text).layers
-        for index in layer_roles(text).attention:
+        if any(hasattr(decoder(text), name) for name in ABSOLUTE_POSITIONS):
+            raise ModelLoadError("learned absolute position embeddings, which mlx-lm adds by one offset for all rows")
+        layers, roles = decoder_layers(text), layer_roles(text)
+        for index in roles.attention:
             adapter_for(text, index, mlx_lm_module(layers[index], LayerRoles.attention_module(layers[index])))
+        state_shapes(text, roles)
     except ModelLoadError as exc:
         raise ModelLoadError(f"unsupported model_type {model_type!r}: {exc}") from None
-    except (AttributeError, StopIteration, TypeError) as exc:
+    except StopIteration:
         raise ModelLoadError(
-            f"unsupported model_type {model_type!r}: its layers are not laid out as mlxkv reads them ({exc!r})"
+            f"unsupported model_type {model_type!r}: its model, decoder or layers are not named as mlxkv looks "
+            "for them (see models/structure.py)"
+        ) from None
+    except (AttributeError, TypeError) as exc:
+        raise ModelLoadError(
+            f"unsupported model_type {model_type!r}: its layers are not laid out as mlxkv reads them ({exc})"
         ) from None
 
 

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ModelLoadError
-from .structure import decoder, text_model
+from .structure import decoder_layers, text_model
 
 
 def world() -> mx.distributed.Group:
@@ -24,7 +24,7 @@ def check_shardable(model: nn.Module, model_type: str, size: int) -> None:
             f"model_type {model_type!r} has no tensor-parallel sharding in mlx-lm, so it cannot run over "
             f"{size} processes; run it in one process (without mlx.launch)"
         )
-    for number, layer in enumerate(decoder(text_model(model)).layers):
+    for number, layer in enumerate(decoder_layers(text_model(model))):
         attn = getattr(layer, "self_attn", None)
         for name in ("n_heads", "n_kv_heads", "num_attention_heads", "num_key_value_heads"):
             heads = getattr(attn, name, None)

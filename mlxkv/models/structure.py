@@ -19,9 +19,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
 
 from ..cache.state_pool import StateShape
+from ..errors import ModelLoadError
 
 RECURRENT_MODULES = ("linear_attn", "conv", "mamba", "mixer")  # Qwen3.5, Qwen3-Next; LFM2; Granite 4; Nemotron-H
-ATTENTION_MODULES = ("self_attn", "mixer")  # Nemotron-H calls every block's module its mixer
+# Nemotron-H calls every block's module its mixer; GPT-2-style families theirs `attn` or `attention`.
+ATTENTION_MODULES = ("self_attn", "mixer", "attn", "attention", "self_attention")
+DECODERS = ("model", "backbone", "transformer", "gpt_neox")  # Nemotron-H's; GPT-2-style families'
+EMBEDDINGS = ("embed_tokens", "embeddings", "wte", "embed_in", "tok_embeddings", "word_embeddings")
+HEADS = ("lm_head", "output", "embed_out")  # Llama 4's and GPT-NeoX's are not `lm_head`
 BLOCK_ROLES = {"*": "attention", "M": "recurrent"}  # Nemotron-H's block types; MLP blocks have neither
 
 
@@ -33,21 +38,34 @@ def text_model(model: nn.Module) -> nn.Module:
 
 def decoder(model: nn.Module) -> nn.Module:
     """The module of a text model holding its embeddings, decoder layers and final norm:
-    `model.model`, or Nemotron-H's `backbone`."""
-    return cast(nn.Module, model.model if hasattr(model, "model") else model.backbone)
+    `model.model`, or as the family names it (`DECODERS`)."""
+    return cast(nn.Module, next(getattr(model, name) for name in DECODERS if hasattr(model, name)))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """A text model's decoder layers (GPT-2-style families call them `h`; PLaMo nests them once more)."""
+    inner = decoder(model)
+    layers = inner.layers if hasattr(inner, "layers") else inner.h
+    return cast("list[nn.Module]", layers.layers if isinstance(layers, nn.Module) else layers)
+
+
+def hidden_size(model: nn.Module) -> int:
+    """The width of a text model's hidden states, by whichever name its arguments give it."""
+    args = model.args
+    return int(next(getattr(args, name) for name in ("hidden_size", "n_embd", "d_model", "dim") if hasattr(args, name)))
 
 
 def embeddings(model: nn.Module) -> nn.Module:
-    """A text model's token embeddings (Nemotron-H's are `embeddings`)."""
+    """A text model's token embeddings, as the family names them (`EMBEDDINGS`)."""
     inner = decoder(model)
-    return cast(nn.Module, inner.embed_tokens if hasattr(inner, "embed_tokens") else inner.embeddings)
+    return cast(nn.Module, next(getattr(inner, name) for name in EMBEDDINGS if hasattr(inner, name)))
 
 
 def logits(model: nn.Module, hidden: mx.array) -> mx.array:
     """`model`'s logits for final hidden states, as its own forward pass makes them: its head (or
     the tied embeddings), then Granite's `logits_scaling` and Gemma 2's final soft-cap. Neither
     moves the argmax, but both change what a temperature samples and the log-probabilities."""
-    head = getattr(model, "lm_head", None)
+    head = next((getattr(model, name) for name in HEADS if hasattr(model, name)), None)
     out: mx.array = (embeddings(model).as_linear if head is None else head)(hidden)
     if getattr(model, "logits_scaling", None):
         out = out / model.logits_scaling
@@ -64,11 +82,10 @@ def held_arrays(model: nn.Module) -> list[mx.array]:
 
 
 def activation_dtype(model: nn.Module) -> mx.Dtype:
-    """The dtype of `model`'s activations (a text model): its final norm's, never quantized (LFM2
-    calls that norm `embedding_norm`, Nemotron-H `norm_f`)."""
-    inner = decoder(model)
-    norm = next(getattr(inner, name) for name in ("norm", "embedding_norm", "norm_f") if hasattr(inner, name))
-    dtype: mx.Dtype = norm.weight.dtype
+    """The dtype of `model`'s activations (a text model): that of its decoder's first floating
+    parameter (a norm's, or a quantized layer's scales: never its packed integers)."""
+    parameters = cast("list[tuple[str, mx.array]]", tree_flatten(decoder(model).parameters()))
+    dtype: mx.Dtype = next(a.dtype for _, a in parameters if a.dtype in (mx.float16, mx.bfloat16, mx.float32))
     return dtype
 
 
@@ -106,14 +123,15 @@ def layer_roles(model: nn.Module) -> LayerRoles:
     (Nemotron-H, whose MLP blocks neither attend nor keep a state), else from the caches mlx-lm
     makes for it; the layers past those caches read the K/V of the layer mlx-lm's `previous_kvs`
     names (Gemma 4's KV-shared layers)."""
-    inner = decoder(model)
-    layers = inner.layers
+    inner, layers = decoder(model), decoder_layers(model)
     if hasattr(layers[0], "block_type"):
         roles = [BLOCK_ROLES.get(layer.block_type) for layer in layers]
     else:
         caches = model.make_cache() if hasattr(model, "make_cache") else [None] * len(layers)
         roles = ["recurrent" if isinstance(cache, ArraysCache) else "attention" for cache in caches]
     sources = getattr(inner, "previous_kvs", ())
+    if len(sources) < len(layers) and len(roles) < len(layers):
+        raise ModelLoadError(f"mlx-lm keeps caches for {len(roles)} of its {len(layers)} layers")
     return LayerRoles(
         tuple(i for i, role in enumerate(roles) if role == "attention"),
         tuple(i for i, role in enumerate(roles) if role == "recurrent"),
@@ -127,14 +145,14 @@ def state_shapes(model: nn.Module, roles: LayerRoles) -> list[list[StateShape]]:
     state in float32 whatever the weights are)."""
     if not roles.recurrent:
         return []
-    layers = decoder(model).layers
+    layers = decoder_layers(model)
     caches = dict(zip(roles.recurrent, [c for c in model.make_cache() if isinstance(c, ArraysCache)]))
     dtype = activation_dtype(model)
     shapes = []
     for index in roles.recurrent:
         module = mlx_lm_module(layers[index], roles.recurrent_module(layers[index]))
         cache: Any = caches[index]  # mlx-lm's class, not annotated
-        module(mx.zeros((1, 1, model.args.hidden_size), dtype), mask=None, cache=cache)
+        module(mx.zeros((1, 1, hidden_size(model)), dtype), mask=None, cache=cache)
         shapes.append([StateShape(tuple(array.shape[1:]), array.dtype) for array in cache.cache])
     return shapes
 
@@ -145,10 +163,10 @@ def pads_exactly(model: nn.Module, roles: LayerRoles) -> bool:
     Checked once, on random input, a 7-token row padded beside an 8-token one."""
     if not roles.recurrent:
         return True
-    layer = decoder(model).layers[roles.recurrent[0]]
+    layer = decoder_layers(model)[roles.recurrent[0]]
     module = mlx_lm_module(layer, roles.recurrent_module(layer))
     size = len(next(c for c in model.make_cache() if isinstance(c, ArraysCache)).cache)
-    rows = mx.random.normal((2, 8, model.args.hidden_size), key=mx.random.key(0))
+    rows = mx.random.normal((2, 8, hidden_size(model)), key=mx.random.key(0))
     short, longer = rows.astype(activation_dtype(model))
     alone: Any = ArraysCache(size)
     module(short[None, :7], mask=None, cache=alone)

@@ -28,6 +28,15 @@ class PagedAttention(nn.Module):
         self.layer = layer  # the number of the pages it reads among the cache's layers
         self.adapter = adapter
 
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped module's attributes, which the family's decoder layer may read (EXAONE 4's `is_local`)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "inner":
+                raise
+            return getattr(self.inner, name)
+
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
         step = StepContext.of(args, kwargs)
         if step is None:

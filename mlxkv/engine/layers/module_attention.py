@@ -15,6 +15,8 @@ from ...models.adapters import ModuleAdapter
 from .attention import PagedAttention
 from .step_context import StepContext
 
+INPUTS = ("x", "inputs", "hidden_states")  # what families call the input when they pass it by name
+
 
 class LayerCache:
     """What one layer's module is handed as its cache in a step: `update_and_fetch` writes its new
@@ -50,14 +52,17 @@ class ModuleAttention(PagedAttention):
 
     adapter: ModuleAdapter
 
-    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:  # GPT-J passes its input by name
         step = StepContext.of(args, kwargs)
         if step is None:
-            original: mx.array = self.inner(x, *args, **kwargs)
+            original: mx.array = self.inner(*args, **kwargs)
             return original
         view = LayerCache(step, self)
         args = tuple(view if arg is step else arg for arg in args)
         kwargs = {name: view if value is step else value for name, value in kwargs.items()}
-        tokens = x.shape[1]
-        out: mx.array = self.inner(x.reshape(tokens, 1, -1), *args, **kwargs)
+        name = next((n for n in INPUTS if n in kwargs), None)
+        x = args[0] if name is None else kwargs[name]
+        tokens, rows = x.shape[1], x.reshape(x.shape[1], 1, -1)
+        args, kwargs = (args, {**kwargs, name: rows}) if name else ((rows, *args[1:]), kwargs)
+        out: mx.array = self.inner(*args, **kwargs)
         return out.reshape(1, tokens, -1)
