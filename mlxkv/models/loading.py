@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
 from huggingface_hub import snapshot_download
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, MODEL_REMAPPING
 from mlx_lm.utils import load as mlx_lm_load
 
 from ..errors import ModelLoadError
@@ -78,7 +81,20 @@ def check_config(path: Path) -> dict[str, Any]:
         )
     if not isinstance(model_type, str):
         raise ModelLoadError(f"{str(config_file)!r} has no model_type string; expected an mlx-lm checkpoint's config")
+    if not _in_mlx_lm(model_type):
+        raise ModelLoadError(
+            f"unsupported model_type {model_type!r} in {str(config_file)!r}: mlx-lm {mlx_lm.__version__} has no "
+            "such model family (docs/families.md lists those mlxkv runs)"
+        )
     return config
+
+
+def _in_mlx_lm(model_type: str) -> bool:
+    """Whether the installed mlx-lm has a model file for `model_type` (found without importing it)."""
+    family = MODEL_REMAPPING.get(model_type, model_type)
+    if re.fullmatch(r"[\w-]+", family) is None:
+        return False
+    return importlib.util.find_spec(f"mlx_lm.models.{family}") is not None
 
 
 def check_runs(model: nn.Module, model_type: str) -> None:
