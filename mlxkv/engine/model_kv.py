@@ -75,7 +75,14 @@ def kv_shape(model: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ...], m
     """(attention layers, each one's KV heads, each one's head dim, activation dtype) of a loaded
     mlx-lm model."""
     model = text_model(model)
-    adapters, args = _adapters(model), model.args
+    return _shape(model, _adapters(model))
+
+
+def _shape(
+    model: nn.Module, adapters: list[Adapter | ModuleAdapter | LatentAdapter]
+) -> tuple[int, tuple[int, ...], tuple[int, ...], mx.Dtype]:
+    """`kv_shape` of a text model whose adapters are `adapters`."""
+    args = model.args
     head_dims = tuple(
         getattr(a, "head_dim", None)
         or getattr(a.attn, "head_dim", None)
@@ -89,12 +96,14 @@ def kv_shape(model: nn.Module) -> tuple[int, tuple[int, ...], tuple[int, ...], m
 def model_kv(model: nn.Module) -> ModelKV:
     """What sizing a KV cache needs to know of a loaded mlx-lm text model (its weights' bytes
     from their shapes: a lazily built model is not evaluated)."""
-    layers, kv_heads, head_dims, dtype = kv_shape(model)
+    text = text_model(model)
+    adapters = _adapters(text)  # each layer's module probed once (see `ModuleAdapter`)
+    layers, kv_heads, head_dims, dtype = _shape(text, adapters)
     parameters = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
     weights = sum(array.nbytes for _, array in parameters)
-    windows = [variant.window for variant in layer_variants(model)]
+    windows = [adapter.variant.window for adapter in adapters]
     states = state_shapes(model, layer_roles(model))
-    keys_only = [i for i, adapter in enumerate(_adapters(text_model(model))) if getattr(adapter, "keys_only", False)]
+    keys_only = [i for i, adapter in enumerate(adapters) if isinstance(adapter, LatentAdapter)]
     return ModelKV(layers, kv_heads, head_dims, dtype, model_context(model), weights, windows, states, keys_only)
 
 

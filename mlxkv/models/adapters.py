@@ -200,11 +200,9 @@ class ModuleAdapter:
 class LatentAdapter:
     """Multi-head latent attention (DeepSeek V3, Kimi K2, GLM-4.7-Flash) in the absorbed form, as
     mlx-lm's decode step computes it: a token's cache is its normed latent and its RoPE key, one row
-    shared by every head (`keys_only`: the row is its own value); each head's query is its
-    `embed_q`-absorbed no-RoPE part beside its rotated part, and the first `rank` values of each
-    head's output go through `unembed_out` (see `LatentAttention`)."""
-
-    keys_only = True
+    shared by every head and read as its own value (the cache's `keys_only` layers); each head's
+    query is its `embed_q`-absorbed no-RoPE part beside its rotated part, and the first `rank`
+    values of each head's output go through `unembed_out` (see `LatentAttention`)."""
 
     def __init__(self, attn: nn.Module) -> None:
         self.attn = attn

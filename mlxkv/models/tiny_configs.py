@@ -21,15 +21,12 @@ import mlx.core as mx
 import mlx_lm.models
 from mlx_lm.utils import MODEL_REMAPPING
 
+from .random_model import TINY
+
 # Generic tiny sizes by the field names families use for them (HF names first).
 TINY_BASE: dict[str, Any] = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    TINY,
     head_dim=16,
-    vocab_size=320,
     num_vocab=320,
     max_position_embeddings=1024,
     rms_norm_eps=1e-5,
