@@ -27,6 +27,7 @@ from ..models.structure import (
     decoder_layers,
     layer_roles,
     mlx_lm_module,
+    model_args,
     state_shapes,
     text_model,
 )
@@ -82,7 +83,7 @@ def _shape(
     model: nn.Module, adapters: list[Adapter | ModuleAdapter | LatentAdapter]
 ) -> tuple[int, tuple[int, ...], tuple[int, ...], mx.Dtype]:
     """`kv_shape` of a text model whose adapters are `adapters`."""
-    args = model.args
+    args = model_args(model)
     head_dims = tuple(
         getattr(a, "head_dim", None)
         or getattr(a.attn, "head_dim", None)

@@ -19,7 +19,7 @@ from ..attention.variant import Variant
 from ..errors import ModelLoadError
 from .attention_hook import install
 from .rotary import Positions, Rotation
-from .structure import activation_dtype, decoder, hidden_size
+from .structure import activation_dtype, decoder, hidden_size, model_args
 
 
 def _first(module: object, *names: str) -> Any:
@@ -256,7 +256,7 @@ def _window(model: nn.Module, attn: nn.Module, index: int) -> int | None:
     """The layer's sliding window as mlx-lm applies it: `layer_types` (Llama-style configs, and
     GPT-OSS, whose model fills in its default alternation) or Gemma 3's pattern; mlx-lm
     ignores other window fields, and so does mlxkv."""
-    args = model.args
+    args = model_args(model)
     layer_types = getattr(decoder(model), "layer_types", None) or getattr(args, "layer_types", None)
     if layer_types:
         return cast(int, args.sliding_window) if layer_types[index] == "sliding_attention" else None
@@ -302,7 +302,7 @@ def _gated(attn: nn.Module) -> bool:
 
 def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter | ModuleAdapter | LatentAdapter:
     """The adapter of layer `index`'s attention module `attn` in `model` (an mlx-lm text model)."""
-    args = model.args
+    args = model_args(model)
     if hasattr(attn, "indexer"):
         raise ModelLoadError("its sparse indexer (each query attends only the tokens it ranks highest)")
     if hasattr(attn, "kv_lora_rank") and hasattr(attn, "embed_q"):

@@ -20,7 +20,16 @@ from mlx_lm.utils import load as mlx_lm_load
 from ..errors import ModelLoadError
 from .adapters import FAMILIES, adapter_for
 from .sharding import shard
-from .structure import LayerRoles, decoder, decoder_layers, layer_roles, mlx_lm_module, state_shapes, text_model
+from .structure import (
+    LayerRoles,
+    decoder,
+    decoder_layers,
+    layer_roles,
+    mlx_lm_module,
+    model_args,
+    state_shapes,
+    text_model,
+)
 
 SUPPORTED_MODEL_TYPES = FAMILIES  # with adapters of their own; the others run when `check_runs` passes
 # Families mlx-lm runs and mlxkv does not yet, by the layers that stop them.
@@ -161,5 +170,5 @@ def load(
 def model_context(model: nn.Module) -> int | None:
     """The most tokens a loaded model says a sequence may hold (`max_position_embeddings`), if its
     mlx-lm arguments say (some families' do not)."""
-    context: int | None = getattr(model.args, "max_position_embeddings", None)
+    context: int | None = getattr(model_args(model), "max_position_embeddings", None)
     return context

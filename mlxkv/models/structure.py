@@ -27,6 +27,7 @@ ATTENTION_MODULES = ("self_attn", "mixer", "attn", "attention", "self_attention"
 DECODERS = ("model", "backbone", "transformer", "gpt_neox")  # Nemotron-H's; GPT-2-style families'
 EMBEDDINGS = ("embed_tokens", "embeddings", "wte", "embed_in", "tok_embeddings", "word_embeddings")
 HEADS = ("lm_head", "output", "embed_out")  # Llama 4's and GPT-NeoX's are not `lm_head`
+HIDDEN_SIZES = ("hidden_size", "n_embd", "d_model", "dim", "hidden_dim")  # AFM's is `hidden_dim`
 BLOCK_ROLES = {"*": "attention", "M": "recurrent"}  # Nemotron-H's block types; MLP blocks have neither
 
 
@@ -49,10 +50,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return cast("list[nn.Module]", layers.layers if isinstance(layers, nn.Module) else layers)
 
 
+def model_args(model: nn.Module) -> Any:
+    """A text model's mlx-lm arguments: `model.args`, or `model.config` where the family keeps them there."""
+    return model.args if hasattr(model, "args") else model.config
+
+
 def hidden_size(model: nn.Module) -> int:
     """The width of a text model's hidden states, by whichever name its arguments give it."""
-    args = model.args
-    return int(next(getattr(args, name) for name in ("hidden_size", "n_embd", "d_model", "dim") if hasattr(args, name)))
+    args = model_args(model)
+    return int(next(getattr(args, name) for name in HIDDEN_SIZES if hasattr(args, name)))
 
 
 def embeddings(model: nn.Module) -> nn.Module:

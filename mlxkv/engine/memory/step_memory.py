@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from ...attention.backend import TemporaryBytes
 from ...attention.heads import FLOAT32, Heads
-from ...models.structure import hidden_size
+from ...models.structure import hidden_size, model_args
 
 SAMPLE_COPIES = 4  # vocabulary-sized float32 arrays a sampled row holds: logits, their softmax, noise, a mask
 
@@ -36,7 +36,7 @@ class StepMemory:
         """For an mlx-lm text model. A layer holds a token's residual, normed and projected hidden
         states, its queries, keys, values and attention output, and its MLP's gate, up and product
         (a mixture of experts' for each expert it routes to)."""
-        args, hidden = model.args, hidden_size(model)
+        args, hidden = model_args(model), hidden_size(model)
         experts = getattr(args, "num_experts_per_tok", 1) or 1
         routed = (getattr(args, "moe_intermediate_size", 0) or 0) * experts
         mlp = max(getattr(args, "intermediate_size", 0) or 0, routed)

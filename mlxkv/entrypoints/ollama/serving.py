@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from mlx.utils import tree_flatten
 
 from ...engine.outputs import RequestOutput
-from ...models.structure import text_model
+from ...models.structure import model_args, text_model
 from ..core import ServingCore, Tools
 from ..errors import ServingError, UnsupportedContent
 from ..replies import Collected
@@ -125,7 +125,7 @@ class OllamaServing:
     def show(self, body: ShowBody) -> ModelInfo:
         self._check_model(body.model or body.name)
         tokenizer = self.core.tokenizer
-        architecture = self.model.args.model_type
+        architecture = model_args(self.model).model_type
         return ModelInfo(
             template=(tokenizer.chat_template or "") if tokenizer.has_chat_template else "",
             details=self._entry().details,
@@ -140,7 +140,7 @@ class OllamaServing:
         )
 
     def _entry(self) -> ModelEntry:
-        count, family = self.parameters, self.model.args.model_type
+        count, family = self.parameters, model_args(self.model).model_type
         size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
         return ModelEntry(
             name=self.core.model_id,
