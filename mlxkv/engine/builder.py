@@ -15,7 +15,7 @@ from ..attention.kernels import PagedAttentionKernels
 from ..attention.reference import reference_attention
 from ..cache.manager import KVCacheManager
 from ..config import EngineConfig
-from ..models.structure import held_arrays, model_args, text_model
+from ..models.structure import held_arrays, text_model, vocab_size
 from .memory.chunk_sizing import ChunkSizer
 from .memory.kv_budget import agreed, build_kv_cache
 from .memory.memory_budget import MemoryBudget, split_memory
@@ -96,8 +96,8 @@ def build_engine(
         memory,
         runner,
         step_time,
-        speculator(config, cache, step_time, model_args(model).vocab_size, draft[0] if draft else None, kernels),
-        StructuredOutput(tokenizer, model_args(model).vocab_size),
+        speculator(config, cache, step_time, vocab_size(model), draft[0] if draft else None, kernels),
+        StructuredOutput(tokenizer, vocab_size(model)),
         Scheduler(cache, config.max_num_seqs, config.max_num_batched_tokens, sizer),
         rank_zero(config, group),
     )

@@ -21,7 +21,7 @@ from ..cache.prefix_cache import PrefixCacheStats
 from ..config import EngineConfig
 from ..deprecation import warn
 from ..errors import TensorParallelError, UnknownSequenceError
-from ..models.structure import model_args
+from ..models.structure import vocab_size
 from .builder import build_engine
 from .inputs import encode_prompt, new_request, request_key
 from .output_processor import OutputProcessor
@@ -111,7 +111,7 @@ class LLMEngine:
         self.cache, self.memory, self.runner = parts.cache, parts.memory, parts.runner
         self.step_time, self.speculator, self.structured = parts.step_time, parts.speculator, parts.structured
         self.scheduler, self.rank_zero = parts.scheduler, parts.rank_zero
-        self.vocab_size: int = model_args(self.runner.model).vocab_size
+        self.vocab_size: int = vocab_size(self.runner.model)
         self.requests: dict[str, Request] = {}
         tokens = self.cache.pool.capacity * self.cache.page_size
         self.recent = (

@@ -58,7 +58,7 @@ class ModelKV:
 
 def _attention(layer: nn.Module) -> nn.Module:
     """A decoder layer's attention module as mlx-lm made it."""
-    return mlx_lm_module(layer, LayerRoles.attention_module(layer))
+    return mlx_lm_module(*LayerRoles.attention_slot(layer))
 
 
 def _adapters(model: nn.Module) -> list[Adapter | ModuleAdapter | LatentAdapter]:

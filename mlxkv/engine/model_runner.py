@@ -15,7 +15,7 @@ from ..cache.manager import KVCacheManager
 from ..cache.state_batch import state_batch
 from ..models.adapters import Gemma4Adapter, LatentAdapter, ModuleAdapter, adapter_for
 from ..models.rotary import Positions
-from ..models.structure import decoder, decoder_layers, layer_roles, logits, mlx_lm_module, pads_exactly
+from ..models.structure import decoder_layers, layer_roles, logits, mlx_lm_module, pads_exactly, run_decoder
 from .layers.attention import LatentAttention, PagedAttention, SharingAttention
 from .layers.module_attention import ModuleAttention
 from .layers.recurrent import RecurrentLayer
@@ -35,8 +35,8 @@ class ModelRunner:
         # Always around mlx-lm's own module: a model handed to a second engine is wrapped afresh, alike.
         numbers = {index: number for number, index in enumerate(roles.attention)}
         for index, source in [(i, None) for i in roles.attention] + list(roles.shares):
-            name = roles.attention_module(layers[index])
-            attn = mlx_lm_module(layers[index], name)
+            holder, name = roles.attention_slot(layers[index])
+            attn = mlx_lm_module(holder, name)
             adapter, number = adapter_for(model, index, attn), numbers[index if source is None else source]
             wrapped: PagedAttention
             if isinstance(adapter, Gemma4Adapter):
@@ -47,7 +47,7 @@ class ModelRunner:
                 wrapped = ModuleAttention(attn, number, adapter)
             else:
                 wrapped = PagedAttention(attn, number, adapter)
-            setattr(layers[index], name, wrapped)
+            setattr(holder, name, wrapped)
         for number, index in enumerate(roles.recurrent):
             name = roles.recurrent_module(layers[index])
             setattr(layers[index], name, RecurrentLayer(mlx_lm_module(layers[index], name), number))
@@ -67,9 +67,7 @@ class ModelRunner:
         spans = np.asarray(own_kv, np.int32) if any(own_kv) else None  # a scan, not an array, in the common case
         states = state_batch(kv, self.pads) if self.cache.states is not None else None
         context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, spans, states)
-        inner = decoder(self.model)
-        hidden: mx.array = inner(mx.array(token_ids)[None], cache=[context] * len(decoder_layers(self.model)))
-        return hidden[0]
+        return run_decoder(self.model, mx.array(token_ids)[None], [context] * len(decoder_layers(self.model)))[0]
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits for final hidden states."""

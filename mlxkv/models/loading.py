@@ -35,7 +35,6 @@ SUPPORTED_MODEL_TYPES = FAMILIES  # with adapters of their own; the others run w
 # Families mlx-lm runs and mlxkv does not yet, by the layers that stop them.
 MAMBA = "Mamba layers"
 NOT_YET = {
-    "olmo_hybrid": "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding",
     **dict.fromkeys(("falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
     "rwkv7": "RWKV-7 recurrent layers",
     "llama4": "chunked local attention (three layers in four attend only within their chunk of tokens)",
@@ -114,7 +113,7 @@ def check_runs(model: nn.Module, model_type: str) -> None:
             raise ModelLoadError("learned absolute position embeddings, which mlx-lm adds by one offset for all rows")
         layers, roles = decoder_layers(text), layer_roles(text)
         for index in roles.attention:
-            adapter_for(text, index, mlx_lm_module(layers[index], LayerRoles.attention_module(layers[index])))
+            adapter_for(text, index, mlx_lm_module(*LayerRoles.attention_slot(layers[index])))
         state_shapes(text, roles)
     except ModelLoadError as exc:
         raise ModelLoadError(f"unsupported model_type {model_type!r}: {exc}") from None

@@ -10,6 +10,7 @@ few ways.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -23,11 +24,13 @@ from ..errors import ModelLoadError
 
 RECURRENT_MODULES = ("linear_attn", "conv", "mamba", "mixer")  # Qwen3.5, Qwen3-Next; LFM2; Granite 4; Nemotron-H
 # Nemotron-H calls every block's module its mixer; GPT-2-style families theirs `attn` or `attention`.
-ATTENTION_MODULES = ("self_attn", "mixer", "attn", "attention", "self_attention")
+ATTENTION_MODULES = ("self_attn", "mixer", "attn", "attention", "self_attention", "norm_attn_norm")  # DBRX nests
 DECODERS = ("model", "backbone", "transformer", "gpt_neox")  # Nemotron-H's; GPT-2-style families'
-EMBEDDINGS = ("embed_tokens", "embeddings", "wte", "embed_in", "tok_embeddings", "word_embeddings")
+EMBEDDINGS = ("embed_tokens", "embeddings", "wte", "embed_in", "tok_embeddings", "word_embeddings", "token_embeddings")
 HEADS = ("lm_head", "output", "embed_out")  # Llama 4's and GPT-NeoX's are not `lm_head`
-HIDDEN_SIZES = ("hidden_size", "n_embd", "d_model", "dim", "hidden_dim")  # AFM's is `hidden_dim`
+HIDDEN_SIZES = ("hidden_size", "n_embd", "d_model", "dim", "hidden_dim", "model_dim")  # AFM's; OpenELM's, Phixtral's
+VOCAB_SIZES = ("vocab_size", "num_vocab")  # Phixtral's
+LAYERS = ("layers", "h", "blocks")  # GPT-2-style families' `h`; DBRX's and Talkie's `blocks`
 BLOCK_ROLES = {"*": "attention", "M": "recurrent"}  # Nemotron-H's block types; MLP blocks have neither
 
 
@@ -43,10 +46,19 @@ def decoder(model: nn.Module) -> nn.Module:
     return cast(nn.Module, next(getattr(model, name) for name in DECODERS if hasattr(model, name)))
 
 
+def run_decoder(model: nn.Module, inputs: mx.array, cache: list[Any]) -> mx.array:
+    """A text model's final hidden states for `inputs` over `cache`, its decoder called as the family
+    declares it (Phixtral's takes a mask it does not make: None, the caches then mask)."""
+    inner = decoder(model)
+    extra = {"mask": None} if "mask" in inspect.signature(inner.__call__).parameters else {}
+    hidden: mx.array = inner(inputs, cache=cache, **extra)
+    return hidden
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """A text model's decoder layers (GPT-2-style families call them `h`; PLaMo nests them once more)."""
     inner = decoder(model)
-    layers = inner.layers if hasattr(inner, "layers") else inner.h
+    layers = next(getattr(inner, name) for name in LAYERS if hasattr(inner, name))
     return cast("list[nn.Module]", layers.layers if isinstance(layers, nn.Module) else layers)
 
 
@@ -61,6 +73,12 @@ def hidden_size(model: nn.Module) -> int:
     return int(next(getattr(args, name) for name in HIDDEN_SIZES if hasattr(args, name)))
 
 
+def vocab_size(model: nn.Module) -> int:
+    """How many tokens a text model's logits score, by whichever name its arguments give it."""
+    args = model_args(model)
+    return int(next(getattr(args, name) for name in VOCAB_SIZES if hasattr(args, name)))
+
+
 def embeddings(model: nn.Module) -> nn.Module:
     """A text model's token embeddings, as the family names them (`EMBEDDINGS`)."""
     inner = decoder(model)
@@ -72,7 +90,11 @@ def logits(model: nn.Module, hidden: mx.array) -> mx.array:
     the tied embeddings), then Granite's `logits_scaling` and Gemma 2's final soft-cap. Neither
     moves the argmax, but both change what a temperature samples and the log-probabilities."""
     head = next((getattr(model, name) for name in HEADS if hasattr(model, name)), None)
-    out: mx.array = (embeddings(model).as_linear if head is None else head)(hidden)
+    out: mx.array
+    if isinstance(head, mx.array):  # Talkie's is a bare matrix, scaled by a learned gain
+        out = model.lm_head_gain(hidden @ head.T)
+    else:
+        out = (embeddings(model).as_linear if head is None else head)(hidden)
     if getattr(model, "logits_scaling", None):
         out = out / model.logits_scaling
     cap = getattr(model, "final_logit_softcapping", None)
@@ -112,9 +134,14 @@ class LayerRoles:
         return next(name for name in RECURRENT_MODULES if hasattr(layer, name))
 
     @staticmethod
-    def attention_module(layer: nn.Module) -> str:
-        """The attribute of an attention decoder layer that holds its attention module."""
-        return next(name for name in ATTENTION_MODULES if hasattr(layer, name))
+    def attention_slot(layer: nn.Module) -> tuple[nn.Module, str]:
+        """Where an attention decoder layer holds its attention module: the module holding it and
+        the attribute's name, a level down where the family nests it (EXAONE's `attn.attention`,
+        DBRX's `norm_attn_norm.attn`)."""
+        holder, name = layer, next(name for name in ATTENTION_MODULES if hasattr(layer, name))
+        while (inner := next((n for n in ATTENTION_MODULES if hasattr(getattr(holder, name), n)), None)) is not None:
+            holder, name = getattr(holder, name), inner
+        return holder, name
 
 
 def mlx_lm_module(layer: nn.Module, name: str) -> nn.Module:

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from ...attention.backend import TemporaryBytes
 from ...attention.heads import FLOAT32, Heads
-from ...models.structure import hidden_size, model_args
+from ...models.structure import hidden_size, model_args, vocab_size
 
 SAMPLE_COPIES = 4  # vocabulary-sized float32 arrays a sampled row holds: logits, their softmax, noise, a mask
 
@@ -41,7 +41,7 @@ class StepMemory:
         routed = (getattr(args, "moe_intermediate_size", 0) or 0) * experts
         mlp = max(getattr(args, "intermediate_size", 0) or 0, routed)
         widths = 4 * hidden + 2 * (heads.q_heads + heads.kv_heads) * heads.head_dim + 3 * (mlp or 4 * hidden)
-        return cls(widths * heads.itemsize, SAMPLE_COPIES * FLOAT32 * args.vocab_size, heads, attention)
+        return cls(widths * heads.itemsize, SAMPLE_COPIES * FLOAT32 * vocab_size(model), heads, attention)
 
     def bytes(self, tokens: int, samples: int, rows: Iterable[tuple[int, int]]) -> int:
         """A step of `tokens` new tokens, `samples` sampled rows, and `rows` of (new tokens, context)."""
