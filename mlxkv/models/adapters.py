@@ -218,21 +218,26 @@ class LatentAdapter:
         (as keys and values) of the packed tokens `x` (`[1, tokens, hidden]`)."""
         attn, tokens = self.attn, x.shape[1]
         x = x.reshape(tokens, 1, -1)
-        q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+        low_rank = getattr(attn, "q_lora_rank", None) is not None
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))) if low_rank else attn.q_proj(x)
         q_nope, q_pe = mx.split(q.reshape(tokens, self.heads, 1, -1), [attn.qk_nope_head_dim], axis=-1)
         latent, k_pe = mx.split(attn.kv_a_proj_with_mqa(x), [self.rank], axis=-1)
-        q_pe = attn.rope(q_pe, positions.array)
-        k_pe = attn.rope(k_pe[:, None], positions.array)[:, 0]
+        if hasattr(attn, "rope"):  # Kimi Linear's and Kimi K3's latent attention use no positions
+            q_pe = attn.rope(q_pe, positions.array)
+            k_pe = attn.rope(k_pe[:, None], positions.array)[:, 0]
         queries = mx.concatenate([attn.embed_q(q_nope), q_pe], axis=-1)[:, :, 0]
         rows = mx.concatenate([attn.kv_a_layernorm(latent), k_pe], axis=-1)
         return Projection(queries, rows, rows)
 
-    def output(self, out: mx.array) -> mx.array:
-        """The layer's output `[1, tokens, hidden]` from the attention's `[1, tokens, heads * (rank + rope)]`."""
+    def output(self, out: mx.array, x: mx.array) -> mx.array:
+        """The layer's output `[1, tokens, hidden]` from the attention's `[1, tokens, heads * (rank + rope)]`
+        for the layer's input `x` (Kimi K3 gates each head's values by it)."""
         tokens = out.shape[1]
         latent = out.reshape(tokens, self.heads, 1, self.head_dim)[..., : self.rank]
-        values: mx.array = self.attn.unembed_out(latent)
-        return self.out_proj(values.reshape(1, tokens, -1))  # type: ignore[no-any-return]
+        values = self.attn.unembed_out(latent).reshape(1, tokens, -1)
+        if getattr(self.attn, "use_gate", False):
+            values = values * mx.sigmoid(self.attn.g_proj(x))
+        return self.out_proj(values)  # type: ignore[no-any-return]
 
 
 KEPT = {  # what the mlx-lm caches that no page stands for hold

@@ -130,8 +130,9 @@ class LayerRoles:
 
     @staticmethod
     def recurrent_module(layer: nn.Module) -> str:
-        """The attribute of a recurrent decoder layer that holds its recurrent module."""
-        return next(name for name in RECURRENT_MODULES if hasattr(layer, name))
+        """The attribute of a recurrent decoder layer that holds its recurrent module (Kimi Linear's
+        and Ling-Linear's is named as other families name attention)."""
+        return next(name for name in RECURRENT_MODULES + ATTENTION_MODULES if hasattr(layer, name))
 
     @staticmethod
     def attention_slot(layer: nn.Module) -> tuple[nn.Module, str]:

@@ -179,6 +179,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "kimi_k3": dict(
         text_config=dict(
             linear_attn_config=dict(kda_layers=[1], num_heads=4, head_dim=16, short_conv_kernel_size=4),
+            mla_use_output_gate=True,  # its latent attention's output gate, which Kimi K3 may switch on
         )
     ),
     "lfm2": dict(layer_types=["conv", "full_attention"], block_dim=64),

@@ -112,4 +112,4 @@ class LatentAttention(PagedAttention):
             original: mx.array = self.inner(x, *args, **kwargs)
             return original
         queries, rows, _, _ = self.adapter(x, step.positions)
-        return self.adapter.output(self.attend(step, queries, rows, rows, write=True))
+        return self.adapter.output(self.attend(step, queries, rows, rows, write=True), x)

@@ -31,20 +31,25 @@ class RecurrentLayer(nn.Module):
             original: mx.array = self.inner(x, *args, **kwargs)
             return original
         assert context.states is not None and context.cache.states is not None
-        packed = x[0]
-        outputs = [self._run(context.cache.states, group, packed) for group in context.states.groups]
+        packed, positions = x[0], context.positions.array if "offset" in kwargs else None
+        outputs = [self._run(context.cache.states, group, packed, positions) for group in context.states.groups]
         out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs)
         order = context.states.order
         return (out if order is None else out[order])[None]
 
-    def _run(self, pool: StatePool, group: RowGroup, packed: mx.array) -> mx.array:
-        """The module's output for `group`'s tokens, in packed order within the group."""
+    def _run(self, pool: StatePool, group: RowGroup, packed: mx.array, positions: mx.array | None) -> mx.array:
+        """The module's output for `group`'s tokens, in packed order within the group; a module
+        that rotates by an `offset` (Ling-Linear's linear attention) gets each row's first position."""
         tokens = packed if group.gather is None else packed[group.gather]
+        extra = {}
+        if positions is not None:
+            places = positions if group.gather is None else positions[group.gather]
+            extra["offset"] = places.reshape(group.rows, group.length)[:, 0]
         cache: Any = ArraysCache(pool.num_arrays(self.index))  # mlx-lm's class, not annotated
         cache.cache = pool.read(self.index, group.indices, group.fresh)
         if group.lengths is not None:  # a fresh array per call: mlx-lm's layers count it down in place
             cache.lengths = mx.array(group.lengths)
-        out: mx.array = self.inner(tokens.reshape(group.rows, group.length, -1), mask=group.mask, cache=cache)
+        out: mx.array = self.inner(tokens.reshape(group.rows, group.length, -1), mask=group.mask, cache=cache, **extra)
         pool.write(self.index, group.indices, cache.cache)
         out = out.reshape(group.rows * group.length, -1)
         return out if group.valid is None else out[group.valid]
