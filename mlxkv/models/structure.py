@@ -24,7 +24,7 @@ from ..errors import ModelLoadError
 
 RECURRENT_MODULES = ("linear_attn", "conv", "mamba", "mixer")  # Qwen3.5, Qwen3-Next; LFM2; Granite 4; Nemotron-H
 # Nemotron-H calls every block's module its mixer; GPT-2-style families theirs `attn` or `attention`.
-ATTENTION_MODULES = ("self_attn", "mixer", "attn", "attention", "self_attention", "norm_attn_norm")  # DBRX nests
+ATTENTION_MODULES = ("self_attn", "mixer", "attn", "attention", "self_attention", "norm_attn_norm", "temporal_block")
 DECODERS = ("model", "backbone", "transformer", "gpt_neox")  # Nemotron-H's; GPT-2-style families'
 EMBEDDINGS = ("embed_tokens", "embeddings", "wte", "embed_in", "tok_embeddings", "word_embeddings", "token_embeddings")
 HEADS = ("lm_head", "output", "embed_out")  # Llama 4's and GPT-NeoX's are not `lm_head`
@@ -152,17 +152,25 @@ def mlx_lm_module(layer: nn.Module, name: str) -> nn.Module:
     return inner
 
 
+def _attends(layer: nn.Module) -> bool:
+    """Whether a decoder layer has an attention (or recurrent) module at all."""
+    return any(getattr(layer, name, None) is not None for name in RECURRENT_MODULES + ATTENTION_MODULES)
+
+
 def layer_roles(model: nn.Module) -> LayerRoles:
     """Each decoder layer's role in `model` (a text model): by its block type where it has one
     (Nemotron-H, whose MLP blocks neither attend nor keep a state), else from the caches mlx-lm
-    makes for it; the layers past those caches read the K/V of the layer mlx-lm's `previous_kvs`
-    names (Gemma 4's KV-shared layers)."""
+    makes for it, skipping layers without an attention module; the layers past those caches read the
+    K/V of the layer mlx-lm's `previous_kvs` names (Gemma 4's KV-shared layers)."""
     inner, layers = decoder(model), decoder_layers(model)
     if hasattr(layers[0], "block_type"):
         roles = [BLOCK_ROLES.get(layer.block_type) for layer in layers]
     else:
         caches = model.make_cache() if hasattr(model, "make_cache") else [None] * len(layers)
         roles = ["recurrent" if isinstance(cache, ArraysCache) else "attention" for cache in caches]
+        if len(roles) < len(layers) and sum(map(_attends, layers)) == len(roles):
+            kept = iter(roles)  # Nemotron-NAS: no cache for a layer whose attention is a no-op
+            roles = [next(kept) if _attends(layer) else None for layer in layers]
     sources = getattr(inner, "previous_kvs", ())
     if len(sources) < len(layers) and len(roles) < len(layers):
         raise ModelLoadError(f"mlx-lm keeps caches for {len(roles)} of its {len(layers)} layers")
