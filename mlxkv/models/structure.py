@@ -140,7 +140,9 @@ class LayerRoles:
         the attribute's name, a level down where the family nests it (EXAONE's `attn.attention`,
         DBRX's `norm_attn_norm.attn`)."""
         holder, name = layer, next(name for name in ATTENTION_MODULES if hasattr(layer, name))
-        while (inner := next((n for n in ATTENTION_MODULES if hasattr(getattr(holder, name), n)), None)) is not None:
+        while (
+            inner := next((n for n in ATTENTION_MODULES if _has_module(getattr(holder, name), n)), None)
+        ) is not None:
             holder, name = getattr(holder, name), inner
         return holder, name
 
@@ -150,6 +152,11 @@ def mlx_lm_module(layer: nn.Module, name: str) -> nn.Module:
     module = getattr(layer, name)
     inner: nn.Module = getattr(module, "inner", module)
     return inner
+
+
+def _has_module(module: nn.Module, name: str) -> bool:
+    """Whether `module` holds a submodule called `name` (not a method of that name)."""
+    return isinstance(getattr(module, name, None), nn.Module)
 
 
 def _attends(layer: nn.Module) -> bool:
