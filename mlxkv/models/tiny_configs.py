@@ -173,7 +173,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         num_local_experts=4,
         shared_intermediate_size=32,
     ),
-    "hunyuan": dict(rope_scaling=dict(type="dynamic", factor=1.0, alpha=1000.0)),
+    # Cross-layer attention: layer 1 attends layer 0's projections.
+    "hunyuan": dict(rope_scaling=dict(type="dynamic", factor=1.0, alpha=1000.0), use_cla=True, cla_share_factor=2),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "kimi_linear": dict(linear_attn_config=dict(kda_layers=[1], num_heads=4, head_dim=16, short_conv_kernel_size=4)),
     "kimi_k3": dict(
