@@ -23,12 +23,34 @@ from mlxkv import SamplingParams
 from mlxkv.cache.storage import check_quantization, kv_bytes_per_token
 from mlxkv.config import EngineConfig
 from mlxkv.engine import LLMEngine
-from mlxkv.engine.model_kv import kv_shape
+from mlxkv.engine.model_kv import kv_shape, model_kv
 from mlxkv.models.random_model import LLAMA_100M, make_checkpoint
 from mlxkv.models.structure import text_model
+from mlxkv.models.tiny_configs import MODEL_TYPES, tiny_config
 
 DEFAULT_MODEL = Path.home() / ".cache" / "mlxkv" / "bench-llama-100m"
-MODEL_HELP = f"mlx-lm checkpoint directory [default: a random ~100M Llama built in {DEFAULT_MODEL}]"
+MODEL_HELP = (
+    "mlx-lm checkpoint directory, or an mlx-lm model_type (deepseek_v3, glm4_moe, ...) to build a random "
+    f"checkpoint of [default: a random ~100M Llama built in {DEFAULT_MODEL}]"
+)
+# A family's census config (mlxkv.models.tiny_configs) widened to benchmark size, where it has the field.
+BENCH_WIDTHS = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1536,
+    moe_intermediate_size=384,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    n_routed_experts=8,
+    kv_lora_rank=256,
+    q_lora_rank=256,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    max_position_embeddings=32768,
+)
 
 
 def blas_in_use() -> str:
@@ -50,9 +72,21 @@ def load_bench_model(path: Path | None):
         path = DEFAULT_MODEL
         if not (path / "config.json").exists():
             make_checkpoint(path, "llama", "float32", shape=LLAMA_100M, max_position_embeddings=32768)
+    elif not path.exists() and str(path) in MODEL_TYPES:
+        path = family_checkpoint(str(path))
     print(f"model: {path}\nBLAS: {blas_in_use()}\nMLX {mx.__version__}, device {mx.default_device()}")
     model, tokenizer = mlx_lm_load(str(path))
     return text_model(model), tokenizer
+
+
+def family_checkpoint(model_type: str) -> Path:
+    """A random float32 checkpoint of `model_type` at benchmark width (`BENCH_WIDTHS`), built once."""
+    path = DEFAULT_MODEL.parent / f"bench-{model_type}"
+    if not (path / "config.json").exists():
+        config = tiny_config(model_type)
+        config.update({name: value for name, value in BENCH_WIDTHS.items() if name in config})
+        make_checkpoint(path, config.pop("model_type"), "float32", shape=config)
+    return path
 
 
 def _cache_bytes(cache) -> int:
@@ -64,7 +98,8 @@ def _cache_bytes(cache) -> int:
 
 def model_kv_bytes_per_token(model) -> int:
     """K and V bytes one token of `model` takes across all layers, in the model's dtype."""
-    return kv_bytes_per_token(*kv_shape(model))
+    kv = model_kv(model)  # a latent attention layer (DeepSeek's) keeps one row, in mlx-lm as in mlxkv
+    return kv_bytes_per_token(kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.dtype, keys_only=kv.keys_only)
 
 
 def runnable(model, config: EngineConfig, name: str) -> bool:
