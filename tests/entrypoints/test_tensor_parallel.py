@@ -20,6 +20,7 @@ from helpers import family_checkpoint, launched, start_server, stop_server
 
 from mlxkv import LLM, SamplingParams
 from mlxkv.models.random_model import make_checkpoint
+from mlxkv.models.tiny_configs import tiny_config
 
 PROMPTS = [[1 + (i * 7 + j) % 300 for j in range(20 + 9 * i)] for i in range(16)]  # 20 to 155 tokens
 SETTINGS = dict(max_num_batched_tokens=64, max_model_len=256)  # the longest prompt prefills in 3 chunks
@@ -96,9 +97,11 @@ def test_a_draft_model_drafts_on_rank_0_and_the_tokens_are_the_one_process_ones(
     assert generate_launched(tmp_path, path, settings, "paged")["tokens"] == expected
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax"])
 def test_families_mlx_lm_shards_give_the_one_process_tokens(tmp_path, family):
-    path = family_checkpoint(tmp_path / family, family)
+    """Adapter families, latent attention (DeepSeek V3) and families run through their own module."""
+    config = tiny_config(family)
+    path = make_checkpoint(tmp_path / family, config.pop("model_type"), shape=config)
     alone = LLM(str(path), **SETTINGS)
     expected = [o.token_ids for o in alone.generate(PROMPTS, PARAMS)]
     assert generate_launched(tmp_path, path, SETTINGS, "paged")["tokens"] == expected
