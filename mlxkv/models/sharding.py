@@ -19,7 +19,7 @@ def check_shardable(model: nn.Module, model_type: str, size: int) -> None:
     """Raise `ModelLoadError` unless mlx-lm can split `model` (of `model_type`) over `size` ranks: its
     family must have mlx-lm's tensor-parallel sharding, and every layer's query and KV heads must
     divide by `size` (mlx-lm's split would silently drop the remainder)."""
-    if not hasattr(model, "shard"):
+    if not hasattr(_sharded(model), "shard"):
         raise ModelLoadError(
             f"model_type {model_type!r} has no tensor-parallel sharding in mlx-lm, so it cannot run over "
             f"{size} processes; run it in one process (without mlx.launch)"
@@ -39,7 +39,12 @@ def check_shardable(model: nn.Module, model_type: str, size: int) -> None:
 def shard(model: nn.Module, model_type: str, group: mx.distributed.Group) -> None:
     """Split `model` (lazily loaded) across `group` in place, after `check_shardable`."""
     check_shardable(model, model_type, group.size())
-    model.shard(group)
+    _sharded(model).shard(group)
+
+
+def _sharded(model: nn.Module) -> nn.Module:
+    """What mlx-lm's `shard` splits: the model, or a multimodal wrapper's text model (Mistral 3's)."""
+    return model if hasattr(model, "shard") else text_model(model)
 
 
 def _kind(name: str) -> str:

@@ -22,6 +22,9 @@ from mlxkv import LLM, SamplingParams
 from mlxkv.models.random_model import make_checkpoint
 from mlxkv.models.tiny_configs import tiny_config
 
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+import census
+
 PROMPTS = [[1 + (i * 7 + j) % 300 for j in range(20 + 9 * i)] for i in range(16)]  # 20 to 155 tokens
 SETTINGS = dict(max_num_batched_tokens=64, max_model_len=256)  # the longest prompt prefills in 3 chunks
 PARAMS = SamplingParams(max_tokens=12)
@@ -97,9 +100,11 @@ def test_a_draft_model_drafts_on_rank_0_and_the_tokens_are_the_one_process_ones(
     assert generate_launched(tmp_path, path, settings, "paged")["tokens"] == expected
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax", "mistral3"])
 def test_families_mlx_lm_shards_give_the_one_process_tokens(tmp_path, family):
-    """Adapter families, latent attention (DeepSeek V3) and families run through their own module."""
+    """One family of each kind the census lists with tensor parallel: adapter families, latent
+    attention (DeepSeek V3), families run through their own module, a multimodal wrapper."""
+    assert "tensor parallel" in census.documented()[family].detail
     config = tiny_config(family)
     path = make_checkpoint(tmp_path / family, config.pop("model_type"), shape=config)
     alone = LLM(str(path), **SETTINGS)
