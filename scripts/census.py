@@ -4,6 +4,7 @@ by mlxkv in both layouts, batched; each one either runs with mlx-lm's tokens or 
 
     python scripts/census.py            # each family's finding, a line each
     python scripts/census.py --write    # docs/families.md and the README's summary, from the findings
+    python scripts/census.py --tensor-parallel   # the families listed with tensor parallel, over 2 processes
 
 `tests/models/test_census.py` runs the same census and checks it against docs/families.md.
 """
@@ -11,7 +12,9 @@ by mlxkv in both layouts, batched; each one either runs with mlx-lm's tokens or 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -146,11 +149,43 @@ def write(findings: list[Finding]) -> None:
     README.write_text(before + start + summary(findings) + "\n" + end + rest.split(end)[1])
 
 
+SPLIT = """
+import json, sys
+from mlxkv import LLM, SamplingParams
+llm = LLM(sys.argv[1], page_size=4, max_num_seqs=3, max_num_batched_tokens=16)  # ranks but 0 end in here
+print(json.dumps([o.token_ids for o in llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=6))]))
+"""
+
+
+def splits(model_type: str, directory: Path) -> bool:
+    """Whether `model_type` run over two processes by `mlx.launch` (ring backend, 127.0.0.1) gives
+    one process's tokens."""
+    config = tiny_config(model_type)
+    path = make_checkpoint(directory, config.pop("model_type"), shape=config)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm = LLM(str(path), page_size=4, max_num_seqs=3, max_num_batched_tokens=16)
+    alone = [list(o.token_ids) for o in llm.generate(PROMPTS, params)]
+    launcher = str(Path(sys.executable).parent / "mlx.launch")
+    command = [launcher, "-n", "2", "--backend", "ring", "--", sys.executable, "-c", SPLIT, str(path)]
+    done = subprocess.run([*command, json.dumps(PROMPTS)], capture_output=True, text=True, timeout=300)
+    return done.returncode == 0 and json.loads(done.stdout.splitlines()[-1]) == alone
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="rewrite docs/families.md and the README's summary")
+    parser.add_argument(
+        "--tensor-parallel", action="store_true", help="run the families listed with tensor parallel over 2 processes"
+    )
     parser.add_argument("model_types", nargs="*", help="only these (default: every model_type of mlx-lm)")
     args = parser.parse_args()
+    if args.tensor_parallel:
+        for name, finding in documented().items():
+            if "tensor parallel" in finding.detail and name in (args.model_types or MODEL_TYPES):
+                with tempfile.TemporaryDirectory() as directory:
+                    verdict = "splits with one process's tokens" if splits(name, Path(directory)) else "DIFFERS"
+                print(f"| `{name}` | {verdict} |", flush=True)
+        return
     findings = []
     for model_type in args.model_types or MODEL_TYPES:
         with tempfile.TemporaryDirectory() as directory:

@@ -26,7 +26,14 @@ def check_shardable(model: nn.Module, model_type: str, size: int) -> None:
         )
     for number, layer in enumerate(decoder_layers(text_model(model))):
         attn = getattr(layer, "self_attn", None)
-        for name in ("n_heads", "n_kv_heads", "num_attention_heads", "num_key_value_heads"):
+        for name in (
+            "n_heads",
+            "n_kv_heads",
+            "num_heads",
+            "num_kv_heads",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ):
             heads = getattr(attn, name, None)
             if isinstance(heads, int) and heads % size:
                 raise ModelLoadError(

@@ -241,6 +241,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "phi3small": dict(dense_attention_every_n_layers=2, gegelu_limit=20.0),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "spark2_5": dict(rope_parameters=ROPE_BY_LAYER_TYPE),
+    "step3p5": dict(num_attention_groups=2),  # two KV heads, so that it splits over two processes
     # olmo's module exits on import without ai2-olmo, so its args cannot be read: all its fields are here.
     "olmo": dict(d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=128, embedding_size=320),
 }
