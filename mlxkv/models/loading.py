@@ -41,6 +41,7 @@ NOT_YET = {
     "hunyuan": "cross-layer attention (layers that attend another layer's keys and values)",
     **dict.fromkeys(("gpt_neox", "lille-130m"), "a decoder that computes the logits itself"),
     "recurrent_gemma": "RG-LRU recurrent layers",
+    "afm7": "KV-reuse layers (its last layers attend the keys and values the decoder reads back from another's cache)",
     "iquestloopcoder": "a loop that runs every layer twice, the second pass attending the first pass's keys and values",
 }
 ABSOLUTE_POSITIONS = ("wpe", "embed_positions")  # GPT-2-style decoders' learned position embeddings
