@@ -423,10 +423,11 @@ void merge_states(ML m, ML l, Acc acc, int count, int ml_stride, int acc_stride,
   acc_out = out;
 }
 
-// The first key a query at `pos` sees: 0, or the start of its sliding window when WINDOWED.
-template <bool WINDOWED>
+// The first key a query at `pos` sees: 0, the start of its sliding window when WINDOWED, or the
+// start of its chunk of `window` tokens when CHUNKED (Llama 4's chunked local attention).
+template <bool WINDOWED, bool CHUNKED>
 int first_key(int pos, int window) {
-  return WINDOWED ? metal::max(0, pos - window + 1) : 0;
+  return CHUNKED ? pos - pos % window : WINDOWED ? metal::max(0, pos - window + 1) : 0;
 }
 
 // Fold an attention sink (a logit that joins the softmax and adds no value, GPT-OSS) into a

@@ -12,7 +12,7 @@ const uint sg = simdgroup_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
 const Merged<H, EPL> r = attend_and_merge<D, PS, HG, H, KT, KS, SOFTCAP>(
     queries, k_rows, v_rows, page_tables + token_rows[token] * width, (token * q_heads + tile * HG) * D,
-    k_pages_shape[1], tile / (G / HG), first_key<WINDOWED>(token_pos[token], window), token_pos[token] + 1, scale,
+    k_pages_shape[1], tile / (G / HG), first_key<WINDOWED, CHUNKED>(token_pos[token], window), token_pos[token] + 1, scale,
     softcap, tg_ml, tg_acc, sg, lane);
 if (int(sg) < (HG + H - 1) / H) {
   MLXKV_UNROLL

@@ -12,7 +12,7 @@ const int q_heads = queries_shape[1];
 const int width = page_tables_shape[1];
 const uint sg = simdgroup_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
-const int first = metal::max(part * PARTITION, first_key<WINDOWED>(token_pos[token], window));
+const int first = metal::max(part * PARTITION, first_key<WINDOWED, CHUNKED>(token_pos[token], window));
 const int last = metal::min(part * PARTITION + PARTITION, token_pos[token] + 1);
 const Merged<H, EPL> r = attend_and_merge<D, PS, HG, H, KT, KS, SOFTCAP>(
     queries, k_rows, v_rows, page_tables + token_rows[token] * width, (token * q_heads + tile * HG) * D,

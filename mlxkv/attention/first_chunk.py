@@ -61,8 +61,8 @@ def _own_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, variant:
     mlx-lm model computes it: MLX's SDPA with the window's mask and the sinks, or written out
     with the soft-cap before the mask (Gemma 2)."""
     pos = np.arange(q.shape[2])
-    plain = variant.window is None and variant.softcap is None
-    allowed = None if plain else mx.array(visible(pos[:, None], pos[None], variant.window))
+    plain = variant.window is None and variant.chunk is None and variant.softcap is None
+    allowed = None if plain else mx.array(visible(pos[:, None], pos[None], variant.window, variant.chunk))
     if allowed is None or variant.softcap is None:
         mask = "causal" if allowed is None else allowed
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=variant.sinks)

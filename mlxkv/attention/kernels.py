@@ -262,7 +262,7 @@ class PagedAttentionKernels:
         split: bool | None = None,
         partition: int | None = None,
     ) -> mx.array:
-        """The paged kernel for every row. Each of `variant`'s window, soft-cap and sinks is a
+        """The paged kernel for every row. Each of `variant`'s window, chunk, soft-cap and sinks is a
         template switch, so plain attention pays for none of them. `partition` (keys per split-K
         partition) replaces what `partition_keys` decides for this step: the cost model counts
         one row as it would run inside a larger step."""
@@ -284,7 +284,7 @@ class PagedAttentionKernels:
             *kv,
             *_batch_inputs(batch),
             _constant(scale, mx.float32),
-            _constant(variant.window or 0, mx.int32),
+            _constant(variant.window or variant.chunk or 0, mx.int32),
             _constant(variant.softcap or 0.0, mx.float32),
             sinks,
         ]
@@ -295,6 +295,7 @@ class PagedAttentionKernels:
             ("G", group),
             *shape.template(),
             ("WINDOWED", variant.window is not None),
+            ("CHUNKED", variant.chunk is not None),
             ("SOFTCAP", variant.softcap is not None),
             ("SINKS", variant.sinks is not None),
         ]
@@ -341,7 +342,7 @@ class PagedAttentionKernels:
         variants: Sequence[Variant] = (PLAIN,),
     ) -> str | None:
         """Compile both paths for one model's shapes, pages and attention variants (one check per
-        template: window, soft-cap and sinks each on or off) and check them against the reference.
+        template: window, chunk, soft-cap and sinks each on or off) and check them against the reference.
 
         Returns None when all agree within the dtype's tolerance, else which kernel failed
         and why (it did not compile or run, or its numbers differ), so the caller can fall
@@ -350,7 +351,7 @@ class PagedAttentionKernels:
         queries, k_pages, v_pages, batch = _check_batch(
             dtype, head_dim, page_size, q_heads, kv_heads, kv_bits, kv_group_size
         )
-        templates = {(v.window is None, v.softcap is None, v.sinks is None): v for v in variants}
+        templates = {(v.window is None, v.chunk is None, v.softcap is None, v.sinks is None): v for v in variants}
         for variant in templates.values():
             expected = reference_attention(queries, k_pages, v_pages, batch, None, variant).astype(mx.float32)
             for split, name in ((False, "paged_attention"), (True, "paged_attention_partitioned + _reduce")):

@@ -19,7 +19,7 @@ from ..cache.batch import KVBatch
 from ..cache.storage import Pages
 from .heads import Heads
 from .reference import gather_kv, in_packed_order
-from .variant import PLAIN, Variant, visible
+from .variant import PLAIN, Variant, first_key, visible
 
 PREFILL_FROM = 8  # query tokens from which a chunk runs on SDPA; a Mac measures it: scripts/bench_kernels.py --prefill
 
@@ -36,16 +36,15 @@ def chunk_attention(
     """Attention for one sequence's chunk of `queries` (`[tokens, q_heads, head_dim]`), the
     last tokens of its `context`, over its pages `table` through MLX's SDPA."""
     tokens, page_size = queries.shape[0], k_pages.shape[2]
-    first = 0 if variant.window is None else max(0, context - tokens - variant.window + 1) // page_size * page_size
+    first = int(first_key(context - tokens, variant.window, variant.chunk)) // page_size * page_size
     keys, values = (
         gather_kv(pages, table[None, first // page_size :], context - first)[:, :, : context - first]
         for pages in (k_pages, v_pages)
     )
     mask: str | mx.array = "causal"
-    if variant.window is not None:
-        mask = mx.array(
-            visible(np.arange(context - tokens, context)[:, None], np.arange(first, context)[None, :], variant.window)
-        )
+    if variant.window is not None or variant.chunk is not None:
+        queries_at, keys_at = np.arange(context - tokens, context)[:, None], np.arange(first, context)[None, :]
+        mask = mx.array(visible(queries_at, keys_at, variant.window, variant.chunk))
     out = mx.fast.scaled_dot_product_attention(
         queries.swapaxes(0, 1)[None], keys, values, scale=scale, mask=mask, sinks=variant.sinks
     )

@@ -12,7 +12,7 @@ import numpy as np
 from ..cache.batch import KVBatch
 from ..cache.storage import Pages, QuantizedPages
 from .heads import FLOAT32, Heads
-from .variant import PLAIN, Variant, visible
+from .variant import PLAIN, Variant, first_key, visible
 
 QUERY_TILE = 512  # most queries of one chunk attended at once
 KEY_TILE = 1024  # most keys attended at once: with QUERY_TILE, what bounds a step's scores
@@ -107,7 +107,9 @@ class _Group:
 
 
 @lru_cache(maxsize=16)
-def _split(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) -> tuple[list[_Group], mx.array | None]:
+def _split(
+    batch: KVBatch, kv_heads: int, page_size: int, window: int | None, chunk: int | None
+) -> tuple[list[_Group], mx.array | None]:
     """How `reference_attention` splits `batch`, and the permutation back to packed order.
 
     Decode rows go together in buckets of similar length (page counts within a power of two),
@@ -127,7 +129,7 @@ def _split(batch: KVBatch, kv_heads: int, page_size: int, window: int | None) ->
             pieces.append(
                 (starts[row : row + 1] + lo, n, np.array([ctx[row] - q_lens[row] + lo + n]), tables[row : row + 1])
             )
-    groups = [_group(*piece, kv_heads, page_size, window, batch.num_tokens) for piece in pieces]
+    groups = [_group(*piece, kv_heads, page_size, window, chunk, batch.num_tokens) for piece in pieces]
     return groups, _unpermutation(np.concatenate([g.token_ids for g in groups]) if groups else np.zeros(0, np.int64))
 
 
@@ -139,19 +141,20 @@ def _group(
     kv_heads: int,
     page_size: int,
     window: int | None,
+    chunk: int | None,
     total: int,
 ) -> _Group:
     """Rows of `width` queries each, from token `starts[i]`, the last one at position `ctx[i] - 1`,
     in a batch of `total` tokens."""
     token_ids = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
     query_pos = ((ctx - width)[:, None] + np.arange(width)[None, :])[:, :, None]
-    first_page = 0 if window is None else max(0, int(query_pos.min()) - window + 1) // page_size
+    first_page = int(first_key(int(query_pos.min()), window, chunk)) // page_size
     per_tile = max(1, KEY_TILE // page_size)  # pages
     tiles = []
     for page in range(first_page, -(-int(ctx.max()) // page_size), per_tile):
         length = min(int(ctx.max()) - page * page_size, per_tile * page_size)
         gather = _Gather.of(tables[:, page : page + per_tile], length, kv_heads, page_size)
-        allowed = visible(query_pos, page * page_size + np.arange(gather.keys)[None, None, :], window)
+        allowed = visible(query_pos, page * page_size + np.arange(gather.keys)[None, None, :], window, chunk)
         tiles.append(_KeyTile(gather, None if allowed.all() else mx.array(allowed[:, None, None])))
     everything = token_ids.size == total and np.array_equal(token_ids, np.arange(total))
     queries = None if everything else mx.array(token_ids.astype(np.int32))
@@ -254,7 +257,7 @@ def reference_attention(
     """
     if scale is None:
         scale = 1.0 / math.sqrt(queries.shape[-1])
-    groups, unpermute = _split(batch, k_pages.shape[1], k_pages.shape[2], variant.window)
+    groups, unpermute = _split(batch, k_pages.shape[1], k_pages.shape[2], variant.window, variant.chunk)
     return _joined([_attend(queries, k_pages, v_pages, group, scale, variant) for group in groups], unpermute)
 
 

@@ -9,11 +9,12 @@ sliding window, soft-cap and sinks. The model's own code computes everything els
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
 
 from ..attention.variant import Variant
 from ..errors import ModelLoadError
@@ -175,7 +176,7 @@ class ModuleAdapter:
     computed). Refused with `ModelLoadError` when the module attends some other way than handing
     the keys and values it cached to mlx-lm's `scaled_dot_product_attention`."""
 
-    def __init__(self, attn: nn.Module, window: int | None, width: int, dtype: mx.Dtype) -> None:
+    def __init__(self, attn: nn.Module, variant: Variant, width: int, dtype: mx.Dtype) -> None:
         self.attn = attn
         name = type(attn).__name__
         if not install(type(attn)):
@@ -194,7 +195,19 @@ class ModuleAdapter:
             raise ModelLoadError(f"its attention ({name}) has keys and values of different widths")
         self.heads, self.kv_heads, self.head_dim = queries.shape[1], keys.shape[1], keys.shape[-1]
         self.scale = float(scale)
-        self.variant = Variant(window=window, sinks=sinks)
+        self.variant = replace(variant, sinks=sinks)
+        tuned = getattr(attn, "attn_temperature_tuning", False) and not getattr(attn, "use_rope", True)
+        self.temperature = (attn.floor_scale, attn.attn_scale) if tuned else None
+
+    def query_scale(self, positions: mx.array) -> mx.array | None:
+        """Each token's query scale, `[tokens]`, where the module scales its queries by position
+        (Llama 4's NoPE layers: `1 + attn_scale * log(1 + floor((position + 1) / floor_scale))`),
+        which it computes from one offset for all its rows; else None."""
+        if self.temperature is None:
+            return None
+        floor_scale, attn_scale = self.temperature
+        scales: mx.array = mx.log(mx.floor((positions + 1) / floor_scale) + 1.0) * attn_scale + 1.0
+        return scales
 
 
 class LatentAdapter:
@@ -241,20 +254,22 @@ class LatentAdapter:
 
 
 KEPT = {  # what the mlx-lm caches that no page stands for hold
-    "ChunkedKVCache": "chunked local attention's keys (mlx-lm's ChunkedKVCache)",
     "CacheList": "several caches (mlx-lm's CacheList)",
 }
 
 
-def _cache_window(model: nn.Module, index: int) -> int | None:
-    """Layer `index`'s sliding window as mlx-lm's caches for `model` say: a rotating cache's size."""
+def _cache_variant(model: nn.Module, index: int) -> Variant:
+    """Layer `index`'s window or chunk as mlx-lm's caches for `model` say: a rotating cache's size,
+    a chunked cache's chunk (Llama 4's chunked local attention)."""
     cache = model.make_cache()[index] if hasattr(model, "make_cache") else KVCache()
     if isinstance(cache, RotatingKVCache):
-        return cast(int, cache.max_size)
+        return Variant(window=cache.max_size)
+    if isinstance(cache, ChunkedKVCache):
+        return Variant(chunk=cache.chunk_size)
     if type(cache) is not KVCache:
         kept = KEPT.get(type(cache).__name__, f"mlx-lm's {type(cache).__name__}")
         raise ModelLoadError(f"its layer {index} keeps {kept}, which mlxkv's pages do not stand for yet")
-    return None
+    return Variant()
 
 
 def _window(model: nn.Module, attn: nn.Module, index: int) -> int | None:
@@ -313,7 +328,7 @@ def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter | Modu
     if hasattr(attn, "kv_lora_rank") and hasattr(attn, "embed_q"):
         return LatentAdapter(attn)
     if args.model_type not in FAMILIES:
-        return ModuleAdapter(attn, _cache_window(model, index), hidden_size(model), activation_dtype(model))
+        return ModuleAdapter(attn, _cache_variant(model, index), hidden_size(model), activation_dtype(model))
     window = _window(model, attn, index)
     if hasattr(attn, "qkv_proj"):
         return FusedAdapter(attn, window)

@@ -37,7 +37,6 @@ MAMBA = "Mamba layers"
 NOT_YET = {
     **dict.fromkeys(("falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
     "rwkv7": "RWKV-7 recurrent layers",
-    "llama4": "chunked local attention (three layers in four attend only within their chunk of tokens)",
     "hunyuan": "cross-layer attention (layers that attend another layer's keys and values)",
     **dict.fromkeys(("gpt_neox", "lille-130m"), "a decoder that computes the logits itself"),
     "recurrent_gemma": "RG-LRU recurrent layers",
@@ -160,6 +159,9 @@ def load(
         model, tokenizer = mlx_lm_load(str(path), model_config=rope_overrides(config), lazy=sharded)[:2]
     except Exception as exc:
         raise ModelLoadError(f"could not load the checkpoint in {str(path)!r}: {exc}") from None
+    text = text_model(model)
+    if not hasattr(text, "make_cache") and hasattr(model, "make_cache"):  # Llama 4's wrapper makes them
+        text.make_cache = model.make_cache  # each layer's cache type says how it attends (its window, chunk)
     check_runs(model, config["model_type"])
     if sharded:
         assert group is not None

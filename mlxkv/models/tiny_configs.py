@@ -188,7 +188,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Llama 4 makes its global mask from layer 3: 4 layers, every 4th global, MoE every 2nd, one expert per token.
     "llama4": dict(
         text_config=dict(
-            num_hidden_layers=4, attention_chunk_size=8, interleave_moe_layer_step=2, num_experts_per_tok=1
+            num_hidden_layers=4,
+            attention_chunk_size=8,
+            interleave_moe_layer_step=2,
+            num_experts_per_tok=1,
+            floor_scale=4,  # NoPE layers scale their queries from position 3 on
         )
     ),
     "llama4_text": dict(no_rope_layers=[1, 0]),

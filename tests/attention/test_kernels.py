@@ -100,13 +100,15 @@ ATTENTION_VARIANTS = {
     "softcap": Variant(softcap=1.5),
     "sinks": Variant(sinks=mx.arange(8) * 0.7 - 2.0),
     "window-softcap-sinks": Variant(window=300, softcap=30.0, sinks=mx.arange(8) * 0.5 - 1.0),
+    "chunk": Variant(chunk=32),
+    "chunk-sinks": Variant(chunk=256, sinks=mx.arange(8) * 0.5 - 1.0),
 }
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
 @pytest.mark.parametrize("name", list(ATTENTION_VARIANTS))
-def test_window_softcap_and_sink_variants_match_the_reference(kernels, name, split):
-    """Contexts around the window and across split-K partitions; GQA 4 over 2 KV heads."""
+def test_window_chunk_softcap_and_sink_variants_match_the_reference(kernels, name, split):
+    """Contexts around the window or chunk and across split-K partitions; GQA 4 over 2 KV heads."""
     cache, batch = packed_step(
         "paged", 16, 2, 64, mx.float32, [5, 21, 40, 300, 610, 35], [1, 1, 1, 1, 1, 12], max_model_len=640
     )

@@ -16,6 +16,7 @@ from mlxkv.attention.variant import PLAIN, Variant
 VARIANTS = {
     "plain": PLAIN,
     "window": Variant(window=20),
+    "chunk": Variant(chunk=24),
     "sinks": Variant(sinks=mx.array([0.5, -1.0, 2.0, 0.0])),
     "softcap": Variant(softcap=5.0),
 }

@@ -149,6 +149,8 @@ def numpy_oracle(q, keys, values, scale, variant):
     for i in range(n):
         pos = length - n + i
         lo = 0 if variant.window is None else max(0, pos - variant.window + 1)
+        if variant.chunk is not None:  # the chunk's first position
+            lo = pos // variant.chunk * variant.chunk
         for h in range(q_heads):
             kh = h // (q_heads // kv_heads)
             s = keys[lo : pos + 1, kh] @ q[i, h] * scale
@@ -171,8 +173,10 @@ def numpy_oracle(q, keys, values, scale, variant):
         Variant(window=7, softcap=1.5),
         Variant(sinks=mx.array([0.5, -1.0, 2.0, 0.0])),
         Variant(window=9, sinks=mx.array([3.0, 1.0, -2.0, 0.5])),
+        Variant(chunk=8),
+        Variant(chunk=12),
     ],
-    ids=["window5", "window16", "softcap", "window-softcap", "sinks", "window-sinks"],
+    ids=["window5", "window16", "softcap", "window-softcap", "sinks", "window-sinks", "chunk8", "chunk12"],
 )
 @pytest.mark.parametrize("key_tile", [1024, 8], ids=["one-key-tile", "key-tiles-of-8"])
 def test_attention_variants_match_the_written_out_oracle(monkeypatch, layout, variant, key_tile):

@@ -196,9 +196,14 @@ def test_model_loading_errors_are_specific(tmp_path, checkpoint):
     ):
         LLM(str(tmp_path))
     for model_type, layers in (
-        ("falcon_h1", "Mamba layers"),
-        ("llama4", "chunked local attention (three layers in four attend only within their chunk of tokens)"),
-        ("rwkv7", "RWKV-7 recurrent layers"),
+        (
+            "iquestloopcoder",
+            "a loop that runs every layer twice, the second pass attending the first pass's keys and values",
+        ),
+        (
+            "afm7",
+            "KV-reuse layers (its last layers attend the keys and values the decoder reads back from another's cache)",
+        ),
     ):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         with pytest.raises(ModelLoadError) as refused:

@@ -20,12 +20,15 @@ INPUTS = ("x", "inputs", "hidden_states")  # what families call the input when t
 
 class LayerCache:
     """What one layer's module is handed as its cache in a step: `update_and_fetch` writes its new
-    tokens' K/V to the layer's pages, and `attend` (through `attention_hook`) attends them."""
+    tokens' K/V to the layer's pages, and `attend` (through `attention_hook`) attends them. A
+    module that scales its queries by an offset it cannot take per token (Llama 4's NoPE layers)
+    is handed offset 0, under which it leaves them as they are, and `attend` scales them."""
 
-    def __init__(self, step: StepContext, layer: PagedAttention) -> None:
+    def __init__(self, step: StepContext, layer: ModuleAttention) -> None:
         self.step = step
         self.layer = layer
-        self.offset = step.positions.array
+        self.scales = layer.adapter.query_scale(step.positions.array)
+        self.offset = step.positions.array if self.scales is None else 0  # `attend` scales the queries instead
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write `keys` and `values` (`[tokens, kv_heads, 1, head_dim]`) and hand them back."""
@@ -39,6 +42,8 @@ class LayerCache:
         """`[tokens, heads, 1, head_dim]`: the step's queries over the layer's pages (the module's
         `scale` and `sinks` are those its adapter learned)."""
         tokens, heads = queries.shape[:2]
+        if self.scales is not None:
+            queries = (queries * self.scales[:, None, None, None]).astype(queries.dtype)
         out = self.layer.attend(self.step, queries[:, :, 0], keys[:, :, 0], values[:, :, 0], write=False)
         return out.reshape(tokens, heads, 1, -1)
 

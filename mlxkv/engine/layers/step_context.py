@@ -32,9 +32,13 @@ class StepContext:
     own_kv: np.ndarray | None
     states: StateBatch | None = None
     offset: int = 0
+    start_position: int = 0  # Llama 4's decoder reads it beside `offset` to make a mask mlxkv ignores
 
     def make_mask(self, *args: object, **kwargs: object) -> None:
         return None
+
+    def maybe_trim_front(self) -> None:
+        """Llama 4's decoder trims its chunked caches before a step; pages need no trimming."""
 
     @staticmethod
     def of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepContext | None:
