@@ -10,6 +10,7 @@ few ways.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -124,6 +125,15 @@ def mlx_lm_module(layer: nn.Module, name: str) -> nn.Module:
     return inner
 
 
+def run_recurrent(module: nn.Module, x: mx.array, mask: mx.array | None, cache: Any) -> mx.array:
+    """`module` (a recurrent module as mlx-lm made it) over `x` `[rows, length, hidden]`, updating
+    `cache`; `mask` (which places of right-padded rows hold a token) goes only to a module that
+    takes one: Mamba's and Jamba's take `(x, cache)` and see every place as a token."""
+    takes_mask = "mask" in inspect.signature(module.__call__).parameters
+    out: mx.array = module(x, mask=mask, cache=cache) if takes_mask else module(x, cache=cache)
+    return out
+
+
 def layer_roles(model: nn.Module) -> LayerRoles:
     """Each decoder layer's role in `model` (a text model): by its block type where it has one
     (Nemotron-H, whose MLP blocks neither attend nor keep a state), else from the caches mlx-lm
@@ -158,7 +168,7 @@ def state_shapes(model: nn.Module, roles: LayerRoles) -> list[list[StateShape]]:
     for index in roles.recurrent:
         module = mlx_lm_module(layers[index], roles.recurrent_module(layers[index]))
         cache: Any = caches[index]  # mlx-lm's class, not annotated
-        module(mx.zeros((1, 1, hidden_size(model)), dtype), mask=None, cache=cache)
+        run_recurrent(module, mx.zeros((1, 1, hidden_size(model)), dtype), None, cache)
         shapes.append([StateShape(tuple(array.shape[1:]), array.dtype) for array in cache.cache])
     return shapes
 
@@ -175,10 +185,10 @@ def pads_exactly(model: nn.Module, roles: LayerRoles) -> bool:
     rows = mx.random.normal((2, 8, hidden_size(model)), key=mx.random.key(0))
     short, longer = rows.astype(activation_dtype(model))
     alone: Any = ArraysCache(size)
-    module(short[None, :7], mask=None, cache=alone)
+    run_recurrent(module, short[None, :7], None, alone)
     padded: Any = ArraysCache(size)
     padded.lengths = mx.array([7, 8])
-    module(mx.stack([short, longer]), mask=mx.arange(8)[None] < padded.lengths[:, None], cache=padded)
+    run_recurrent(module, mx.stack([short, longer]), mx.arange(8)[None] < padded.lengths[:, None], padded)
     # Equal on the CPU; a GPU kernel's masked and unmasked forms may round apart, never by this much.
     return all(
         bool((mx.abs(a[0] - b[0]).max() <= 1e-4 * (1 + mx.abs(a).max())).item())

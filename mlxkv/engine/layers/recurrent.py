@@ -11,6 +11,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from ...cache.state_batch import RowGroup
 from ...cache.state_pool import StatePool
+from ...models.structure import run_recurrent
 from .step_context import StepContext
 
 
@@ -44,7 +45,7 @@ class RecurrentLayer(nn.Module):
         cache.cache = pool.read(self.index, group.indices, group.fresh)
         if group.lengths is not None:  # a fresh array per call: mlx-lm's layers count it down in place
             cache.lengths = mx.array(group.lengths)
-        out: mx.array = self.inner(tokens.reshape(group.rows, group.length, -1), mask=group.mask, cache=cache)
+        out = run_recurrent(self.inner, tokens.reshape(group.rows, group.length, -1), group.mask, cache)
         pool.write(self.index, group.indices, cache.cache)
         out = out.reshape(group.rows * group.length, -1)
         return out if group.valid is None else out[group.valid]
