@@ -36,7 +36,7 @@ SUPPORTED_MODEL_TYPES = FAMILIES  # with adapters of their own; the others run w
 MAMBA = "Mamba layers"
 NOT_YET = {
     "olmo_hybrid": "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding",
-    **dict.fromkeys(("falcon_h1", "mamba", "mamba2"), MAMBA),
+    "falcon_h1": MAMBA,
     "rwkv7": "RWKV-7 recurrent layers",
     "llama4": "chunked local attention (three layers in four attend only within their chunk of tokens)",
     "hunyuan": "cross-layer attention (layers that attend another layer's keys and values)",
