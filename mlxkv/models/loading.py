@@ -37,7 +37,6 @@ MAMBA = "Mamba layers"
 NOT_YET = {
     "olmo_hybrid": "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding",
     "falcon_h1": MAMBA,
-    "rwkv7": "RWKV-7 recurrent layers",
     "llama4": "chunked local attention (three layers in four attend only within their chunk of tokens)",
     "hunyuan": "cross-layer attention (layers that attend another layer's keys and values)",
     **dict.fromkeys(("gpt_neox", "lille-130m"), "a decoder that computes the logits itself"),

@@ -1,4 +1,4 @@
-"""A model without attention layers (Mamba's, Mamba 2's) runs through the state pool alone: its
+"""A model without attention layers (Mamba's, Mamba 2's, RWKV-7's) runs through the state pool alone: its
 cache holds no K/V pages, batched prefill chunks and decodes give mlx-lm's greedy tokens, and a
 shared prefix starts from a kept state."""
 
@@ -30,7 +30,7 @@ def mlx_lm_greedy(path, prompt):
     return [int(token) for token, _ in steps]
 
 
-@pytest.fixture(scope="module", params=["mamba", "mamba2"])
+@pytest.fixture(scope="module", params=["mamba", "mamba2", "rwkv7"])
 def checkpoint(request, tmp_path_factory):
     config = tiny_config(request.param)
     return make_checkpoint(tmp_path_factory.mktemp(request.param), config.pop("model_type"), shape=config)

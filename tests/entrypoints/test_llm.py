@@ -199,7 +199,6 @@ def test_model_loading_errors_are_specific(tmp_path, checkpoint):
         ("olmo_hybrid", "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding"),
         ("falcon_h1", "Mamba layers"),
         ("llama4", "chunked local attention (three layers in four attend only within their chunk of tokens)"),
-        ("rwkv7", "RWKV-7 recurrent layers"),
     ):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         with pytest.raises(ModelLoadError) as refused:
