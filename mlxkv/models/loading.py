@@ -33,10 +33,9 @@ from .structure import (
 
 SUPPORTED_MODEL_TYPES = FAMILIES  # with adapters of their own; the others run when `check_runs` passes
 # Families mlx-lm runs and mlxkv does not yet, by the layers that stop them.
-MAMBA = "Mamba layers"
 NOT_YET = {
     "olmo_hybrid": "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding",
-    "falcon_h1": MAMBA,
+    "falcon_h1": "layers that run a Mamba mixer and attention side by side, on one cache of both",
     "llama4": "chunked local attention (three layers in four attend only within their chunk of tokens)",
     "hunyuan": "cross-layer attention (layers that attend another layer's keys and values)",
     **dict.fromkeys(("gpt_neox", "lille-130m"), "a decoder that computes the logits itself"),

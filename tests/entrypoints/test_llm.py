@@ -197,7 +197,7 @@ def test_model_loading_errors_are_specific(tmp_path, checkpoint):
         LLM(str(tmp_path))
     for model_type, layers in (
         ("olmo_hybrid", "Gated DeltaNet layers whose convolution mlx-lm does not mask under padding"),
-        ("falcon_h1", "Mamba layers"),
+        ("falcon_h1", "layers that run a Mamba mixer and attention side by side, on one cache of both"),
         ("llama4", "chunked local attention (three layers in four attend only within their chunk of tokens)"),
     ):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
