@@ -10,7 +10,7 @@ import numpy as np
 
 from ..deprecation import RenamedAttribute, renamed_keywords
 from ..errors import KVCacheExhausted, MlxkvError, UnknownSequenceError
-from ..settings import BOOLEAN, POSITIVE, require
+from ..settings import BOOLEAN, POSITIVE, integer, require
 from .batch import KVBatch
 from .layout import KVLayout, resolve_layout
 from .page_group import PageGroup, window_pool_pages
@@ -116,9 +116,10 @@ class KVCacheManager:
         pinned_fraction: float = 0.5,
         keys_only: Sequence[int] = (),
     ) -> None:
-        sizes = dict(num_layers=num_layers, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size)
+        sizes = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size)
         for name, value in sizes.items():
             require(name, value, POSITIVE)
+        require("num_layers", num_layers, integer(0) if state_shapes else POSITIVE)  # a pure recurrent model has none
         heads, dims = per_layer("num_kv_heads", num_kv_heads, num_layers), per_layer("head_dim", head_dim, num_layers)
         require("prefix_caching", prefix_caching, BOOLEAN)
         check_quantization(kv_bits, kv_group_size, dims)

@@ -110,14 +110,14 @@ def model_kv(model: nn.Module) -> ModelKV:
 
 def attention_heads(model: nn.Module) -> Heads:
     """The widest attention layer's heads of a loaded mlx-lm text model (this process's share, under
-    tensor parallel), and its dtype's size."""
+    tensor parallel), and its dtype's size; no heads (zeros) for a model without attention layers."""
     _, kv_heads, head_dims, dtype = kv_shape(model)
-    return Heads(query_heads(model), max(kv_heads), max(head_dims), dtype.size)
+    return Heads(query_heads(model), max(kv_heads, default=0), max(head_dims, default=0), dtype.size)
 
 
 def query_heads(model: nn.Module) -> int:
-    """The most query heads an attention layer of `model` computes in this process."""
-    return max(int(adapter.heads) for adapter in _adapters(text_model(model)))
+    """The most query heads an attention layer of `model` computes in this process (0: it has none)."""
+    return max((int(adapter.heads) for adapter in _adapters(text_model(model))), default=0)
 
 
 def attention_for(

@@ -15,7 +15,15 @@ from ..cache.manager import KVCacheManager
 from ..cache.state_batch import state_batch
 from ..models.adapters import Gemma4Adapter, LatentAdapter, ModuleAdapter, adapter_for
 from ..models.rotary import Positions
-from ..models.structure import decoder_layers, layer_roles, logits, mlx_lm_module, pads_exactly, run_decoder
+from ..models.structure import (
+    decoder_layers,
+    layer_roles,
+    logits,
+    mlx_lm_module,
+    pads_exactly,
+    recurrent_module,
+    run_decoder,
+)
 from .layers.attention import LatentAttention, PagedAttention, SharingAttention
 from .layers.module_attention import ModuleAttention
 from .layers.recurrent import RecurrentLayer
@@ -49,8 +57,12 @@ class ModelRunner:
                 wrapped = PagedAttention(attn, number, adapter)
             setattr(holder, name, wrapped)
         for number, index in enumerate(roles.recurrent):
-            name = roles.recurrent_module(layers[index])
-            setattr(layers[index], name, RecurrentLayer(mlx_lm_module(layers[index], name), number))
+            recurrent = RecurrentLayer(recurrent_module(layers[index]), number)
+            slot = roles.recurrent_module(layers[index])
+            if slot is None:  # the layer runs whole, in its decoder's list
+                layers[index] = recurrent
+            else:
+                setattr(layers[index], slot, recurrent)
 
     def logits(self, step: ScheduledBatch, hidden: mx.array) -> mx.array | None:
         """Logits for `step` from its final hidden states: a row for each row that samples, and one

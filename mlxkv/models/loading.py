@@ -33,10 +33,8 @@ from .structure import (
 
 SUPPORTED_MODEL_TYPES = FAMILIES  # with adapters of their own; the others run when `check_runs` passes
 # Families mlx-lm runs and mlxkv does not yet, by the layers that stop them.
-MAMBA = "Mamba layers"
 NOT_YET = {
-    **dict.fromkeys(("falcon_h1", "jamba", "mamba", "mamba2"), MAMBA),
-    "rwkv7": "RWKV-7 recurrent layers",
+    "falcon_h1": "layers that run a Mamba mixer and attention side by side, on one cache of both",
     "hunyuan": "cross-layer attention (layers that attend another layer's keys and values)",
     **dict.fromkeys(("gpt_neox", "lille-130m"), "a decoder that computes the logits itself"),
     "recurrent_gemma": "RG-LRU recurrent layers",

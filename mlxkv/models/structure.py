@@ -129,10 +129,11 @@ class LayerRoles:
     shares: tuple[tuple[int, int], ...] = ()
 
     @staticmethod
-    def recurrent_module(layer: nn.Module) -> str:
-        """The attribute of a recurrent decoder layer that holds its recurrent module (Kimi Linear's
-        and Ling-Linear's is named as other families name attention)."""
-        return next(name for name in RECURRENT_MODULES + ATTENTION_MODULES if hasattr(layer, name))
+    def recurrent_module(layer: nn.Module) -> str | None:
+        """The attribute of a recurrent decoder layer that holds its recurrent module; None where
+        none does, and the layer runs whole (RWKV-7's time mixing and channel mixing share its state;
+        Kimi Linear's and Ling-Linear's recurrent module is named as others name attention)."""
+        return next((name for name in RECURRENT_MODULES if hasattr(layer, name)), None)
 
     @staticmethod
     def attention_slot(layer: nn.Module) -> tuple[nn.Module, str]:
@@ -164,6 +165,25 @@ def _attends(layer: nn.Module) -> bool:
     return any(getattr(layer, name, None) is not None for name in RECURRENT_MODULES + ATTENTION_MODULES)
 
 
+def run_recurrent(module: nn.Module, x: mx.array, mask: mx.array | None, cache: Any, given: dict[str, Any]) -> Any:
+    """`module` (a recurrent module as mlx-lm made it) over `x` `[rows, length, hidden]`, updating
+    `cache`. `mask` (which places of right-padded rows hold a token) goes only to a module that
+    takes one (Mamba's and Jamba's take `(x, cache)` and see every place as a token); its other
+    parameters get their value from `given`, a required one else None (what RWKV-7's first layer
+    gets for the values it hands on)."""
+    values = {"mask": mask, "cache": cache, **given}
+    parameters = list(inspect.signature(module.__call__).parameters.values())[1:]
+    named = (p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return module(x, **{p.name: values.get(p.name) for p in named if p.name in values or p.default is p.empty})
+
+
+def recurrent_module(layer: nn.Module) -> nn.Module:
+    """A recurrent decoder layer's recurrent module as mlx-lm made it: the one the layer names, else
+    the layer itself (mlxkv's wrapper keeps either as `inner`)."""
+    name = LayerRoles.recurrent_module(layer)
+    return cast(nn.Module, getattr(layer, "inner", layer)) if name is None else mlx_lm_module(layer, name)
+
+
 def layer_roles(model: nn.Module) -> LayerRoles:
     """Each decoder layer's role in `model` (a text model): by its block type where it has one
     (Nemotron-H, whose MLP blocks neither attend nor keep a state), else from the caches mlx-lm
@@ -189,21 +209,16 @@ def layer_roles(model: nn.Module) -> LayerRoles:
 
 
 def state_shapes(model: nn.Module, roles: LayerRoles) -> list[list[StateShape]]:
-    """What each recurrent layer of `model` keeps per sequence, as its module leaves it after one
-    token: the shapes without the sequence axis, and the dtypes (mlx-lm keeps a gated delta rule's
-    state in float32 whatever the weights are)."""
+    """What each recurrent layer of `model` keeps per sequence, as mlx-lm's own caches hold it after
+    the model's first token (a graph built, never evaluated): the shapes without the sequence axis,
+    and the dtypes (mlx-lm keeps a gated delta rule's state in float32 whatever the weights are).
+    The whole model runs, as a layer may need what an earlier one hands on (RWKV-7's first values)."""
     if not roles.recurrent:
         return []
-    layers = decoder_layers(model)
-    caches = dict(zip(roles.recurrent, [c for c in model.make_cache() if isinstance(c, ArraysCache)]))
-    dtype = activation_dtype(model)
-    shapes = []
-    for index in roles.recurrent:
-        module = mlx_lm_module(layers[index], roles.recurrent_module(layers[index]))
-        cache: Any = caches[index]  # mlx-lm's class, not annotated
-        module(mx.zeros((1, 1, hidden_size(model)), dtype), mask=None, cache=cache)
-        shapes.append([StateShape(tuple(array.shape[1:]), array.dtype) for array in cache.cache])
-    return shapes
+    caches = model.make_cache()
+    model(mx.zeros((1, 1), mx.int32), cache=caches)
+    recurrent: list[Any] = [c for c in caches if isinstance(c, ArraysCache)]  # mlx-lm's class, not annotated
+    return [[StateShape(tuple(array.shape[1:]), array.dtype) for array in cache.cache] for cache in recurrent]
 
 
 def pads_exactly(model: nn.Module, roles: LayerRoles) -> bool:
@@ -212,16 +227,15 @@ def pads_exactly(model: nn.Module, roles: LayerRoles) -> bool:
     Checked once, on random input, a 7-token row padded beside an 8-token one."""
     if not roles.recurrent:
         return True
-    layer = decoder_layers(model)[roles.recurrent[0]]
-    module = mlx_lm_module(layer, roles.recurrent_module(layer))
+    module = recurrent_module(decoder_layers(model)[roles.recurrent[0]])
     size = len(next(c for c in model.make_cache() if isinstance(c, ArraysCache)).cache)
     rows = mx.random.normal((2, 8, hidden_size(model)), key=mx.random.key(0))
     short, longer = rows.astype(activation_dtype(model))
     alone: Any = ArraysCache(size)
-    module(short[None, :7], mask=None, cache=alone)
+    run_recurrent(module, short[None, :7], None, alone, {})
     padded: Any = ArraysCache(size)
     padded.lengths = mx.array([7, 8])
-    module(mx.stack([short, longer]), mask=mx.arange(8)[None] < padded.lengths[:, None], cache=padded)
+    run_recurrent(module, mx.stack([short, longer]), mx.arange(8)[None] < padded.lengths[:, None], padded, {})
     # Equal on the CPU; a GPU kernel's masked and unmasked forms may round apart, never by this much.
     return all(
         bool((mx.abs(a[0] - b[0]).max() <= 1e-4 * (1 + mx.abs(a).max())).item())

@@ -161,9 +161,9 @@ def test_bad_input_gives_one_clear_line_and_a_failing_exit(checkpoint, args, mes
 def test_directory_without_config_and_unsupported_architecture(tmp_path):
     result = runner.invoke(app, ["generate", "--model", str(tmp_path)])
     assert result.exit_code == 1 and "has no config.json" in result.stderr
-    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
+    (tmp_path / "config.json").write_text('{"model_type": "gpt7"}')
     result = runner.invoke(app, ["generate", "--model", str(tmp_path)])
-    assert result.exit_code == 1 and "unsupported model_type 'mamba'" in result.stderr
+    assert result.exit_code == 1 and "unsupported model_type 'gpt7'" in result.stderr
 
 
 def test_installed_command_reads_the_prompt_from_stdin(checkpoint):

@@ -204,6 +204,7 @@ def test_model_loading_errors_are_specific(tmp_path, checkpoint):
             "afm7",
             "KV-reuse layers (its last layers attend the keys and values the decoder reads back from another's cache)",
         ),
+        ("falcon_h1", "layers that run a Mamba mixer and attention side by side, on one cache of both"),
     ):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
         with pytest.raises(ModelLoadError) as refused:

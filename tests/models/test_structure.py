@@ -4,7 +4,8 @@ from helpers import BASE, GEMMA4, HYBRIDS
 
 from mlxkv.models import load
 from mlxkv.models.random_model import make_checkpoint
-from mlxkv.models.structure import LayerRoles, layer_roles, pads_exactly, state_shapes, text_model
+from mlxkv.models.structure import LayerRoles, decoder_layers, layer_roles, pads_exactly, state_shapes, text_model
+from mlxkv.models.tiny_configs import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +42,23 @@ def test_a_qwen3_5_layer_keeps_a_convolution_tail_and_a_float32_delta_state(hybr
 def test_padding_is_exact_except_for_nemotron_hs_mamba_state(hybrid, name, exact):
     model = hybrid(name)
     assert pads_exactly(model, layer_roles(model)) is exact
+
+
+@pytest.mark.parametrize(("name", "exact"), [("mamba", False), ("jamba", False), ("mamba2", True)])
+def test_mamba_modules_called_without_a_mask_see_padding_as_tokens(tmp_path, name, exact):
+    """Mamba's and Jamba's mixers take `(x, cache)`: called without a mask, a padded row's state runs
+    on over its padding, so their prefill chunks run one by one; Mamba 2's honours the mask."""
+    config = tiny_config(name)
+    model = text_model(load(str(make_checkpoint(tmp_path, config.pop("model_type"), shape=config)))[0])
+    assert pads_exactly(model, layer_roles(model)) is exact
+
+
+def test_an_rwkv7_layer_runs_whole_as_its_two_mixings_share_one_state(tmp_path):
+    config = tiny_config("rwkv7")
+    model = text_model(load(str(make_checkpoint(tmp_path, config.pop("model_type"), shape=config)))[0])
+    roles = layer_roles(model)
+    assert roles == LayerRoles((), (0, 1)) and LayerRoles.recurrent_module(decoder_layers(model)[0]) is None
+    hidden = model.args.hidden_size
+    shift, state, channel_shift = state_shapes(model, roles)[1]  # token shift, WKV state per head, channel shift
+    assert (shift.shape, state.shape[0] * state.shape[1], channel_shift.shape) == ((1, hidden), hidden, (1, hidden))
+    assert not pads_exactly(model, roles)  # its token shift keeps a padded row's last place

@@ -12,9 +12,10 @@ import mlx.nn as nn
 from ...attention.first_chunk import first_chunk_attention
 from ...models.adapters import Adapter, Gemma4Adapter, LatentAdapter, ModuleAdapter
 from .step_context import StepContext
+from .wrapped import Wrapped
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(Wrapped):
     """An mlx-lm attention layer run over the paged cache through its family's adapter.
 
     Tokens of the packed batch sit on the batch axis, so RoPE takes one offset per token.
@@ -23,19 +24,9 @@ class PagedAttention(nn.Module):
     """
 
     def __init__(self, inner: nn.Module, layer: int, adapter: Adapter | ModuleAdapter | LatentAdapter) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # nn.Module's __init__ has no annotations
-        self.inner = inner
+        super().__init__(inner)
         self.layer = layer  # the number of the pages it reads among the cache's layers
         self.adapter = adapter
-
-    def __getattr__(self, name: str) -> Any:
-        """The wrapped module's attributes, which the family's decoder layer may read (EXAONE 4's `is_local`)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "inner":
-                raise
-            return getattr(self.inner, name)
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
         step = StepContext.of(args, kwargs)

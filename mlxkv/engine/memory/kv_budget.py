@@ -74,6 +74,8 @@ def size_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelK
     max_len = context_length(config.max_model_len, model.context)
     contiguous = config.kv_layout is KVLayout.CONTIGUOUS
     costs = _kv_costs(config, model, draft)
+    if not costs.bytes_per_token:
+        return _states_only(config, costs, max_len, room)
     available = max(0, room - costs.fixed_bytes)
     per_seq = max_len if contiguous else -(-max_len // config.page_size) * config.page_size
     asked_memory = int(config.kv_cache_memory) if config.kv_cache_memory is not None else None
@@ -138,6 +140,21 @@ def _contiguous(config: EngineConfig, costs: _KVCosts, max_len: int, budget: int
         )
     pool_bytes = costs.fixed_bytes + sequences * max_len * costs.bytes_per_token
     return KVCacheSizing(sequences, max_len, None, costs.windows, costs.grouped, pool_bytes)
+
+
+def _states_only(config: EngineConfig, costs: _KVCosts, max_len: int, room: int) -> KVCacheSizing:
+    """The cache of a model none of whose layers keeps K/V (Mamba's, RWKV's): its pages hold no
+    bytes and only count each sequence's tokens, so every sequence gets its whole context; the
+    recurrent states alone take memory, and must fit `room`."""
+    if costs.state_bytes > room:
+        raise ValueError(
+            f"the recurrent state of max_num_seqs={config.max_num_seqs} sequences (and the prefix cache's) takes "
+            f"{_gb(costs.state_bytes)}, more than the {_gb(room)} the memory budget (memory_limit) leaves "
+            "beside the weights and a step's temporaries; lower max_num_seqs or prefix_states"
+        )
+    whole = config.max_num_seqs * -(-max_len // config.page_size)
+    pages = None if config.kv_layout is KVLayout.CONTIGUOUS else config.num_pages or whole
+    return KVCacheSizing(config.max_num_seqs, max_len, pages, costs.windows, costs.grouped, costs.state_bytes)
 
 
 def _beside(costs: _KVCosts) -> str:
