@@ -243,7 +243,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "openelm": dict(num_query_heads=[4, 4], num_kv_heads=[2, 2], ffn_multipliers=[2.0, 2.0]),
     "phi3small": dict(dense_attention_every_n_layers=2, gegelu_limit=20.0),
-    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], attention_window_size=8),
     "spark2_5": dict(rope_parameters=ROPE_BY_LAYER_TYPE),
     "step3p5": dict(num_attention_groups=2),  # two KV heads, so that it splits over two processes
     # olmo's module exits on import without ai2-olmo, so its args cannot be read: all its fields are here.
