@@ -171,9 +171,9 @@ class _Probe:
 
 
 class ModuleAdapter:
-    """A layer run through its own mlx-lm attention module, unchanged: its heads, head dim, scale and
-    sinks are what the module hands the cache when run once on one token (lazily: nothing is
-    computed). Refused with `ModelLoadError` when the module attends some other way than handing
+    """A layer run through its own mlx-lm attention module, unchanged: its heads, head dim, value
+    width, scale and sinks are what the module hands the cache when run once on one token (lazily:
+    nothing is computed). Refused with `ModelLoadError` when the module attends some other way than handing
     the keys and values it cached to mlx-lm's `scaled_dot_product_attention`."""
 
     def __init__(self, attn: nn.Module, variant: Variant, width: int, dtype: mx.Dtype) -> None:
@@ -191,9 +191,9 @@ class ModuleAdapter:
         queries, keys, values, scale, sinks = probe.attended
         if keys is not probe.fetched[0] or values is not probe.fetched[1]:
             raise ModelLoadError(f"its attention ({name}) transforms the cached keys and values before attending")
-        if keys.shape[-1] != values.shape[-1]:
-            raise ModelLoadError(f"its attention ({name}) has keys and values of different widths")
-        self.heads, self.kv_heads, self.head_dim = queries.shape[1], keys.shape[1], keys.shape[-1]
+        self.heads, self.kv_heads = queries.shape[1], keys.shape[1]
+        self.value_dim = values.shape[-1]  # DeepSeek V2's (and MiniCPM 3's) are narrower than its keys
+        self.head_dim = max(keys.shape[-1], self.value_dim)  # the pages' width: the narrower is zero-padded
         self.scale = float(scale)
         self.variant = replace(variant, sinks=sinks)
         tuned = getattr(attn, "attn_temperature_tuning", False) and not getattr(attn, "use_rope", True)

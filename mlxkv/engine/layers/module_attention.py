@@ -31,7 +31,10 @@ class LayerCache:
         self.offset = step.positions.array if self.scales is None else 0  # `attend` scales the queries instead
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write `keys` and `values` (`[tokens, kv_heads, 1, head_dim]`) and hand them back."""
+        """Write `keys` and `values` (`[tokens, kv_heads, 1, width]`) and hand them back, each as
+        wide as the pages (zeros after a narrower one's own values)."""
+        width = self.layer.adapter.head_dim
+        keys, values = _widened(keys, width), _widened(values, width)
         batch = self.step.batch.for_window(self.layer.adapter.variant.window)
         self.step.cache.write(self.layer.layer, batch, keys[:, :, 0], values[:, :, 0])
         return keys, values
@@ -44,11 +47,18 @@ class LayerCache:
         tokens, heads = queries.shape[:2]
         if self.scales is not None:
             queries = (queries * self.scales[:, None, None, None]).astype(queries.dtype)
+        queries = _widened(queries, self.layer.adapter.head_dim)  # zero columns add nothing to a score
         out = self.layer.attend(self.step, queries[:, :, 0], keys[:, :, 0], values[:, :, 0], write=False)
-        return out.reshape(tokens, heads, 1, -1)
+        return out.reshape(tokens, heads, 1, -1)[..., : self.layer.adapter.value_dim]
 
     def make_mask(self, *args: object, **kwargs: object) -> None:
         return None
+
+
+def _widened(x: mx.array, width: int) -> mx.array:
+    """`x` with zeros after its last axis's values, to `width` (as it is when as wide)."""
+    extra = width - x.shape[-1]
+    return x if extra == 0 else mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 class ModuleAttention(PagedAttention):
