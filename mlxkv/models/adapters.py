@@ -170,6 +170,28 @@ class _Probe:
         return None
 
 
+def _probed(attn: nn.Module, x: mx.array) -> _Probe:
+    """The probing cache `attn` was run with on `x` (the cache by name, and no mask: PLaMo's
+    module calls its mask attention_mask)."""
+    probe = _Probe()
+    try:
+        attn(x, cache=probe)
+    except Exception as exc:
+        raise ModelLoadError(f"its attention ({type(attn).__name__}) does not run over mlxkv's pages: {exc}") from None
+    return probe
+
+
+def _casts_only(attn: nn.Module, width: int, dtype: mx.Dtype) -> bool:
+    """Whether what `attn` attends is what it cached, at most cast to another dtype (StableLM
+    attends in float32): checked on one random token, the one probe that computes anything."""
+    probe = _probed(attn, mx.random.normal((1, 1, width), key=mx.random.key(0)).astype(dtype))
+    assert probe.attended is not None and probe.fetched is not None
+    attended, fetched = probe.attended[1:3], probe.fetched
+    return all(
+        a.shape == f.shape and bool(mx.array_equal(a, f.astype(a.dtype)).item()) for a, f in zip(attended, fetched)
+    )
+
+
 class ModuleAdapter:
     """A layer run through its own mlx-lm attention module, unchanged: its heads, head dim, value
     width, scale and sinks are what the module hands the cache when run once on one token (lazily:
@@ -181,15 +203,11 @@ class ModuleAdapter:
         name = type(attn).__name__
         if not install(type(attn)):
             raise ModelLoadError(f"its attention ({name}) does not call mlx-lm's scaled_dot_product_attention")
-        probe = _Probe()
-        try:
-            attn(mx.zeros((1, 1, width), dtype), mask=None, cache=probe)
-        except Exception as exc:
-            raise ModelLoadError(f"its attention ({name}) does not run over mlxkv's pages: {exc}") from None
+        probe = _probed(attn, mx.zeros((1, 1, width), dtype))
         if probe.attended is None or probe.fetched is None:
             raise ModelLoadError(f"its attention ({name}) does not attend the keys and values it caches")
         queries, keys, values, scale, sinks = probe.attended
-        if keys is not probe.fetched[0] or values is not probe.fetched[1]:
+        if (keys is not probe.fetched[0] or values is not probe.fetched[1]) and not _casts_only(attn, width, dtype):
             raise ModelLoadError(f"its attention ({name}) transforms the cached keys and values before attending")
         self.heads, self.kv_heads = queries.shape[1], keys.shape[1]
         self.value_dim = values.shape[-1]  # DeepSeek V2's (and MiniCPM 3's) are narrower than its keys
