@@ -242,7 +242,7 @@ class LatentAdapter:
         self.head_dim = self.rank + self.rope_dim
         self.scale = float(attn.scale)
         self.variant = Variant()
-        self.out_proj = attn.o_proj
+        self.out_proj = attn.o_proj if hasattr(attn, "o_proj") else attn.dense  # Ling's is `dense`
 
     def __call__(self, x: mx.array, positions: Positions) -> Projection:
         """The queries `[tokens, heads, rank + rope]` and the latent rows `[tokens, 1, rank + rope]`
@@ -262,13 +262,17 @@ class LatentAdapter:
 
     def output(self, out: mx.array, x: mx.array) -> mx.array:
         """The layer's output `[1, tokens, hidden]` from the attention's `[1, tokens, heads * (rank + rope)]`
-        for the layer's input `x` (Kimi K3 gates each head's values by it)."""
+        for the layer's input `x`, by which Kimi K3 gates each value and Ling 2.5 each head."""
         tokens = out.shape[1]
         latent = out.reshape(tokens, self.heads, 1, self.head_dim)[..., : self.rank]
-        values = self.attn.unembed_out(latent).reshape(1, tokens, -1)
-        if getattr(self.attn, "use_gate", False):
-            values = values * mx.sigmoid(self.attn.g_proj(x))
-        return self.out_proj(values)  # type: ignore[no-any-return]
+        values = self.attn.unembed_out(latent).reshape(1, tokens, self.heads, -1)
+        if hasattr(self.attn, "g_proj") and getattr(self.attn, "use_gate", True):
+            gate = self.attn.g_proj(x)
+            if gate.shape[-1] == self.heads:  # one gate a head, in float32 as Ling computes it
+                values = values * mx.sigmoid(gate.astype(mx.float32)).astype(values.dtype)[..., None]
+            else:
+                values = values * mx.sigmoid(gate).reshape(values.shape)
+        return self.out_proj(values.reshape(1, tokens, -1))  # type: ignore[no-any-return]
 
 
 KEPT = {  # what the mlx-lm caches that no page stands for hold
