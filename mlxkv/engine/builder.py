@@ -15,7 +15,7 @@ from ..attention.kernels import PagedAttentionKernels
 from ..attention.reference import reference_attention
 from ..cache.manager import KVCacheManager
 from ..config import EngineConfig
-from ..models.structure import held_arrays, text_model, vocab_size
+from ..models.structure import held_arrays, position_table, text_model, vocab_size
 from .memory.chunk_sizing import ChunkSizer
 from .memory.kv_budget import agreed, build_kv_cache
 from .memory.memory_budget import MemoryBudget, split_memory
@@ -61,6 +61,12 @@ def build_engine(
     """The parts of an engine running `model` (see `LLMEngine`); `group`: a tensor-parallel group of
     more than one process, or None."""
     model = text_model(model)
+    table = position_table(model)
+    if table is not None and (config.max_model_len or 0) > table:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} is more than the {table} positions this model's learned "
+            "position embeddings hold; expected at most that"
+        )
     shape = model_kv(model)
     if group is not None:
         check_tensor_parallel(shape)

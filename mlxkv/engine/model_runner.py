@@ -16,6 +16,8 @@ from ..cache.state_batch import state_batch
 from ..models.adapters import Gemma4Adapter, LatentAdapter, ModuleAdapter, adapter_for
 from ..models.rotary import Positions
 from ..models.structure import (
+    ABSOLUTE_POSITIONS,
+    decoder,
     decoder_layers,
     layer_roles,
     logits,
@@ -26,6 +28,7 @@ from ..models.structure import (
 )
 from .layers.attention import LatentAttention, PagedAttention, SharingAttention
 from .layers.module_attention import ModuleAttention
+from .layers.position_embeddings import PositionEmbeddings
 from .layers.recurrent import RecurrentLayer
 from .layers.step_context import StepContext
 from .scheduler import ScheduledBatch
@@ -56,6 +59,7 @@ class ModelRunner:
             else:
                 wrapped = PagedAttention(attn, number, adapter)
             setattr(holder, name, wrapped)
+        self.positions = _position_embeddings(model)
         for number, index in enumerate(roles.recurrent):
             recurrent = RecurrentLayer(recurrent_module(layers[index]), number)
             slot = roles.recurrent_module(layers[index])
@@ -79,8 +83,26 @@ class ModelRunner:
         spans = np.asarray(own_kv, np.int32) if any(own_kv) else None  # a scan, not an array, in the common case
         states = state_batch(kv, self.pads) if self.cache.states is not None else None
         context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, spans, states)
-        return run_decoder(self.model, mx.array(token_ids)[None], [context] * len(decoder_layers(self.model)))[0]
+        if self.positions is not None:
+            self.positions.step = context
+        try:
+            return run_decoder(self.model, mx.array(token_ids)[None], [context] * len(decoder_layers(self.model)))[0]
+        finally:
+            if self.positions is not None:
+                self.positions.step = None
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits for final hidden states."""
         return logits(self.model, hidden)
+
+
+def _position_embeddings(model: nn.Module) -> PositionEmbeddings | None:
+    """`model`'s learned absolute position embeddings (GPT-2's), wrapped to look up each token's
+    own position; None if its positions are rotary."""
+    inner = decoder(model)
+    name = next((name for name in ABSOLUTE_POSITIONS if hasattr(inner, name)), None)
+    if name is None:
+        return None
+    table = PositionEmbeddings(mlx_lm_module(inner, name))
+    setattr(inner, name, table)
+    return table

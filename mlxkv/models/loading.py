@@ -22,7 +22,6 @@ from .adapters import FAMILIES, adapter_for
 from .sharding import shard
 from .structure import (
     LayerRoles,
-    decoder,
     decoder_layers,
     layer_roles,
     mlx_lm_module,
@@ -40,7 +39,7 @@ NOT_YET = {
     "afm7": "KV-reuse layers (its last layers attend the keys and values the decoder reads back from another's cache)",
     "iquestloopcoder": "a loop that runs every layer twice, the second pass attending the first pass's keys and values",
 }
-ABSOLUTE_POSITIONS = ("wpe", "embed_positions")  # GPT-2-style decoders' learned position embeddings
+CONTEXTS = ("max_position_embeddings", "n_positions")
 DEMO_MODEL = Path(__file__).parents[1] / "demo_model"
 
 
@@ -107,8 +106,6 @@ def check_runs(model: nn.Module, model_type: str) -> None:
     """Refuse a loaded model whose layers mlxkv cannot run over its pages, naming what stops it."""
     text = text_model(model)
     try:
-        if any(hasattr(decoder(text), name) for name in ABSOLUTE_POSITIONS):
-            raise ModelLoadError("learned absolute position embeddings, which mlx-lm adds by one offset for all rows")
         layers, roles = decoder_layers(text), layer_roles(text)
         for index in roles.attention:
             adapter_for(text, index, mlx_lm_module(*LayerRoles.attention_slot(layers[index])))
@@ -170,5 +167,5 @@ def load(
 def model_context(model: nn.Module) -> int | None:
     """The most tokens a loaded model says a sequence may hold (`max_position_embeddings`), if its
     mlx-lm arguments say (some families' do not)."""
-    context: int | None = getattr(model_args(model), "max_position_embeddings", None)
-    return context
+    args = model_args(model)  # GPT-2's is n_positions: the size of its position embedding table
+    return next((int(getattr(args, name)) for name in CONTEXTS if getattr(args, name, None)), None)

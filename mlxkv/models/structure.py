@@ -28,6 +28,7 @@ ATTENTION_MODULES = ("self_attn", "mixer", "attn", "attention", "self_attention"
 DECODERS = ("model", "backbone", "transformer", "gpt_neox")  # Nemotron-H's; GPT-2-style families'
 EMBEDDINGS = ("embed_tokens", "embeddings", "wte", "embed_in", "tok_embeddings", "word_embeddings", "token_embeddings")
 HEADS = ("lm_head", "output", "embed_out")  # Llama 4's and GPT-NeoX's are not `lm_head`
+ABSOLUTE_POSITIONS = ("wpe", "embed_positions")  # GPT-2-style decoders' learned position embeddings
 HIDDEN_SIZES = ("hidden_size", "n_embd", "d_model", "dim", "hidden_dim", "model_dim")  # AFM's; OpenELM's, Phixtral's
 VOCAB_SIZES = ("vocab_size", "num_vocab")  # Phixtral's
 LAYERS = ("layers", "h", "blocks")  # GPT-2-style families' `h`; DBRX's and Talkie's `blocks`
@@ -77,6 +78,14 @@ def vocab_size(model: nn.Module) -> int:
     """How many tokens a text model's logits score, by whichever name its arguments give it."""
     args = model_args(model)
     return int(next(getattr(args, name) for name in VOCAB_SIZES if hasattr(args, name)))
+
+
+def position_table(model: nn.Module) -> int | None:
+    """How many positions a text model's learned absolute position embeddings hold (GPT-2's
+    `wpe`); None where its positions are rotary, with no such bound."""
+    inner = decoder(model)
+    table = next((getattr(inner, name) for name in ABSOLUTE_POSITIONS if hasattr(inner, name)), None)
+    return None if table is None else int(getattr(table, "inner", table).weight.shape[0])
 
 
 def embeddings(model: nn.Module) -> nn.Module:
