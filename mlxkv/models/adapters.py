@@ -9,6 +9,7 @@ sliding window, soft-cap and sinks. The model's own code computes everything els
 
 from __future__ import annotations
 
+from copy import copy
 from dataclasses import replace
 from typing import Any, NamedTuple, cast
 
@@ -20,7 +21,7 @@ from ..attention.variant import Variant
 from ..errors import ModelLoadError
 from .attention_hook import install
 from .rotary import Positions, Rotation
-from .structure import activation_dtype, decoder, hidden_size, model_args
+from .structure import LayerRoles, activation_dtype, decoder, decoder_layers, hidden_size, mlx_lm_module, model_args
 
 
 def _first(module: object, *names: str) -> Any:
@@ -217,6 +218,13 @@ class ModuleAdapter:
         tuned = getattr(attn, "attn_temperature_tuning", False) and not getattr(attn, "use_rope", True)
         self.temperature = (attn.floor_scale, attn.attn_scale) if tuned else None
 
+    @classmethod
+    def like(cls, other: ModuleAdapter, attn: nn.Module, variant: Variant) -> ModuleAdapter:
+        """An adapter for `attn` with `other`'s geometry, scale and sinks, attending as `variant` says."""
+        adapter = copy(other)
+        adapter.attn, adapter.variant = attn, replace(variant, sinks=other.variant.sinks)
+        return adapter
+
     def query_scale(self, positions: mx.array) -> mx.array | None:
         """Each token's query scale, `[tokens]`, where the module scales its queries by position
         (Llama 4's NoPE layers: `1 + attn_scale * log(1 + floor((position + 1) / floor_scale))`),
@@ -342,6 +350,29 @@ def _gated(attn: nn.Module) -> bool:
     return head_dim is not None and hasattr(attn, "q_proj") and attn.q_proj.weight.shape[0] == 2 * heads * head_dim
 
 
+def _module_adapter(model: nn.Module, index: int, attn: nn.Module) -> ModuleAdapter:
+    """A `ModuleAdapter` for layer `index`; a module that cannot run alone but is of its previous
+    layer's class takes that layer's geometry (Hunyuan's cross-layer attention layers project no
+    keys or values, and attend the previous layer's projections the decoder hands them)."""
+    variant, width, dtype = _cache_variant(model, index), hidden_size(model), activation_dtype(model)
+    try:
+        return ModuleAdapter(attn, variant, width, dtype)
+    except ModelLoadError:
+        previous = _attention_module(model, index - 1) if index > 0 else None
+        if type(previous) is not type(attn):
+            raise
+        return ModuleAdapter.like(_module_adapter(model, index - 1, cast(nn.Module, previous)), attn, variant)
+
+
+def _attention_module(model: nn.Module, index: int) -> nn.Module | None:
+    """Layer `index`'s attention module as mlx-lm made it, if it has one."""
+    layer = decoder_layers(model)[index]
+    try:
+        return mlx_lm_module(*LayerRoles.attention_slot(layer))
+    except StopIteration:
+        return None
+
+
 def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter | ModuleAdapter | LatentAdapter:
     """The adapter of layer `index`'s attention module `attn` in `model` (an mlx-lm text model)."""
     args = model_args(model)
@@ -350,7 +381,7 @@ def adapter_for(model: nn.Module, index: int, attn: nn.Module) -> Adapter | Modu
     if hasattr(attn, "kv_lora_rank") and hasattr(attn, "embed_q"):
         return LatentAdapter(attn)
     if args.model_type not in FAMILIES:
-        return ModuleAdapter(attn, _cache_variant(model, index), hidden_size(model), activation_dtype(model))
+        return _module_adapter(model, index, attn)
     window = _window(model, attn, index)
     if hasattr(attn, "qkv_proj"):
         return FusedAdapter(attn, window)

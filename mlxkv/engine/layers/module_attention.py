@@ -7,7 +7,7 @@ then takes each token's own position, and its mask, for one token a row, is None
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -67,7 +67,7 @@ class ModuleAttention(PagedAttention):
 
     adapter: ModuleAdapter
 
-    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:  # GPT-J passes its input by name
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # GPT-J passes its input by name
         step = StepContext.of(args, kwargs)
         if step is None:
             original: mx.array = self.inner(*args, **kwargs)
@@ -79,5 +79,7 @@ class ModuleAttention(PagedAttention):
         x = args[0] if name is None else kwargs[name]
         tokens, rows = x.shape[1], x.reshape(x.shape[1], 1, -1)
         args, kwargs = (args, {**kwargs, name: rows}) if name else ((rows, *args[1:]), kwargs)
-        out: mx.array = self.inner(*args, **kwargs)
-        return out.reshape(1, tokens, -1)
+        out = self.inner(*args, **kwargs)
+        if isinstance(out, tuple):  # Hunyuan's hands its projections on to the next layer as they are
+            return (out[0].reshape(1, tokens, -1), *out[1:])
+        return cast(mx.array, out).reshape(1, tokens, -1)

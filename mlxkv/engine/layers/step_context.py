@@ -42,7 +42,10 @@ class StepContext:
 
     @staticmethod
     def of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepContext | None:
-        """The step a wrapped layer was called in: its `cache` (a keyword, else the last positional
-        argument) when that is a `StepContext`; None when mlx-lm's own cache came instead."""
-        cache = kwargs.get("cache", args[-1] if args else None)
-        return cache if isinstance(cache, StepContext) else None
+        """The step a wrapped layer was called in: its `cache` (a keyword, else a positional argument:
+        Hunyuan's comes before the projections it hands on) when that is a `StepContext`; None when
+        mlx-lm's own cache came instead."""
+        cache = kwargs.get("cache")
+        if isinstance(cache, StepContext):
+            return cache
+        return next((arg for arg in args if isinstance(arg, StepContext)), None)
