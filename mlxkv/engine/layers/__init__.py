@@ -5,5 +5,7 @@ adapter), Gemma 4's `SharingAttention` and multi-head latent attention's `Latent
 `module_attention` holds `ModuleAttention` (a family's own mlx-lm attention module run unchanged
 over the pages, with its `LayerCache`); `recurrent` holds `RecurrentLayer` (a hybrid's recurrent
 module over a step's rows, its state in the state pool); `step_context` is `StepContext`, what every
-layer of a step is handed as its `cache`; `wrapped` is what each of these layers shares.
+layer of a step is handed as its `cache`; `position_embeddings` holds `PositionEmbeddings` (GPT-2's
+learned position table, looked up at each packed token's position); `wrapped` is what each of these
+layers shares.
 """
