@@ -17,8 +17,10 @@ from ..models.adapters import Gemma4Adapter, LatentAdapter, ModuleAdapter, adapt
 from ..models.rotary import Positions
 from ..models.structure import (
     ABSOLUTE_POSITIONS,
+    computes_logits,
     decoder,
     decoder_layers,
+    final_norm,
     layer_roles,
     logits,
     mlx_lm_module,
@@ -27,8 +29,8 @@ from ..models.structure import (
     run_decoder,
 )
 from .layers.attention import LatentAttention, PagedAttention, SharingAttention
+from .layers.decoder_taps import FinalNorm, PositionEmbeddings
 from .layers.module_attention import ModuleAttention
-from .layers.position_embeddings import PositionEmbeddings
 from .layers.recurrent import RecurrentLayer
 from .layers.step_context import StepContext
 from .scheduler import ScheduledBatch
@@ -59,7 +61,7 @@ class ModelRunner:
             else:
                 wrapped = PagedAttention(attn, number, adapter)
             setattr(holder, name, wrapped)
-        self.positions = _position_embeddings(model)
+        _tap_decoder(model)
         for number, index in enumerate(roles.recurrent):
             recurrent = RecurrentLayer(recurrent_module(layers[index]), number)
             slot = roles.recurrent_module(layers[index])
@@ -83,26 +85,23 @@ class ModelRunner:
         spans = np.asarray(own_kv, np.int32) if any(own_kv) else None  # a scan, not an array, in the common case
         states = state_batch(kv, self.pads) if self.cache.states is not None else None
         context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, spans, states)
-        if self.positions is not None:
-            self.positions.step = context
-        try:
-            return run_decoder(self.model, mx.array(token_ids)[None], [context] * len(decoder_layers(self.model)))[0]
-        finally:
-            if self.positions is not None:
-                self.positions.step = None
+        with context.entered():
+            out = run_decoder(self.model, mx.array(token_ids)[None], [context] * len(decoder_layers(self.model)))
+        hidden = context.final[-1] if context.final else out  # else the decoder's own logits
+        return hidden[0]
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits for final hidden states."""
         return logits(self.model, hidden)
 
 
-def _position_embeddings(model: nn.Module) -> PositionEmbeddings | None:
-    """`model`'s learned absolute position embeddings (GPT-2's), wrapped to look up each token's
-    own position; None if its positions are rotary."""
+def _tap_decoder(model: nn.Module) -> None:
+    """Wrap the modules `model`'s decoder calls without a cache that a step reaches: its learned
+    absolute position embeddings (GPT-2's), and the final norm of a decoder that computes the logits."""
     inner = decoder(model)
     name = next((name for name in ABSOLUTE_POSITIONS if hasattr(inner, name)), None)
-    if name is None:
-        return None
-    table = PositionEmbeddings(mlx_lm_module(inner, name))
-    setattr(inner, name, table)
-    return table
+    if name is not None:
+        setattr(inner, name, PositionEmbeddings(mlx_lm_module(inner, name)))
+    if computes_logits(model):
+        name = final_norm(model)
+        setattr(inner, name, FinalNorm(mlx_lm_module(inner, name)))

@@ -9,6 +9,7 @@ sliding window, soft-cap and sinks. The model's own code computes everything els
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from copy import copy
 from dataclasses import replace
 from typing import Any, NamedTuple, cast
@@ -182,15 +183,38 @@ def _probed(attn: nn.Module, x: mx.array) -> _Probe:
     return probe
 
 
-def _casts_only(attn: nn.Module, width: int, dtype: mx.Dtype) -> bool:
-    """Whether what `attn` attends is what it cached, at most cast to another dtype (StableLM
-    attends in float32): checked on one random token, the one probe that computes anything."""
+SPREADS: dict[str, Callable[[mx.array, int], mx.array]] = {  # how a module may spread its KV heads over its queries
+    "repeat": lambda cached, n: mx.repeat(cached, n, axis=1),  # grouped-query attention's grouping
+    "tile": lambda cached, n: mx.tile(cached, (1, n, 1, 1)),  # PLaMo's
+}
+
+
+def _spread(attn: nn.Module, width: int, dtype: mx.Dtype) -> mx.array | None:
+    """The query order under which the pages stand for what `attn` attends when that is not what it
+    cached: cast to another float type (StableLM attends in float32) or spread over its query heads,
+    repeated (None: the order as it is) or tiled (PLaMo's: query head h reads KV head h mod
+    kv_heads). Checked on one random token, the one probe that computes anything."""
     probe = _probed(attn, mx.random.normal((1, 1, width), key=mx.random.key(0)).astype(dtype))
     assert probe.attended is not None and probe.fetched is not None
-    attended, fetched = probe.attended[1:3], probe.fetched
-    return all(
-        a.shape == f.shape and bool(mx.array_equal(a, f.astype(a.dtype)).item()) for a, f in zip(attended, fetched)
+    queries, attended, fetched = probe.attended[0], probe.attended[1:3], probe.fetched
+    for name, spread in SPREADS.items():
+        if all(_cast_of(a, spread(f, a.shape[1] // f.shape[1])) for a, f in zip(attended, fetched)):
+            return None if name == "repeat" else _tiled_order(queries.shape[1], fetched[0].shape[1])
+    raise ModelLoadError(
+        f"its attention ({type(attn).__name__}) transforms the cached keys and values before attending"
     )
+
+
+def _cast_of(attended: mx.array, cached: mx.array) -> bool:
+    """Whether `attended` is `cached`, at most cast to another dtype."""
+    return attended.shape == cached.shape and bool(mx.array_equal(attended, cached.astype(attended.dtype)).item())
+
+
+def _tiled_order(heads: int, kv_heads: int) -> mx.array:
+    """The order of `heads` query heads that puts tiled KV heads (head h reads KV head h mod
+    `kv_heads`) into the pages' groups (head j reads KV head j // (heads // kv_heads))."""
+    group = heads // kv_heads
+    return mx.array([(j % group) * kv_heads + j // group for j in range(heads)])
 
 
 class ModuleAdapter:
@@ -208,8 +232,10 @@ class ModuleAdapter:
         if probe.attended is None or probe.fetched is None:
             raise ModelLoadError(f"its attention ({name}) does not attend the keys and values it caches")
         queries, keys, values, scale, sinks = probe.attended
-        if (keys is not probe.fetched[0] or values is not probe.fetched[1]) and not _casts_only(attn, width, dtype):
-            raise ModelLoadError(f"its attention ({name}) transforms the cached keys and values before attending")
+        self.query_order: mx.array | None = None  # see `_spread`
+        if keys is not probe.fetched[0] or values is not probe.fetched[1]:
+            self.query_order = _spread(attn, width, dtype)
+        keys, values = probe.fetched
         self.heads, self.kv_heads = queries.shape[1], keys.shape[1]
         self.value_dim = values.shape[-1]  # DeepSeek V2's (and MiniCPM 3's) are narrower than its keys
         self.head_dim = max(keys.shape[-1], self.value_dim)  # the pages' width: the narrower is zero-padded

@@ -36,7 +36,6 @@ NOT_YET = {
     "falcon_h1": "layers that run a Mamba mixer and attention side by side, on one cache of both",
     "plamo3": "sliding-window layers whose window mlx-lm makes a token wider in prefill (its mask) than in decode "
     "(its cache)",
-    **dict.fromkeys(("gpt_neox", "lille-130m"), "a decoder that computes the logits itself"),
     "afm7": "KV-reuse layers (its last layers attend the keys and values the decoder reads back from another's cache)",
     "iquestloopcoder": "a loop that runs every layer twice, the second pass attending the first pass's keys and values",
 }

@@ -29,6 +29,7 @@ DECODERS = ("model", "backbone", "transformer", "gpt_neox")  # Nemotron-H's; GPT
 EMBEDDINGS = ("embed_tokens", "embeddings", "wte", "embed_in", "tok_embeddings", "word_embeddings", "token_embeddings")
 HEADS = ("lm_head", "output", "embed_out")  # Llama 4's and GPT-NeoX's are not `lm_head`
 ABSOLUTE_POSITIONS = ("wpe", "embed_positions")  # GPT-2-style decoders' learned position embeddings
+FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "norm_f", "final_norm")
 HIDDEN_SIZES = ("hidden_size", "n_embd", "d_model", "dim", "hidden_dim", "model_dim")  # AFM's; OpenELM's, Phixtral's
 VOCAB_SIZES = ("vocab_size", "num_vocab")  # Phixtral's
 LAYERS = ("layers", "h", "blocks")  # GPT-2-style families' `h`; DBRX's and Talkie's `blocks`
@@ -47,7 +48,7 @@ def decoder(model: nn.Module) -> nn.Module:
     return cast(nn.Module, next(getattr(model, name) for name in DECODERS if hasattr(model, name)))
 
 
-def run_decoder(model: nn.Module, inputs: mx.array, cache: list[Any]) -> mx.array:
+def run_decoder(model: nn.Module, inputs: mx.array, cache: list[Any] | None) -> mx.array:
     """A text model's final hidden states for `inputs` over `cache`, its decoder called as the family
     declares it (Phixtral's takes a mask it does not make: None, the caches then mask)."""
     inner = decoder(model)
@@ -94,11 +95,27 @@ def embeddings(model: nn.Module) -> nn.Module:
     return cast(nn.Module, next(getattr(inner, name) for name in EMBEDDINGS if hasattr(inner, name)))
 
 
+def computes_logits(model: nn.Module) -> bool:
+    """Whether a text model's decoder applies the head itself (GPT-NeoX's, Lille's), so that it
+    returns logits, not the final hidden states: its output for one token is not as wide as the
+    hidden states (only the shape is read: nothing is computed)."""
+    out = run_decoder(model, mx.zeros((1, 1), mx.int32), None)
+    return bool(out.shape[-1] != hidden_size(model))
+
+
+def final_norm(model: nn.Module) -> str:
+    """The attribute of a text model's decoder holding its final norm (`FINAL_NORMS`)."""
+    inner = decoder(model)
+    return next(name for name in FINAL_NORMS if hasattr(inner, name))
+
+
 def logits(model: nn.Module, hidden: mx.array) -> mx.array:
     """`model`'s logits for final hidden states, as its own forward pass makes them: its head (or
-    the tied embeddings), then Granite's `logits_scaling` and Gemma 2's final soft-cap. Neither
-    moves the argmax, but both change what a temperature samples and the log-probabilities."""
-    head = next((getattr(model, name) for name in HEADS if hasattr(model, name)), None)
+    its decoder's, GPT-NeoX's, or the tied embeddings), then Granite's `logits_scaling` and Gemma
+    2's final soft-cap. Neither moves the argmax, but both change what a temperature samples and
+    the log-probabilities."""
+    holders = (model, decoder(model))
+    head = next((getattr(m, name) for m in holders for name in HEADS if hasattr(m, name)), None)
     out: mx.array
     if isinstance(head, mx.array):  # Talkie's is a bare matrix, scaled by a learned gain
         out = model.lm_head_gain(hidden @ head.T)

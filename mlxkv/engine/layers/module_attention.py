@@ -20,7 +20,8 @@ INPUTS = ("x", "inputs", "hidden_states")  # what families call the input when t
 
 class LayerCache:
     """What one layer's module is handed as its cache in a step: `update_and_fetch` writes its new
-    tokens' K/V to the layer's pages, and `attend` (through `attention_hook`) attends them. A
+    tokens' K/V to the layer's pages, and `attend` (through `attention_hook`) attends them as
+    cached (whatever the module spread or cast them to, see `ModuleAdapter.query_order`). A
     module that scales its queries by an offset it cannot take per token (Llama 4's NoPE layers)
     is handed offset 0, under which it leaves them as they are, and `attend` scales them."""
 
@@ -29,6 +30,7 @@ class LayerCache:
         self.layer = layer
         self.scales = layer.adapter.query_scale(step.positions.array)
         self.offset = step.positions.array if self.scales is None else 0  # `attend` scales the queries instead
+        self.cached: tuple[mx.array, mx.array] | None = None  # the pages' keys and values: what `attend` reads
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write `keys` and `values` (`[tokens, kv_heads, 1, width]`) and hand them back, each as
@@ -36,7 +38,8 @@ class LayerCache:
         width = self.layer.adapter.head_dim
         keys, values = _widened(keys, width), _widened(values, width)
         batch = self.step.batch.for_window(self.layer.adapter.variant.window)
-        self.step.cache.write(self.layer.layer, batch, keys[:, :, 0], values[:, :, 0])
+        self.cached = keys[:, :, 0], values[:, :, 0]
+        self.step.cache.write(self.layer.layer, batch, *self.cached)
         return keys, values
 
     def attend(
@@ -47,9 +50,15 @@ class LayerCache:
         tokens, heads = queries.shape[:2]
         if self.scales is not None:
             queries = (queries * self.scales[:, None, None, None]).astype(queries.dtype)
-        queries = _widened(queries, self.layer.adapter.head_dim)  # zero columns add nothing to a score
-        out = self.layer.attend(self.step, queries[:, :, 0], keys[:, :, 0], values[:, :, 0], write=False)
-        return out.reshape(tokens, heads, 1, -1)[..., : self.layer.adapter.value_dim]
+        assert self.cached is not None, "mlx-lm's modules cache their keys and values before attending"
+        order = self.layer.adapter.query_order
+        queries = _widened(queries, self.layer.adapter.head_dim)[:, :, 0]  # zero columns add nothing to a score
+        if order is not None:
+            queries = queries[:, order]
+        out = self.layer.attend(self.step, queries, *self.cached, write=False).reshape(tokens, heads, -1)
+        if order is not None:
+            out = out[:, mx.argsort(order)]
+        return out[:, :, None, : self.layer.adapter.value_dim]
 
     def make_mask(self, *args: object, **kwargs: object) -> None:
         return None

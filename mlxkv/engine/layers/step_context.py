@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from ...attention.backend import AttentionFn
@@ -33,6 +37,7 @@ class StepContext:
     states: StateBatch | None = None
     offset: int = 0
     start_position: int = 0  # Llama 4's decoder reads it beside `offset` to make a mask mlxkv ignores
+    final: list[mx.array] = field(default_factory=list)  # see `current`
 
     def make_mask(self, *args: object, **kwargs: object) -> None:
         return None
@@ -49,3 +54,22 @@ class StepContext:
         if isinstance(cache, StepContext):
             return cache
         return next((arg for arg in args if isinstance(arg, StepContext)), None)
+
+    @contextmanager
+    def entered(self) -> Iterator[StepContext]:
+        """This step as `current()` while the decoder runs it."""
+        token = _CURRENT.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.reset(token)
+
+    @staticmethod
+    def current() -> StepContext | None:
+        """The step the decoder is running now, for the modules it calls without a cache (GPT-2's
+        position embeddings, the final norm of a decoder that computes the logits itself, which
+        leaves the final hidden states in `final`); None outside one (mlx-lm running the model)."""
+        return _CURRENT.get()
+
+
+_CURRENT: ContextVar[StepContext | None] = ContextVar("step", default=None)
