@@ -22,11 +22,10 @@ from ..cache.storage import PerLayer
 from ..models.adapters import Adapter, LatentAdapter, ModuleAdapter, adapter_for
 from ..models.loading import model_context
 from ..models.structure import (
-    LayerRoles,
     activation_dtype,
+    attention_module,
     decoder_layers,
     layer_roles,
-    mlx_lm_module,
     model_args,
     state_shapes,
     text_model,
@@ -56,15 +55,10 @@ class ModelKV:
         return state_bytes(self.state_shapes)
 
 
-def _attention(layer: nn.Module) -> nn.Module:
-    """A decoder layer's attention module as mlx-lm made it."""
-    return mlx_lm_module(*LayerRoles.attention_slot(layer))
-
-
 def _adapters(model: nn.Module) -> list[Adapter | ModuleAdapter | LatentAdapter]:
     """The adapters of `model`'s attention layers with pages of their own, in the cache's order."""
     layers = decoder_layers(model)
-    return [adapter_for(model, i, _attention(layers[i])) for i in layer_roles(model).attention]
+    return [adapter_for(model, i, attention_module(layers[i])) for i in layer_roles(model).attention]
 
 
 def layer_variants(model: nn.Module) -> list[Variant]:

@@ -16,7 +16,6 @@ from ..cache.state_batch import state_batch
 from ..models.adapters import Gemma4Adapter, LatentAdapter, ModuleAdapter, adapter_for
 from ..models.rotary import Positions
 from ..models.structure import (
-    ABSOLUTE_POSITIONS,
     computes_logits,
     decoder,
     decoder_layers,
@@ -25,6 +24,7 @@ from ..models.structure import (
     logits,
     mlx_lm_module,
     pads_exactly,
+    position_embeddings,
     recurrent_module,
     run_decoder,
 )
@@ -98,8 +98,7 @@ class ModelRunner:
 def _tap_decoder(model: nn.Module) -> None:
     """Wrap the modules `model`'s decoder calls without a cache that a step reaches: its learned
     absolute position embeddings (GPT-2's), and the final norm of a decoder that computes the logits."""
-    inner = decoder(model)
-    name = next((name for name in ABSOLUTE_POSITIONS if hasattr(inner, name)), None)
+    inner, name = decoder(model), position_embeddings(model)
     if name is not None:
         setattr(inner, name, PositionEmbeddings(mlx_lm_module(inner, name)))
     if computes_logits(model):

@@ -22,7 +22,7 @@ from ..attention.variant import Variant
 from ..errors import ModelLoadError
 from .attention_hook import install
 from .rotary import Positions, Rotation
-from .structure import LayerRoles, activation_dtype, decoder, decoder_layers, hidden_size, mlx_lm_module, model_args
+from .structure import activation_dtype, attention_module, decoder, decoder_layers, hidden_size, model_args
 
 
 def _first(module: object, *names: str) -> Any:
@@ -392,9 +392,8 @@ def _module_adapter(model: nn.Module, index: int, attn: nn.Module) -> ModuleAdap
 
 def _attention_module(model: nn.Module, index: int) -> nn.Module | None:
     """Layer `index`'s attention module as mlx-lm made it, if it has one."""
-    layer = decoder_layers(model)[index]
     try:
-        return mlx_lm_module(*LayerRoles.attention_slot(layer))
+        return attention_module(decoder_layers(model)[index])
     except StopIteration:
         return None
 

@@ -21,10 +21,9 @@ from ..errors import ModelLoadError
 from .adapters import FAMILIES, adapter_for
 from .sharding import shard
 from .structure import (
-    LayerRoles,
+    attention_module,
     decoder_layers,
     layer_roles,
-    mlx_lm_module,
     model_args,
     state_shapes,
     text_model,
@@ -108,7 +107,7 @@ def check_runs(model: nn.Module, model_type: str) -> None:
     try:
         layers, roles = decoder_layers(text), layer_roles(text)
         for index in roles.attention:
-            adapter_for(text, index, mlx_lm_module(*LayerRoles.attention_slot(layers[index])))
+            adapter_for(text, index, attention_module(layers[index]))
         state_shapes(text, roles)
     except ModelLoadError as exc:
         raise ModelLoadError(f"unsupported model_type {model_type!r}: {exc}") from None

@@ -81,12 +81,17 @@ def vocab_size(model: nn.Module) -> int:
     return int(next(getattr(args, name) for name in VOCAB_SIZES if hasattr(args, name)))
 
 
+def position_embeddings(model: nn.Module) -> str | None:
+    """The attribute of a text model's decoder holding its learned absolute position embeddings
+    (GPT-2's `wpe`); None where its positions are rotary."""
+    return next((name for name in ABSOLUTE_POSITIONS if hasattr(decoder(model), name)), None)
+
+
 def position_table(model: nn.Module) -> int | None:
-    """How many positions a text model's learned absolute position embeddings hold (GPT-2's
-    `wpe`); None where its positions are rotary, with no such bound."""
-    inner = decoder(model)
-    table = next((getattr(inner, name) for name in ABSOLUTE_POSITIONS if hasattr(inner, name)), None)
-    return None if table is None else int(getattr(table, "inner", table).weight.shape[0])
+    """How many positions a text model's learned absolute position embeddings hold; None where its
+    positions are rotary, with no such bound."""
+    name = position_embeddings(model)
+    return None if name is None else int(mlx_lm_module(decoder(model), name).weight.shape[0])
 
 
 def embeddings(model: nn.Module) -> nn.Module:
@@ -172,6 +177,11 @@ class LayerRoles:
         ) is not None:
             holder, name = getattr(holder, name), inner
         return holder, name
+
+
+def attention_module(layer: nn.Module) -> nn.Module:
+    """An attention decoder layer's attention module as mlx-lm made it (see `LayerRoles.attention_slot`)."""
+    return mlx_lm_module(*LayerRoles.attention_slot(layer))
 
 
 def mlx_lm_module(layer: nn.Module, name: str) -> nn.Module:
