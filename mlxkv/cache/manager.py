@@ -17,6 +17,7 @@ from .page_group import PageGroup, window_pool_pages
 from .page_table import PageTable
 from .pins import PrefixPins
 from .pool import PagePool
+from .prefix_cache import Marks
 from .state_pool import StatePool, StateShape
 from .state_snapshots import State, StateSnapshots
 from .storage import KVStorage, Pages, PerLayer, check_quantization, per_layer
@@ -224,13 +225,14 @@ class KVCacheManager:
                     self._tables[seq_id].reserve_pages(1)
             return ids
 
-    def reuse_prefix(self, seq_id: int, tokens: Sequence[int], salt: str | None = None) -> int:
+    def reuse_prefix(self, seq_id: int, tokens: Sequence[int], salt: str | None = None, marks: Marks = ()) -> int:
         """Start the new sequence `seq_id` from the cached pages of `tokens`' prefix (its full
         pages, never the last token); returns how many tokens it now holds (0 with prefix
-        caching off). Sequences share pages only when their `salt`s are equal."""
+        caching off). Sequences share pages only when their `salt`s are equal, and only up to
+        their first unequal mark (an image's digest at its first placeholder)."""
         with self._lock:
             table = self._table(seq_id)
-            reused = table.reuse_prefix(tokens, salt) if self.prefix_caching else 0
+            reused = table.reuse_prefix(tokens, salt, marks) if self.prefix_caching else 0
             return reused if self.snapshots is None else self._reuse_state(seq_id, table, reused)
 
     def _reuse_state(self, seq_id: int, table: PageTable, reused: int) -> int:

@@ -9,7 +9,7 @@ import numpy as np
 from ..deprecation import RenamedAttribute
 from ..errors import SequenceTooLong, counted
 from .pool import PagePool
-from .prefix_cache import page_key, root_key
+from .prefix_cache import Marks, marks_in, page_key, root_key
 
 
 class PageTable:
@@ -38,6 +38,7 @@ class PageTable:
         "dropped",
         "tokens",
         "root",
+        "marks",
     )
 
     def __init__(self, pool: PagePool, owner: Hashable, max_tokens: int, physical: np.ndarray | None = None) -> None:
@@ -55,6 +56,7 @@ class PageTable:
         self.dropped = 0  # leading pages given back by `slide`
         self.tokens: Sequence[int] = ()  # the sequence's tokens, the first `num_computed` stored
         self.root = root_key(None)  # the parent of page 0's key: set by the salt of `reuse_prefix`
+        self.marks: Marks = ()  # folded into the keys of the pages they start in: set by `reuse_prefix`
 
     @property
     def pages(self) -> list[int]:
@@ -137,21 +139,21 @@ class PageTable:
         size = self.page_size
         return int(self.physical[position // size]) * size + position % size
 
-    def reuse_prefix(self, tokens: Sequence[int], salt: str | None = None) -> int:
+    def reuse_prefix(self, tokens: Sequence[int], salt: str | None = None, marks: Marks = ()) -> int:
         """Start the empty table from the cache: the pages holding `tokens`' leading full pages,
         up to the first miss, then the freed, partly filled page that holds the tokens after
         them if there is one (taken over, as this sequence will write into it). The last
         token is never reused, since its logits must be computed: a shared page holding it
-        is not taken, a partial one is, and the token is written again. Returns the tokens
-        now in place."""
+        is not taken, a partial one is, and the token is written again. `salt` and `marks`
+        (see `prefix_cache`) key every page the sequence publishes. Returns the tokens now in place."""
         if self.num_pages:
             raise ValueError(
                 f"sequence {self.owner} already holds pages; a prefix is reused only before its first step"
             )
-        self.root, size, last = root_key(salt), self.page_size, len(tokens) - 1
+        self.root, self.marks, size, last = root_key(salt), marks, self.page_size, len(tokens) - 1
         shared = []
         for first in range(0, last // size * size, size):
-            key = page_key(self._parent, tokens[first : first + size])
+            key = self._key(tokens, first, first + size)
             page = self.pool.lookup(key)
             if page is None:
                 break
@@ -162,7 +164,7 @@ class PageTable:
         self.num_pages = len(shared)
         self.num_tokens = start = len(shared) * size
         for count in range(min(len(tokens) - start, size - 1), 0, -1):
-            page = self.pool.lookup(page_key(self._parent, tokens[start : start + count]))
+            page = self.pool.lookup(self._key(tokens, start, start + count))
             if page is not None:
                 if last > start:  # it may hold the last token too: that one is computed again
                     self.pool.take_over(self.owner, page)
@@ -182,7 +184,7 @@ class PageTable:
             raise ValueError(f"num_computed={num_computed} is outside {self.num_computed}..{high}")
         size = self.page_size
         for index in range(len(self.keys), num_computed // size):
-            self.keys.append(page_key(self._parent, tokens[index * size : (index + 1) * size]))
+            self.keys.append(self._key(tokens, index * size, (index + 1) * size))
             self.pool.publish(int(self.physical[index]), self.keys[-1])
         self.num_computed, self.tokens = num_computed, tokens
 
@@ -216,16 +218,19 @@ class PageTable:
         """The key the next page's key chains from."""
         return self.keys[-1] if self.keys else self.root
 
+    def _key(self, tokens: Sequence[int], start: int, stop: int) -> bytes:
+        """The key of the page after the last keyed one, holding `tokens[start:stop]`."""
+        return page_key(self._parent, tokens[start:stop], marks_in(self.marks, start, stop))
+
     def release(self) -> int:
         """Return the pages to the pool; returns how many the sequence held. A partly filled
         last page is cached too, under a key for every prefix of the tokens it holds, so that
         a sequence continuing this one (the next chat turn) or starting like it (the same
         prompt again) computes only what is new."""
-        parent, start = self._parent, len(self.keys) * self.page_size
-        tail = self.tokens[start : self.num_computed]  # the tokens stored in a partly filled last page
-        for count in range(len(tail), 0, -1):  # every prefix: a sequence may share only the start
-            self.pool.publish(int(self.physical[len(self.keys)]), page_key(parent, tail[:count]))
+        start = len(self.keys) * self.page_size
+        for stop in range(self.num_computed, start, -1):  # every prefix: a sequence may share only the start
+            self.pool.publish(int(self.physical[len(self.keys)]), self._key(self.tokens, start, stop))
         self.physical[: self.num_pages] = 0
-        self.keys, self.tokens = [], ()
+        self.keys, self.tokens, self.marks = [], (), ()
         self.num_tokens = self.num_computed = self.dropped = self.num_pages = 0
         return self.pool.free(self.owner)

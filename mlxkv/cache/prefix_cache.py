@@ -1,9 +1,11 @@
 """Content addresses for full KV pages, so that sequences with a common prefix share its pages.
 
 Page i of a sequence is named by a chain: its key hashes page i-1's key and page i's token
-ids, and page 0's parent is a root made from the sequence's `cache_salt`. Equal keys mean
-equal salts and equal tokens from the start of the sequence up to the end of the page, so
-equal K/V. The hash is sha256 (as vLLM's after its collision advisory): a collision would
+ids, and page 0's parent is a root made from the sequence's `cache_salt`. A page also hashes the
+marks that start in it: digests of content its token ids do not tell (an image's pixels, whose
+placeholder tokens are alike for every image of a size). Equal keys mean equal salts, equal tokens
+and equal marks from the start of the sequence up to the end of the page, so equal K/V.
+The hash is sha256 (as vLLM's after its collision advisory): a collision would
 show one request another's context, so Python's `hash()` will not do.
 """
 
@@ -24,9 +26,19 @@ def root_key(salt: str | None) -> bytes:
     return hashlib.sha256(_DOMAIN + tag).digest()
 
 
-def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The key of a full page holding `tokens`, after the page keyed `parent`."""
-    return hashlib.sha256(parent + np.asarray(tokens, dtype="<i8").tobytes()).digest()
+Marks = tuple[tuple[int, bytes], ...]
+"""`(position, digest)` pairs, by position: what the tokens from `position` on depend on besides their ids."""
+
+
+def page_key(parent: bytes, tokens: Sequence[int], marks: bytes = b"") -> bytes:
+    """The key of a page holding `tokens`, after the page keyed `parent`, with the digests of the
+    marks starting in it (`marks_in`)."""
+    return hashlib.sha256(parent + np.asarray(tokens, dtype="<i8").tobytes() + marks).digest()
+
+
+def marks_in(marks: Marks, start: int, stop: int) -> bytes:
+    """The digests of `marks` at positions `start` to `stop` (exclusive), joined."""
+    return b"".join(digest for position, digest in marks if start <= position < stop)
 
 
 def check_salt(salt: object) -> str | None:

@@ -20,11 +20,11 @@ def make(num_pages=16, **kw):
     )
 
 
-def admit(cache, tokens, salt=None, compute=None):
+def admit(cache, tokens, salt=None, compute=None, marks=()):
     """Open a sequence for `tokens` as the scheduler does: reuse its cached prefix, step the
     rest (or the first `compute` tokens of it), publish what it filled. Returns (id, hits)."""
     (seq,) = cache.claim(1)
-    hits = cache.reuse_prefix(seq, tokens, salt)
+    hits = cache.reuse_prefix(seq, tokens, salt, marks)
     count = len(tokens) - hits if compute is None else compute
     cache.append([seq], [count])
     cache.publish([seq], [tokens], [hits + count])
@@ -49,6 +49,27 @@ def test_keys_chain_each_page_to_everything_before_it():
     assert keys_of(list(range(12)), salt="tenant") != a
     assert page_key(root_key(None), [1, 2, 3, 4]) != page_key(root_key(None), [1, 2, 3, 5])
     assert page_key(root_key(None), [256]) != page_key(root_key(None), [1, 0])  # token ids, not bytes
+
+
+def test_marks_split_equal_tokens_from_the_page_they_start_in():
+    """Two images of a size have equal placeholder ids: their digests, marked at the first
+    placeholder, keep their pages apart from there on, and an equal image shares them all."""
+    cache = make()
+    prompt = [1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9, 9, 7, 8, 10, 11, 12]  # placeholders 9 at 6..11
+    cat, dog = ((6, b"cat" * 8),), ((6, b"dog" * 8),)
+    admit(cache, prompt, marks=cat)
+    _, hits = admit(cache, prompt, marks=dog)
+    assert hits == 4  # page 0 only: page 1 holds the first placeholder
+    _, hits = admit(cache, prompt, marks=cat)
+    assert hits == 16  # every full page: the same image again
+    _, hits = admit(cache, prompt)
+    assert hits == 4  # no image at all
+    short, _ = admit(cache, prompt[:7], marks=cat)  # its last page holds 5, 6 and the first placeholder
+    cache.release(short)
+    _, hits = admit(cache, prompt[:7] + [0], marks=cat)
+    assert hits == 7  # the released tail page's prefixes are keyed with their marks too
+    _, hits = admit(cache, prompt[:7] + [0], marks=dog)
+    assert hits == 4
 
 
 def test_a_second_request_shares_the_three_page_prefix_and_allocates_one_page():
