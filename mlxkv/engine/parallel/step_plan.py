@@ -19,6 +19,13 @@ from ..scheduler import ScheduledBatch
 from .naps import Nap
 
 
+def _row(request: Request, count: int) -> list[int]:
+    """The next `count` tokens of `request` as its row of a step: zeros in place of a pending token
+    an abort dropped after the step was scheduled (the row's results are dropped with it)."""
+    ids = request.pending(count)
+    return ids + [0] * (count - len(ids))
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step's forward pass: `token_ids` packed row after row as `kv` says, the first `own_kv[b]`
@@ -38,7 +45,7 @@ class StepPlan:
         still `PENDING` to be taken from the step before, whose sampling rows were `previous`."""
         host = np.fromiter(
             itertools.chain.from_iterable(
-                r.pending(n - len(d)) + d for r, n, d in zip(batch.requests, batch.counts, batch.drafts)
+                _row(r, n - len(d)) + d for r, n, d in zip(batch.requests, batch.counts, batch.drafts)
             ),
             np.int32,
         )

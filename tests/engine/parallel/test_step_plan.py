@@ -9,6 +9,9 @@ from mlxkv.cache.batch import KVBatch
 from mlxkv.cache.state_pool import StateShape
 from mlxkv.engine.model_kv import ModelKV
 from mlxkv.engine.parallel.step_plan import StepPlan, check_tensor_parallel
+from mlxkv.engine.request import PENDING, Request
+from mlxkv.engine.sampling.params import SamplingParams
+from mlxkv.engine.scheduler import ScheduledBatch
 
 
 def test_a_plan_with_window_groups_decodes_to_the_same_batch():
@@ -35,3 +38,16 @@ def test_recurrent_layers_are_refused_by_name_and_attention_alone_passes():
     hybrid = ModelKV(2, 2, 64, mx.float16, state_shapes=[[StateShape((4, 64), mx.float32)]])
     with pytest.raises(ValueError, match="this model has recurrent layers, which tensor parallel does not run yet"):
         check_tensor_parallel(hybrid)
+
+
+def test_a_row_whose_request_was_aborted_after_scheduling_keeps_its_length():
+    """An abort between scheduling and launching drops the request's pending output: its row is
+    filled with zeros (its results are dropped), so the step's tokens still match its batch."""
+    decoding, prompt = Request("a", [1, 2], SamplingParams()), Request("b", [3, 4, 5], SamplingParams())
+    decoding.num_computed = 2
+    decoding.append_output(PENDING)
+    kv = KVBatch((0, 1), np.array([1, 3], np.int32), np.array([3, 3], np.int32), np.zeros((2, 1), np.int32), 16)
+    batch = ScheduledBatch([decoding, prompt], [1, 3], kv, [True, True], [0, 0], [], [[], []])
+    decoding.drop_pending()  # the abort
+    plan = StepPlan.of(batch, [decoding], 2)
+    assert plan.token_ids.tolist() == [0, 3, 4, 5] and plan.pending.tolist() == []
