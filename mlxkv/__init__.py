@@ -11,7 +11,7 @@ from .attention import reference_attention
 from .cache import KVBatch, KVCacheManager, KVLayout, KVUsage, PagePool, PageTable, Pin, resolve_layout
 from .config import EngineConfig
 from .deprecation import module_getattr
-from .engine import AsyncLLM, EngineStats, LLMEngine, RequestOutput, SamplingParams
+from .engine import AsyncLLM, EngineStats, ImagePrompt, LLMEngine, RequestOutput, SamplingParams
 from .entrypoints import LLM, Completion
 from .errors import (
     KVCacheExhausted,
@@ -30,6 +30,7 @@ __all__ = [
     "Completion",
     "EngineConfig",
     "EngineStats",
+    "ImagePrompt",
     "KVBatch",
     "KVCacheExhausted",
     "KVCacheManager",

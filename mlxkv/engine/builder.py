@@ -16,6 +16,7 @@ from ..attention.reference import reference_attention
 from ..cache.manager import KVCacheManager
 from ..config import EngineConfig
 from ..models.structure import held_arrays, position_table, text_model, vocab_size
+from ..models.vision import Vision, attached
 from .memory.chunk_sizing import ChunkSizer
 from .memory.kv_budget import agreed, build_kv_cache
 from .memory.memory_budget import MemoryBudget, split_memory
@@ -49,6 +50,7 @@ class EngineParts:
     structured: StructuredOutput
     scheduler: Scheduler
     rank_zero: RankZero | Alone
+    vision: Vision | None
 
 
 def build_engine(
@@ -60,6 +62,10 @@ def build_engine(
 ) -> EngineParts:
     """The parts of an engine running `model` (see `LLMEngine`); `group`: a tensor-parallel group of
     more than one process, or None."""
+    vision = attached(model)
+    if vision is not None and group is not None:
+        logger.warning("images are not served across processes: this model runs on text only here")
+        vision = None
     model = text_model(model)
     table = position_table(model)
     if table is not None and (config.max_model_len or 0) > table:
@@ -73,7 +79,8 @@ def build_engine(
         watch_launcher()  # every rank ends with its launcher
     draft = DraftModel.checkpoint(config, tokenizer) if config.draft_model is not None else None
     planned = StepMemory.of(model, attention_heads(model), expected_temporary_bytes(config.attention, kernels))
-    memory, sizing = split_memory(config, shape, planned, draft[1] if draft is not None else None)
+    vision_bytes = vision.weight_bytes + vision.cache_bytes if vision is not None else 0
+    memory, sizing = split_memory(config, shape, planned, draft[1] if draft is not None else None, vision_bytes)
     if group is not None:
         sizing = agreed(sizing, group)
     cache = build_kv_cache(config, shape, sizing)
@@ -85,9 +92,9 @@ def build_engine(
         "reference" if attention is reference_attention else "Metal kernels",
         memory,
     )
-    runner = ModelRunner(model, cache, attention)
+    runner = ModelRunner(model, cache, attention, vision)
     # Whichever thread steps the engine: nothing it was built with is a lazy graph of this one's.
-    mx.eval(held_arrays(model), held_arrays(draft[0]) if draft is not None else [])
+    mx.eval(held_arrays(model), held_arrays(draft[0]) if draft is not None else [], vision.weights() if vision else [])
     step_time = StepTime()
     itl = config.max_itl_ms
     sizer = ChunkSizer(
@@ -106,6 +113,7 @@ def build_engine(
         StructuredOutput(tokenizer, vocab_size(model)),
         Scheduler(cache, config.max_num_seqs, config.max_num_batched_tokens, sizer),
         rank_zero(config, group),
+        vision,
     )
 
 

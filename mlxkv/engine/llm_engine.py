@@ -23,6 +23,7 @@ from ..deprecation import warn
 from ..errors import TensorParallelError, UnknownSequenceError
 from ..models.structure import vocab_size
 from .builder import build_engine
+from .images import ImagePrompt, PlacedPrompt, place_images, step_media
 from .inputs import encode_prompt, new_request, request_key
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -108,7 +109,7 @@ class LLMEngine:
         self.think_markers = ThinkMarkers.of(tokenizer)  # once: reading a 200k vocabulary takes 0.1 s
         self.group = group if group is not None and group.size() > 1 else None
         parts = build_engine(model, tokenizer, self.config, kernels, self.group)
-        self.cache, self.memory, self.runner = parts.cache, parts.memory, parts.runner
+        self.cache, self.memory, self.runner, self.vision = parts.cache, parts.memory, parts.runner, parts.vision
         self.step_time, self.speculator, self.structured = parts.step_time, parts.speculator, parts.structured
         self.scheduler, self.rank_zero = parts.scheduler, parts.rank_zero
         self.vocab_size: int = vocab_size(self.runner.model)
@@ -153,6 +154,13 @@ class LLMEngine:
         none), and where it quotes an output of this engine (under `cache_salt`), that output's ids."""
         return encode_prompt(self.tokenizer, prompt, self.vocab_size, self.recent, cache_salt, templated)
 
+    def place_images(self, prompt: ImagePrompt, cache_salt: str | None = None, templated: bool = False) -> PlacedPrompt:
+        """`prompt`'s token ids (as `encode` makes its text's) with its images placed in them;
+        ValueError for a model that takes no images, or a prompt whose markers and images disagree."""
+        if self.vision is None:
+            raise ValueError("images: this model takes no images (it has no vision tower mlxkv can run)")
+        return place_images(self.tokenizer, self.vision, prompt, self.recent, cache_salt, templated)
+
     def new_request_id(self) -> str:
         """An automatic request id that no live request uses."""
         with self._lock:
@@ -162,7 +170,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | ImagePrompt | PlacedPrompt,
         params: SamplingParams | None = None,
         request_id: str | int | None = None,
         cache_salt: str | None = None,
@@ -175,14 +183,26 @@ class LLMEngine:
         the prompt's first `pin.tokens` tokens stay cached for `pin.ttl_s` seconds once computed
         (see `PrefixPins`). With `continuation` the text continues the prompt's exactly (a
         completion: a first token's leading space kept), else it starts a reply (after a chat
-        template: as mlx-lm's detokenizer gives it)."""
+        template: as mlx-lm's detokenizer gives it). A prompt with images is an `ImagePrompt`, or
+        one `place_images` placed already."""
         if self.lost is not None:
             raise self.lost
         request_id = self.new_request_id() if request_id is None else request_key(request_id)
-        prompt_ids, most = self.encode(prompt, cache_salt), self.max_request_tokens
+        if isinstance(prompt, ImagePrompt):
+            prompt = self.place_images(prompt, cache_salt)
+        prompt_ids = list(prompt) if isinstance(prompt, PlacedPrompt) else self.encode(prompt, cache_salt)
         request = new_request(
-            request_id, prompt_ids, params, cache_salt, pin, most, self.tokenizer, self.structured, continuation
+            request_id,
+            prompt_ids,
+            params,
+            cache_salt,
+            pin,
+            self.max_request_tokens,
+            self.tokenizer,
+            self.structured,
+            continuation,
         )
+        request.images = prompt.images if isinstance(prompt, PlacedPrompt) else None
         if not continuation and self.think_markers is not None:
             request.reasoning = reasoning_for(self.think_markers, request, self.tokenizer.detokenizer)
         with self._lock:
@@ -266,7 +286,8 @@ class LLMEngine:
         read: list[RequestOutput] | None = None
         try:
             samples = sum(1 + len(d) for d in drafts)
-            plan = StepPlan.of(batch, previous.sampling if previous else [], samples)
+            media = step_media(self.vision, batch.requests, batch.counts, batch.kv.positions)
+            plan = StepPlan.of(batch, previous.sampling if previous else [], samples, media)
             hidden = self.rank_zero.forward(self.runner, plan, previous.tokens if previous else None)
             logits = self.runner.logits(batch, hidden)  # None when no row samples
             if batch.snapshots:

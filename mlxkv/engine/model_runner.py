@@ -19,6 +19,7 @@ from ..models.structure import (
     computes_logits,
     decoder,
     decoder_layers,
+    embeddings,
     final_norm,
     layer_roles,
     logits,
@@ -28,8 +29,10 @@ from ..models.structure import (
     recurrent_module,
     run_decoder,
 )
+from ..models.vision import Vision
+from .images import StepMedia
 from .layers.attention import LatentAttention, PagedAttention, SharingAttention
-from .layers.decoder_taps import FinalNorm, PositionEmbeddings
+from .layers.decoder_taps import AxisRope, Deepstack, FinalNorm, PositionEmbeddings
 from .layers.module_attention import ModuleAttention
 from .layers.recurrent import RecurrentLayer
 from .layers.step_context import StepContext
@@ -37,12 +40,20 @@ from .scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    """Owns the model and the KV cache; turns a scheduled batch into logits for the rows that sample."""
+    """Owns the model and the KV cache; turns a scheduled batch into logits for the rows that sample.
+    With `vision`, steps may carry images (`StepMedia`)."""
 
-    def __init__(self, model: nn.Module, cache: KVCacheManager, attention: AttentionFn = reference_attention) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: KVCacheManager,
+        attention: AttentionFn = reference_attention,
+        vision: Vision | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.attention = attention
+        self.vision = vision
         roles, layers = layer_roles(model), decoder_layers(model)
         self.pads = pads_exactly(model, roles)  # else a step's prefill chunks run one by one
         # Always around mlx-lm's own module: a model handed to a second engine is wrapped afresh, alike.
@@ -51,6 +62,8 @@ class ModelRunner:
             holder, name = roles.attention_slot(layers[index])
             attn = mlx_lm_module(holder, name)
             adapter, number = adapter_for(model, index, attn), numbers[index if source is None else source]
+            if vision is not None and vision.mrope is not None and hasattr(attn, "rope"):  # after the adapter took it
+                attn.rope = attn.rope if isinstance(attn.rope, AxisRope) else AxisRope(attn.rope)
             wrapped: PagedAttention
             if isinstance(adapter, Gemma4Adapter):
                 wrapped = SharingAttention(attn, number, adapter, source is not None)
@@ -62,6 +75,8 @@ class ModelRunner:
                 wrapped = PagedAttention(attn, number, adapter)
             setattr(holder, name, wrapped)
         _tap_decoder(model)
+        for level in range(vision.deepstack_layers if vision is not None else 0):
+            layers[level] = Deepstack(layers[level], level)
         for number, index in enumerate(roles.recurrent):
             recurrent = RecurrentLayer(recurrent_module(layers[index]), number)
             slot = roles.recurrent_module(layers[index])
@@ -79,16 +94,47 @@ class ModelRunner:
         rows = [np.arange(end - len(draft) - 1, end) for end, draft, s in zip(ends, step.drafts, step.samples) if s]
         return self.head(hidden[mx.array(np.concatenate(rows).astype(np.int32))]) if rows else None
 
-    def hidden(self, token_ids: np.ndarray | mx.array, kv: KVBatch, own_kv: Sequence[int] | np.ndarray) -> mx.array:
+    def hidden(
+        self,
+        token_ids: np.ndarray | mx.array,
+        kv: KVBatch,
+        own_kv: Sequence[int] | np.ndarray,
+        media: StepMedia | None = None,
+    ) -> mx.array:
         """The final hidden state `[tokens, hidden]` of a packed batch whose K/V slots `kv` holds,
-        the first `own_kv[b]` tokens of row b attending their own K/V as computed (lazy)."""
+        the first `own_kv[b]` tokens of row b attending their own K/V as computed, its images'
+        features and positions as `media` has them (lazy)."""
         spans = np.asarray(own_kv, np.int32) if any(own_kv) else None  # a scan, not an array, in the common case
         states = state_batch(kv, self.pads) if self.cache.states is not None else None
-        context = StepContext(self.cache, kv, Positions(mx.array(kv.positions)), self.attention, spans, states)
+        positions = self._positions(kv, media)
+        context = StepContext(self.cache, kv, positions, self.attention, spans, states, media=media)
+        inputs = mx.array(token_ids)[None]
+        if media is not None and media.rows.size and self.vision is not None and self.vision.blank_placeholders:
+            inputs[:, media.rows] = 0
         with context.entered():
-            out = run_decoder(self.model, mx.array(token_ids)[None], [context] * len(decoder_layers(self.model)))
+            caches = [context] * len(decoder_layers(self.model))
+            out = run_decoder(self.model, inputs, caches, self._embedded(inputs, media))
         hidden = context.final[-1] if context.final else out  # else the decoder's own logits
         return hidden[0]
+
+    def _positions(self, kv: KVBatch, media: StepMedia | None) -> Positions:
+        """The step's token positions: the K/V positions, or its images' M-RoPE positions (as one
+        position per token where each token's three are equal, as after an image)."""
+        rope = media.positions if media is not None else None
+        if rope is None:
+            return Positions(mx.array(kv.positions))
+        if (rope == rope[0]).all():
+            return Positions(mx.array(rope[0]))
+        assert self.vision is not None and self.vision.mrope is not None
+        return Positions(mx.array(rope[0]), mx.array(rope), self.vision.mrope.axis)
+
+    def _embedded(self, inputs: mx.array, media: StepMedia | None) -> mx.array | None:
+        """The inputs' embeddings with the images' feature rows in place; None without any."""
+        if media is None or not media.rows.size:
+            return None
+        embedded: mx.array = embeddings(self.model)(inputs)
+        embedded[:, media.rows] = media.features[None].astype(embedded.dtype)
+        return embedded
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits for final hidden states."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..cache.pins import Pin
 from .sampling.constraint import Constraint
@@ -13,6 +14,9 @@ from .sampling.reasoning import Reasoning
 from .sampling.sampler import TokenSampler
 from .sampling.text import TextStream
 from .speculative.speculation import Speculation
+
+if TYPE_CHECKING:
+    from .images import PromptImages
 
 PENDING = -1  # an output token sampled by a step whose result the host has not read yet
 NO_SEQUENCE = -1  # the seq_id of a request that holds no sequence in the KV cache (not running)
@@ -40,6 +44,7 @@ class Request:
     params: SamplingParams
     cache_salt: str | None = None
     pin: Pin | None = None  # keep the prompt's first tokens cached for a while, once computed
+    images: PromptImages | None = None  # where its images sit in its prompt (see `images`)
     output_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)  # prompt then outputs, for slicing and hashing
     status: Status = Status.WAITING

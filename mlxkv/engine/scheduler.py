@@ -230,7 +230,8 @@ class Scheduler:
         """Open a sequence for `request` from its cached prefix and pick its first tokens, if
         their pages are free; otherwise leave everything as it was."""
         (request.seq_id,) = self.cache.claim(1)
-        request.num_computed = self.cache.reuse_prefix(request.seq_id, request.all_token_ids, request.cache_salt)
+        marks = request.images.marks if request.images is not None else ()
+        request.num_computed = self.cache.reuse_prefix(request.seq_id, request.all_token_ids, request.cache_salt, marks)
         if not self._pick(selection, [request]):
             self.cache.release(request.seq_id)
             request.seq_id, request.num_computed = NO_SEQUENCE, 0

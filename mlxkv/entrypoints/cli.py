@@ -396,6 +396,12 @@ def serve(
         show_default=False,
         rich_help_panel="Model",
     ),
+    image_urls: bool = typer.Option(
+        True,
+        help="Fetch images that requests name by http(s) URL (at most 20 MB each, within 10 s); with "
+        "--no-image-urls only images sent as data are read.",
+        rich_help_panel=SERVING,
+    ),
     *,
     config: EngineConfig,
     params: SamplingParams,
@@ -440,6 +446,7 @@ def serve(
         aliases=names[1:],
         sampling=sampling,
         template_kwargs=kwargs,
+        fetch_image_urls=image_urls,
     )
     logger.info("serving on http://%s:%d (chat page at /)", host, listener.getsockname()[1])
     server = Server(uvicorn.Config(app_, log_level="warning"), llm)

@@ -19,7 +19,7 @@ from ..engine.async_llm import AsyncLLM
 from ..engine.outputs import RequestOutput
 from ..engine.sampling.params import CONSTRAINTS, SamplingParams
 from ..errors import counted
-from .errors import ServingError, UnsupportedContent, refused_as
+from .errors import ServingError, UnreadableImage, UnsupportedContent, refused_as
 from .metrics import Metrics
 from .prompts import prompt_ids
 from .replies import Event, Run
@@ -121,9 +121,12 @@ class ServingCore:
         aliases: Sequence[str] = (),
         sampling: Mapping[str, Any] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        fetch_image_urls: bool = True,
     ) -> None:
         """`sampling`: the fields a request that gives none samples with (see `sampling_defaults`);
-        `template_kwargs`: what the chat template reads where a request does not say."""
+        `template_kwargs`: what the chat template reads where a request does not say;
+        `fetch_image_urls`: whether an image named by an http(s) URL is fetched (else refused)."""
+        self.fetch_image_urls = fetch_image_urls
         self.llm, self.model_id, self.metrics = llm, model_id, metrics
         self.defaults = dict(CONVERSATION if sampling is None else sampling)
         self.template_kwargs = dict(template_kwargs or {})
@@ -148,10 +151,15 @@ class ServingCore:
         try:
             yield
         except UnsupportedContent as exc:
-            message = f"{exc.kind} content is not supported by {self.model_id} ({exc.block} in {field}; it reads text)"
-            raise ServingError(400, message, field, "unsupported_content") from None
+            raise self.unsupported(exc, field) from None
         except ValueError as exc:
             raise ServingError(400, str(exc), field) from None
+
+    def unsupported(self, content: UnsupportedContent, field: str) -> ServingError:
+        """The 400 for content the model cannot read, naming its kind, its block and the model."""
+        message = f"{content.kind} content is not supported by {self.model_id} ({content.block} in {field}; it reads "
+        message += "text and images)" if self.llm.engine.vision is not None else "text)"
+        return ServingError(400, message, field, "unsupported_content")
 
     def tools(self, shown: list[dict[str, Any]], forced: list[dict[str, Any]], parallel: bool, field: str) -> Tools:
         """The tools of a chat request (OpenAI's entries): `forced` are those the reply must call
@@ -190,7 +198,12 @@ class ServingCore:
                 engine=self.llm.engine,
                 cache_salt=salt,
                 template_kwargs=self.template_kwargs | (template_kwargs or {}),
+                fetch_urls=self.fetch_image_urls,
             )
+        except UnsupportedContent as exc:
+            raise self.unsupported(exc, field) from None
+        except UnreadableImage as exc:
+            raise ServingError(400, str(exc), field, "invalid_image") from None
         except Exception as exc:
             raise ServingError(400, f"the messages do not fit the model's chat template: {exc}", field) from None
         if not prompt:

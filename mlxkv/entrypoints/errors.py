@@ -42,3 +42,7 @@ class UnsupportedContent(ValueError):
     def __init__(self, kind: str, block: str) -> None:
         super().__init__(f"{kind} content ({block}) is not supported")
         self.kind, self.block = kind, block
+
+
+class UnreadableImage(ValueError):
+    """An image in a request that cannot be read: not an image, too big, or a URL that could not be fetched."""

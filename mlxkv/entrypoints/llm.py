@@ -15,6 +15,7 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..config import EngineConfig
+from ..engine.images import ImagePrompt
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import Request
 from ..engine.sampling.params import SamplingParams
@@ -24,7 +25,7 @@ from ..models.loading import load
 from ..models.sharding import world
 from ..settings import keywords_of
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | ImagePrompt
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,13 @@ class LLM:
         """The engine's requests, KV cache and prefix cache, as a snapshot."""
         return self.engine.stats()
 
+    @property
+    def image_marker(self) -> str | None:
+        """What an `ImagePrompt`'s text holds where each image goes (the marker the model's chat
+        template writes for an image, such as Qwen's `<|image_pad|>`); None for a model that takes
+        no images."""
+        return self.engine.vision.image_token if self.engine.vision is not None else None
+
     def stream(
         self,
         prompt: Prompt,
@@ -223,16 +231,18 @@ def _completion(request: Request) -> Completion:
 
 
 def _prompts(prompts: object) -> list[Prompt]:
-    """`prompts` as a list of prompts: one prompt (text or token ids) or a list of them."""
+    """`prompts` as a list of prompts: one prompt (text, token ids, an `ImagePrompt`) or a list of them."""
     if _is_one_prompt(prompts):
         return [cast(Prompt, prompts)]
     if not isinstance(prompts, (list, tuple, np.ndarray)):
-        raise TypeError(f"prompts must be text, token ids, or a list of those, got {type(prompts).__name__}")
+        raise TypeError(
+            f"prompts must be text, token ids, an ImagePrompt, or a list of those, got {type(prompts).__name__}"
+        )
     return list(prompts)
 
 
 def _is_one_prompt(prompts: object) -> bool:
     """True for a single prompt (text, or token ids), False for a list of prompts."""
-    if isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
+    if isinstance(prompts, (str, ImagePrompt)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
         return True
     return isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], (int, np.integer))

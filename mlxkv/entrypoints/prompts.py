@@ -7,8 +7,11 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from ..engine.images import ImagePrompt
 from ..engine.inputs import encode_text
 from ..engine.llm_engine import LLMEngine
+from .errors import UnreadableImage, UnsupportedContent
+from .images import image_refs
 from .sampling_defaults import effort_kwargs
 
 SERVER_KWARGS = ("messages", "tools", "add_generation_prompt", "tokenize")  # what mlxkv itself gives a template
@@ -52,13 +55,20 @@ def prompt_ids(
     engine: LLMEngine | None = None,
     cache_salt: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    fetch_urls: bool = True,
 ) -> list[int]:
     """The prompt for `messages` (`role`/`content` dicts), ending where the assistant's reply
     begins; the template shows the model `tools` (OpenAI's function entries) where given, and
     reads `template_kwargs` (`enable_thinking`, say). With `engine`, replies it produced (under
     `cache_salt`) keep the token ids it produced them as, so that a next turn reuses the pages of
-    the turns before."""
+    the turns before. A conversation with images (`images.ImageRef` parts) gives a `PlacedPrompt`,
+    its images read (URLs fetched if `fetch_urls`); `UnsupportedContent` for a model without vision."""
+    images = image_refs(messages)
+    if images and (engine is None or engine.vision is None):
+        raise UnsupportedContent("image", images[0].block)
     templated = tokenizer.has_chat_template and not ignore_template
+    if images and not templated:
+        raise ValueError("images need the model's chat template, which places them in the prompt")
     if templated:
         text = tokenizer.apply_chat_template(
             [_with_thinking(m) for m in messages],
@@ -69,6 +79,13 @@ def prompt_ids(
         )
     else:
         text = plain_text(messages)
+    if images:
+        assert engine is not None
+        try:
+            prompt = ImagePrompt(text, [image.read(fetch_urls) for image in images])
+            return engine.place_images(prompt, cache_salt, templated)
+        except ValueError as exc:
+            raise UnreadableImage(str(exc)) from None
     return encode_text(tokenizer, text, engine.recent if engine else None, cache_salt, templated)
 
 

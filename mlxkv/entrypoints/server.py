@@ -41,6 +41,7 @@ VERSION = version("mlxkv")
 OPEN_PATHS = ("/health", "/")  # what answers without the API key
 SLACK_BYTES = 4 * 2**20  # of a request body beyond its prompt's text: messages' fields, tools, schemas
 BYTES_PER_TOKEN = 32  # of prompt text, as JSON, at most (a token is 4 characters on average)
+IMAGE_BYTES = 64 * 2**20  # of images as base64, for a model that reads them: a few phone photos
 
 
 def build_app(
@@ -55,14 +56,19 @@ def build_app(
     aliases: Sequence[str] = (),
     sampling: Mapping[str, Any] | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    fetch_image_urls: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving `llm` as `model_id` (requests may also name it by `aliases`), sampling
     with `sampling`'s fields where a request gives none (default: `sampling_defaults.CONVERSATION`),
-    its chat template reading `template_kwargs` where a request does not say;
+    its chat template reading `template_kwargs` where a request does not say, images at http(s) URLs
+    fetched if `fetch_image_urls`;
     bodies over `max_request_bytes` (default: a few MiB above the longest prompt the context holds,
     `request_bytes_for`) are refused."""
     app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorizer(api_key))])
-    limit = max_request_bytes if max_request_bytes is not None else request_bytes_for(llm.engine.max_request_tokens)
+    if max_request_bytes is not None:
+        limit = max_request_bytes
+    else:
+        limit = request_bytes_for(llm.engine.max_request_tokens, llm.engine.vision is not None)
     app.add_middleware(BodyLimit, limit=limit, refuse=lambda path, error: shape_of(path)(error))
     if allowed_origins:  # outermost, so that refusals carry the CORS headers too
         app.add_middleware(
@@ -71,7 +77,9 @@ def build_app(
     handle_errors(app)
     metrics = Metrics(llm.engine)
     serve_own_paths(app, llm, metrics)
-    core = ServingCore(llm, model_id, metrics, max_queue, keepalive_s, aliases, sampling, template_kwargs)
+    core = ServingCore(
+        llm, model_id, metrics, max_queue, keepalive_s, aliases, sampling, template_kwargs, fetch_image_urls
+    )
     for api in (openai_router, anthropic_router, ollama_router):
         app.include_router(api.router(core))
     return app
@@ -101,10 +109,11 @@ def authorizer(api_key: str | None) -> Callable[[HTTPRequest], None]:
     return authorize
 
 
-def request_bytes_for(tokens: int) -> int:
+def request_bytes_for(tokens: int, images: bool = False) -> int:
     """The default body limit for a context of `tokens`: room for that many tokens of text, escaped
-    as JSON (a generous `BYTES_PER_TOKEN` each), and `SLACK_BYTES` for the rest of the body."""
-    return SLACK_BYTES + BYTES_PER_TOKEN * tokens
+    as JSON (a generous `BYTES_PER_TOKEN` each), and `SLACK_BYTES` for the rest of the body; for a
+    model that reads `images`, `IMAGE_BYTES` more, room for a few as base64."""
+    return SLACK_BYTES + BYTES_PER_TOKEN * tokens + (IMAGE_BYTES if images else 0)
 
 
 def handle_errors(app: FastAPI) -> None:

@@ -85,7 +85,10 @@ class Adapter:
 
     def _rotated(self, x: mx.array, positions: Positions, on_cpu: bool) -> mx.array:
         """`x` (`[tokens, heads, head_dim]`) through the layer's RoPE: by the step's shared tables
-        where they equal it (see `rotary`), else by the module with one offset per token."""
+        where they equal it (see `rotary`), else by the module with one offset per token; at
+        each M-RoPE axis in turn where the step has them."""
+        if positions.axes is not None and self.rope is not None:
+            return positions.select([self._rotated(x, axis, on_cpu) for axis in positions.by_axis()])
         key = (x.dtype, x.shape[-1], on_cpu)
         if key not in self._rotations:
             self._rotations[key] = Rotation.of(self.rope, x.shape[-1], x.dtype) if self.rope is not None else None

@@ -28,6 +28,7 @@ from .structure import (
     state_shapes,
     text_model,
 )
+from .vision import attach, load_vision
 
 SUPPORTED_MODEL_TYPES = FAMILIES  # with adapters of their own; the others run when `check_runs` passes
 # Families mlx-lm runs and mlxkv does not yet, by the layers that stop them.
@@ -156,6 +157,7 @@ def load(
     if not hasattr(text, "make_cache") and hasattr(model, "make_cache"):  # Llama 4's wrapper makes them
         text.make_cache = model.make_cache  # each layer's cache type says how it attends (its window, chunk)
     check_runs(model, config["model_type"])
+    attach(model, load_vision(path, config, text))
     if sharded:
         assert group is not None
         shard(model, config["model_type"], group)

@@ -97,16 +97,17 @@ def write_tokenizer(
     chat_template: str | None = None,
     markers: tuple[str, ...] = MARKERS,
     config: dict[str, Any] | None = None,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
 ) -> None:
-    """A byte-level BPE tokenizer of at most `vocab_size` tokens (EOS `<eos>`): `SPECIAL_TOKENS`,
-    the learned ones, then `markers` as added tokens that are not special; `chat_template` and
-    `config` (more tokenizer_config.json fields, such as `tool_parser_type`) if given."""
+    """A byte-level BPE tokenizer of at most `vocab_size` tokens (EOS `<eos>`): `special_tokens`
+    (ids 0, 1, …), the learned ones, then `markers` as added tokens that are not special;
+    `chat_template` and `config` (more tokenizer_config.json fields, such as `tool_parser_type`) if given."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(markers),
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )

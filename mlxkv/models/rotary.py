@@ -89,11 +89,36 @@ def _pairing(rope: Rope, head_dim: int) -> np.ndarray | None:
 
 
 class Positions:
-    """One step's token positions, with the tables of each distinct rotation made on first use."""
+    """One step's token positions, with the tables of each distinct rotation made on first use.
 
-    def __init__(self, positions: mx.array) -> None:
+    For multimodal RoPE (Qwen-VL's) a token has three positions (`axes`, `[3, tokens]`: time,
+    height, width) and each dim of a head turns by the one `axis_of_dim` names. RoPE turns each
+    dim with its pair partner by one frequency, so a head rotated at each axis's positions, each
+    dim taken from its axis's rotation, is M-RoPE exactly."""
+
+    def __init__(self, positions: mx.array, axes: mx.array | None = None, axis_of_dim: mx.array | None = None) -> None:
         self.array = positions
+        self.axes = axes
+        self.axis_of_dim = axis_of_dim
         self._tables: dict[bytes, tuple[mx.array, mx.array]] = {}
+        self._by_axis: list[Positions] | None = None
+
+    def by_axis(self) -> list[Positions]:
+        """One `Positions` per M-RoPE axis (made once, so that layers share their tables)."""
+        assert self.axes is not None
+        if self._by_axis is None:
+            self._by_axis = [Positions(self.axes[axis]) for axis in range(self.axes.shape[0])]
+        return self._by_axis
+
+    def select(self, rotated: list[mx.array]) -> mx.array:
+        """Each dim of a head from the rotation at its M-RoPE axis (`rotated[axis]`)."""
+        assert self.axis_of_dim is not None
+        head_dim = rotated[0].shape[-1]
+        axis = self.axis_of_dim[:head_dim]
+        out = rotated[0]
+        for number, other in enumerate(rotated[1:], start=1):
+            out = mx.where(axis == number, other, out)
+        return out
 
     def rotate(self, rotation: Rotation, x: mx.array) -> mx.array:
         """`x` (`[tokens, heads, head_dim]`) rotated at these positions."""

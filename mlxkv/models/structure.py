@@ -48,11 +48,16 @@ def decoder(model: nn.Module) -> nn.Module:
     return cast(nn.Module, next(getattr(model, name) for name in DECODERS if hasattr(model, name)))
 
 
-def run_decoder(model: nn.Module, inputs: mx.array, cache: list[Any] | None) -> mx.array:
+def run_decoder(
+    model: nn.Module, inputs: mx.array, cache: list[Any] | None, embedded: mx.array | None = None
+) -> mx.array:
     """A text model's final hidden states for `inputs` over `cache`, its decoder called as the family
-    declares it (Phixtral's takes a mask it does not make: None, the caches then mask)."""
+    declares it (Phixtral's takes a mask it does not make: None, the caches then mask); with
+    `embedded`, the inputs' embeddings as given (an image's rows among them), not looked up."""
     inner = decoder(model)
-    extra = {"mask": None} if "mask" in inspect.signature(inner.__call__).parameters else {}
+    extra: dict[str, Any] = {"mask": None} if "mask" in inspect.signature(inner.__call__).parameters else {}
+    if embedded is not None:
+        extra["input_embeddings"] = embedded
     hidden: mx.array = inner(inputs, cache=cache, **extra)
     return hidden
 

@@ -4,11 +4,17 @@ GPT-2-style decoders add learned absolute position embeddings, looked up from on
 whole batch; a step packs several sequences' tokens into one row, so each needs its own position
 (`PositionEmbeddings`). GPT-NeoX's and Lille's decoders apply the head themselves; the runner
 wants their final hidden states, to apply the head to the rows that sample alone (`FinalNorm`).
+Qwen3-VL adds vision features into its first layers' outputs at the image's rows, which mlx-lm's
+text decoder does not know of (`Deepstack`), and turns an image's tokens by three positions each,
+where mlx-lm's attention modules, run as they are, turn them by one (`AxisRope`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
+import mlx.nn as nn
 
 from .step_context import StepContext
 from .wrapped import Wrapped
@@ -25,6 +31,35 @@ class PositionEmbeddings(Wrapped):
             return original
         embedded: mx.array = self.inner(step.positions.array)
         return embedded.reshape(*position_ids.shape, -1)
+
+
+class Deepstack(Wrapped):
+    """A decoder layer among the first ones of a family with deepstack vision features: in a step
+    with images, its output takes its `level` of them added at the image's rows."""
+
+    def __init__(self, inner: nn.Module, level: int) -> None:
+        super().__init__(inner)
+        self.level = level
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        out: mx.array = self.inner(*args, **kwargs)
+        step = StepContext.current()
+        media = step.media if step is not None else None
+        if media is None or len(media.deepstack) <= self.level or not media.rows.size:
+            return out
+        return out.at[:, media.rows].add(media.deepstack[self.level][None].astype(out.dtype))
+
+
+class AxisRope(Wrapped):
+    """An attention module's RoPE, for a family with multimodal RoPE: in a step whose tokens have
+    three positions, each dim turned at its axis's (see `rotary.Positions`); else the original."""
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        step = StepContext.current()
+        if step is None or step.positions.axes is None:
+            original: mx.array = self.inner(x, offset=offset)
+            return original
+        return step.positions.select([self.inner(x, offset=axis.array) for axis in step.positions.by_axis()])
 
 
 class FinalNorm(Wrapped):

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -16,6 +16,9 @@ from ...cache.batch import KVBatch
 from ...cache.manager import KVCacheManager
 from ...cache.state_batch import StateBatch
 from ...models.rotary import Positions
+
+if TYPE_CHECKING:
+    from ..images import StepMedia
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class StepContext:
     offset: int = 0
     start_position: int = 0  # Llama 4's decoder reads it beside `offset` to make a mask mlxkv ignores
     final: list[mx.array] = field(default_factory=list)  # see `current`
+    media: StepMedia | None = None  # what the step's images put in (see `images`)
 
     def make_mask(self, *args: object, **kwargs: object) -> None:
         return None

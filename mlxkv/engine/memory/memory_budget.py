@@ -63,7 +63,8 @@ def _gb(size: int) -> str:
 class MemoryBudget:
     """How the budget (`limit` bytes, of the `device`'s) is split. `kv` holds every KV page and
     recurrent state of the model and of its draft model; `reserve` bounds one step's temporaries and
-    `cache` MLX's buffer cache of freed ones."""
+    `cache` MLX's buffer cache of freed ones; `vision` holds a multimodal model's vision tower and
+    its cache of encoded images."""
 
     device: int
     limit: int
@@ -72,16 +73,18 @@ class MemoryBudget:
     kv: int
     reserve: int
     cache: int
+    vision: int = 0
 
     @property
     def planned(self) -> int:
-        return self.weights + self.draft_weights + self.kv + self.reserve + self.cache
+        return self.weights + self.draft_weights + self.vision + self.kv + self.reserve + self.cache
 
     def parts(self) -> dict[str, int]:
         """Each part's bytes, by the name `/metrics` and the chat page give it."""
         return {
             "weights": self.weights,
             "draft_weights": self.draft_weights,
+            "vision": self.vision,
             "kv": self.kv,
             "reserve": self.reserve,
             "cache": self.cache,
@@ -89,6 +92,7 @@ class MemoryBudget:
 
     def __str__(self) -> str:
         draft = f", draft model {_gb(self.draft_weights)}" if self.draft_weights else ""
+        draft += f", vision {_gb(self.vision)}" if self.vision else ""
         return (
             f"{_gb(self.planned)} of a {_gb(self.limit)} budget: weights {_gb(self.weights)}{draft}, "
             f"KV {_gb(self.kv)}, step reserve {_gb(self.reserve)}, buffer cache {_gb(self.cache)}"
@@ -138,21 +142,22 @@ class Reserve:
 
 
 def split_memory(
-    config: EngineConfig, model: ModelKV, step: StepMemory, draft: ModelKV | None = None
+    config: EngineConfig, model: ModelKV, step: StepMemory, draft: ModelKV | None = None, vision: int = 0
 ) -> tuple[MemoryBudget, KVCacheSizing]:
-    """The budget for `model` (and its `draft` model) under `config`, and the KV cache it buys:
-    weights first, then the step reserve and as much again for MLX's buffer cache, the KV pool from
-    the rest. The reserve holds a full token budget's chunk over as many keys as it has tokens
+    """The budget for `model` (and its `draft` model, and `vision` bytes for a vision tower and its
+    encoded images) under `config`, and the KV cache it buys: weights first, then the step reserve
+    and as much again for MLX's buffer cache, the KV pool from the rest. The reserve holds a full
+    token budget's chunk over as many keys as it has tokens
     (a prompt's first chunk; later chunks over longer contexts are cut to fit) beside every other
     sequence decoding at full context, and at least a step of those decodes and a little prefill at
     full context; less if the budget is tight, but never less than the latter."""
     device = device_memory()
     limit = memory_limit(config, device)
     draft_weights = draft.weights_bytes if draft is not None else 0
-    room = limit - model.weights_bytes - draft_weights
+    room = limit - model.weights_bytes - draft_weights - vision
     if room <= 0:
         raise ValueError(
-            f"the weights take {_gb(model.weights_bytes + draft_weights)}, more than the memory budget "
+            f"the weights take {_gb(model.weights_bytes + draft_weights + vision)}, more than the memory budget "
             f"of {_gb(limit)} (memory_limit); raise it"
         )
     context = context_length(config.max_model_len, model.context)
@@ -168,4 +173,5 @@ def split_memory(
     else:
         kept = reserve.within(room, kv_share=config.kv_cache_fraction)
         sizing = size_kv_cache(config, model, room - 2 * kept, draft)
-    return MemoryBudget(device, limit, model.weights_bytes, draft_weights, sizing.bytes, kept, kept), sizing
+    split = MemoryBudget(device, limit, model.weights_bytes, draft_weights, sizing.bytes, kept, kept, vision)
+    return split, sizing

@@ -41,7 +41,7 @@ class RankZero:
         every rank runs the same all-reduces in the same order whatever rank 0 does next."""
         try:
             self.channel.send(plan)
-            hidden = runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv)
+            hidden = runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv, plan.media)
             runner.cache.evaluate(hidden, wait=False)
             self.owed = plan.samples
             self.naps.reset()
@@ -113,7 +113,7 @@ class Alone:
 
     def forward(self, runner: ModelRunner, plan: StepPlan, previous: mx.array | None) -> mx.array:
         """The final hidden states of `plan`'s batch (lazy)."""
-        return runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv)
+        return runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv, plan.media)
 
     def share(self, tokens: mx.array) -> mx.array:
         return tokens

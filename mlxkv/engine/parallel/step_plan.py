@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...cache.batch import KVBatch
+from ..images import StepMedia
 from ..model_kv import ModelKV
 from ..request import PENDING, Request
 from ..scheduler import ScheduledBatch
@@ -30,7 +31,8 @@ def _row(request: Request, count: int) -> list[int]:
 class StepPlan:
     """One step's forward pass: `token_ids` packed row after row as `kv` says, the first `own_kv[b]`
     tokens of row b attending their own K/V as computed. The ids at `pending` are not known yet: the
-    step before samples them, as its tokens' rows `sources`. The step samples `samples` tokens."""
+    step before samples them, as its tokens' rows `sources`. The step samples `samples` tokens.
+    `media`: what its images put in (only rank 0 reads it: images are not served across processes)."""
 
     token_ids: np.ndarray
     kv: KVBatch
@@ -38,9 +40,12 @@ class StepPlan:
     pending: np.ndarray
     sources: np.ndarray
     samples: int
+    media: StepMedia | None = None
 
     @classmethod
-    def of(cls, batch: ScheduledBatch, previous: Sequence[Request], samples: int) -> StepPlan:
+    def of(
+        cls, batch: ScheduledBatch, previous: Sequence[Request], samples: int, media: StepMedia | None = None
+    ) -> StepPlan:
         """`batch`'s forward pass as a plan, sampling `samples` tokens: its input tokens packed, those
         still `PENDING` to be taken from the step before, whose sampling rows were `previous`."""
         host = np.fromiter(
@@ -56,7 +61,7 @@ class StepPlan:
             owners = np.repeat(np.arange(len(batch.requests)), batch.counts)[pending]
             sources = np.array([rows[id(batch.requests[o])] for o in owners], np.int32)
             host[pending] = 0
-        return cls(host, batch.kv, np.asarray(batch.own_kv, np.int32), pending, sources, samples)
+        return cls(host, batch.kv, np.asarray(batch.own_kv, np.int32), pending, sources, samples, media)
 
     def inputs(self, previous: mx.array | None) -> mx.array:
         """The packed token ids, the pending ones taken lazily from `previous` (the tokens the step

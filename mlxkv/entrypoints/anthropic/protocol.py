@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..core import forced_tools
 from ..errors import ServingError, UnsupportedContent
+from ..images import ImageRef, from_base64, from_url, template_content
 
 ANTHROPIC_KINDS = {"server_error": "api_error"}  # the core's kinds Anthropic names otherwise
 
@@ -42,11 +43,34 @@ class ToolUseBlock(BaseModel):
     cache_control: CacheControl | None = None
 
 
+class ImageSource(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["base64", "url"]
+    data: str | None = None  # base64, with `media_type`
+    url: str | None = None
+
+
+class ImageBlock(BaseModel):
+    """An image, as base64 data or a URL the server fetches (also inside a `tool_result`)."""
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
+
+    def image(self) -> ImageRef:
+        source = self.source
+        if source.type == "base64" and source.data is not None:
+            return from_base64(source.data, "image")
+        if source.type == "url" and source.url is not None:
+            return from_url(source.url, "image")
+        raise ValueError(f"image: a {source.type} source needs its {'data' if source.type == 'base64' else 'url'}")
+
+
 class MediaBlock(BaseModel):
-    """An image or a document: read only to be refused, as mlxkv serves text models."""
+    """A document: read only to be refused, as mlxkv's models read text and images."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["image", "document"]
+    type: Literal["document"]
     cache_control: CacheControl | None = None
 
 
@@ -70,7 +94,7 @@ class RedactedThinkingBlock(BaseModel):
     cache_control: CacheControl | None = None
 
 
-ResultPart = Annotated[TextBlock | MediaBlock, Field(discriminator="type")]
+ResultPart = Annotated[TextBlock | ImageBlock | MediaBlock, Field(discriminator="type")]
 
 
 class ToolResultBlock(BaseModel):
@@ -80,14 +104,15 @@ class ToolResultBlock(BaseModel):
     is_error: StrictBool = False
     cache_control: CacheControl | None = None
 
-    def text(self) -> str:
+    def template_content(self) -> str | list[dict[str, Any]]:
+        """The result as a `tool` message's content: its text (after "Error: " for an error) and images."""
         content = self.content or ""
-        text = content if isinstance(content, str) else _joined(content)
-        return f"Error: {text}" if self.is_error else text
+        pieces = [content] if isinstance(content, str) else _pieces(content)
+        return template_content((["Error: "] if self.is_error else []) + pieces)
 
 
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | MediaBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ToolUseBlock | ToolResultBlock | ImageBlock | MediaBlock | ThinkingBlock | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 
@@ -101,7 +126,8 @@ class MessageParam(BaseModel):
         messages before its text, an assistant's tool uses as `tool_calls` with object arguments,
         its `trusted` thinking blocks as `reasoning_content`."""
         blocks = [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
-        text = _joined(blocks)
+        pieces = _pieces(blocks)
+        text = template_content(pieces)
         if self.role == "assistant":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             thought = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock) and trusted(b))
@@ -114,11 +140,11 @@ class MessageParam(BaseModel):
                 ]
             return [message]
         results = [
-            {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+            {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.template_content()}
             for b in blocks
             if isinstance(b, ToolResultBlock)
         ]
-        return results + ([{"role": "user", "content": text}] if text or not results else [])
+        return results + ([{"role": "user", "content": text}] if any(pieces) or not results else [])
 
 
 class ToolParam(BaseModel):
@@ -237,12 +263,17 @@ class MessagesBody(CountTokensBody):
 
 
 def _joined(blocks: Sequence[BaseModel]) -> str:
-    """The text of `blocks`' text blocks; an image or document among them is refused
-    (`UnsupportedContent`), as mlxkv serves text models."""
+    """The text of `blocks`' text blocks (a system prompt's)."""
+    return "".join(b.text for b in blocks if isinstance(b, TextBlock))
+
+
+def _pieces(blocks: Sequence[BaseModel]) -> list[str | ImageRef]:
+    """The text and images of `blocks`, in order (as `template_content` reads them); a document
+    among them is refused (`UnsupportedContent`)."""
     media = next((b for b in blocks if isinstance(b, MediaBlock)), None)
     if media is not None:
         raise UnsupportedContent(media.type, media.type)
-    return "".join(b.text for b in blocks if isinstance(b, TextBlock))
+    return [b.text if isinstance(b, TextBlock) else b.image() for b in blocks if isinstance(b, (TextBlock, ImageBlock))]
 
 
 class TextContent(BaseModel):

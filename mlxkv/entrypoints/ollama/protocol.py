@@ -18,7 +18,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from ..errors import ServingError, UnsupportedContent
+from ..errors import ServingError
+from ..images import from_base64, template_content
 from ..sampling_defaults import effort_fields, effort_kwargs
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these routes follow, for apps that check it
@@ -70,11 +71,9 @@ class OllamaMessage(BaseModel):
     thinking: str | None = None  # an earlier reply's reasoning, sent back
 
     def as_template_input(self, index: int) -> dict[str, Any]:
-        """The message as chat templates read it; calls get ids (Ollama's have none), a tool's
-        answer the id of the call before it of that function."""
-        if self.images:
-            raise UnsupportedContent("image", "images")
-        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        """The message as chat templates read it (its images, base64, before its text); calls get ids
+        (Ollama's have none), a tool's answer the id of the call before it of that function."""
+        message: dict[str, Any] = {"role": self.role, "content": with_images(self.content, self.images)}
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": f"call_{index}_{i}", "type": "function", "function": call.function.model_dump()}
@@ -85,6 +84,11 @@ class OllamaMessage(BaseModel):
         if self.thinking:
             message["reasoning_content"] = self.thinking  # the name chat templates read
         return message
+
+
+def with_images(text: str, images: list[str] | None) -> str | list[dict[str, Any]]:
+    """Content as chat templates read it: `text` after the base64 `images`, as Ollama places them."""
+    return template_content([*(from_base64(image, "images") for image in images or []), text])
 
 
 class Body(BaseModel):

@@ -45,6 +45,7 @@ from .protocol import (
     ShowBody,
     Tags,
     Version,
+    with_images,
 )
 
 FOREVER = datetime(2318, 1, 1, tzinfo=timezone.utc)  # when a model kept forever expires, as Ollama says it
@@ -76,17 +77,20 @@ class OllamaServing:
 
     async def generate(self, body: GenerateBody, request: HTTPRequest) -> Any:
         self._check_model(body.model)
-        if body.images:
-            with self.core.reading("images"):
-                raise UnsupportedContent("image", "images")
         if body.loads_only:
             return _loaded(body, self.core.model_id, "response")
         completing = body.raw or not self.core.tokenizer.has_chat_template  # the text continues the prompt
+        if completing and body.images:
+            with self.core.reading("images"):
+                if self.core.llm.engine.vision is None:
+                    raise UnsupportedContent("image", "images")
+                raise ValueError("images go with the chat template; a raw prompt takes none")
         if completing:
             prompt = await self.core.encode((body.system + "\n" if body.system else "") + body.prompt)
         else:
             system = [{"role": "system", "content": body.system}] if body.system else []
-            user = [{"role": "user", "content": body.prompt}]
+            with self.core.reading("images"):
+                user = [{"role": "user", "content": with_images(body.prompt, body.images)}]
             prompt = await self.core.chat_prompt(system + user, field="prompt", template_kwargs=body.template_kwargs())
         return await self._respond(body, prompt, request, "response", None, completing)
 

@@ -24,6 +24,7 @@ from ...engine.sampling.params import CONSTRAINTS, SamplingParams
 from ...engine.sampling.sampler import TokenLogprob as TokenScore
 from ..core import forced_tools
 from ..errors import ServingError, UnsupportedContent
+from ..images import ImageRef, from_url, template_content
 from ..prompts import request_template_kwargs
 from ..sampling_defaults import effort_fields
 
@@ -120,15 +121,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `detail`: the processor sizes images by its own settings
+    url: str
+
+
+class ImagePart(BaseModel):
+    """An image: a base64 data URL, or an http(s) URL the server fetches."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class MediaPart(BaseModel):
-    """An image, audio or file part: read only to be refused, as mlxkv serves text models."""
+    """An audio or file part: read only to be refused, as mlxkv's models read text and images."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["image_url", "input_audio", "file"]
+    type: Literal["input_audio", "file"]
 
 
-MEDIA = {"image_url": "image", "input_audio": "audio", "file": "file"}
-Part = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+MEDIA = {"input_audio": "audio", "file": "file"}
+Part = Annotated[TextPart | ImagePart | MediaPart, Field(discriminator="type")]
 
 
 class CalledFunction(BaseModel):
@@ -158,8 +171,9 @@ class Message(BaseModel):
         media = next((p.type for p in content if isinstance(p, MediaPart)), None) if isinstance(content, list) else None
         if media is not None:
             raise UnsupportedContent(MEDIA[media], media)
-        text = content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, TextPart))
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        pieces = [content] if isinstance(content, str) else [_piece(p) for p in content]
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": template_content(pieces)}
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _object(c)}}
@@ -171,6 +185,14 @@ class Message(BaseModel):
         if thought:
             message["reasoning_content"] = thought
         return message
+
+
+def _piece(part: TextPart | ImagePart | MediaPart) -> str | ImageRef:
+    """A content part as `template_content` reads it: its text, or its image."""
+    if isinstance(part, ImagePart):
+        return from_url(part.image_url.url, "image_url")
+    assert isinstance(part, TextPart)
+    return part.text
 
 
 def _object(call: MessageToolCall) -> Any:

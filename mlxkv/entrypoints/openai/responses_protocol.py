@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from ...engine.sampling.params import CONSTRAINTS
 from ..core import forced_tools
 from ..errors import UnsupportedContent
+from ..images import ImageRef, from_url, template_content
 from ..prompts import request_template_kwargs
 from ..sampling_defaults import effort_fields
 from .protocol import SAMPLING_FIELDS, TokenLogprob
@@ -133,7 +134,7 @@ def template_inputs(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             content = item.get("content", "")
-            text = content if isinstance(content, str) else _text(content)
+            text = content if isinstance(content, str) else _content(content)
             role = "system" if item.get("role") == "developer" else item.get("role", "user")
             if role == "assistant" and messages and messages[-1].keys() == {"role", "content", "reasoning_content"}:
                 messages[-1]["content"] = text  # the answer after its reasoning
@@ -168,6 +169,20 @@ def _text(parts: list[dict[str, Any]]) -> str:
     if media is not None:
         raise UnsupportedContent(MEDIA[media], media)
     return "".join(part.get("text", "") for part in parts)
+
+
+def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's content as chat templates read it (`template_content`): its text parts, and its
+    `input_image` parts (a data or http(s) `image_url`); a file or audio part is refused."""
+    pieces: list[str | ImageRef] = []
+    for part in parts:
+        if part.get("type") != "input_image":
+            pieces.append(_text([part]))
+        elif isinstance(part.get("image_url"), str):
+            pieces.append(from_url(part["image_url"], "input_image"))
+        else:
+            raise ValueError("input_image: give its image_url (a data URL or http(s)); file_id is not supported")
+    return template_content(pieces)
 
 
 class OutputText(BaseModel):

@@ -1,0 +1,99 @@
+"""Images in the paged batch: mlx-vlm's greedy tokens for prompts with one and two images, alone and
+batched with text requests, in both layouts; and a prefix cache that tells images apart."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from mlxkv import LLM, SamplingParams
+from mlxkv.engine.images import ImagePrompt
+from mlxkv.models.random_vision_model import VISION_TYPES, make_vision_checkpoint
+
+mlx_vlm = pytest.importorskip("mlx_vlm")
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.xdist_group("images")]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+QUESTION = "Describe the image."
+
+
+def picture(seed: int, size=(48, 64)):
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module", params=VISION_TYPES)
+def family(request, tmp_path_factory):
+    """A tiny random checkpoint of each family, mlx-vlm's model and processor for it, and a prompt
+    with n images as mlx-vlm's chat template writes it."""
+    path = make_vision_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, processor = mlx_vlm.load(str(path))
+
+    def prompt(n: int, question: str = QUESTION) -> str:
+        return mlx_vlm.apply_chat_template(processor, model.config, question, num_images=n)
+
+    def prefaced(n: int) -> str:
+        """A prompt with text before its images, so that pages fill before the first placeholder."""
+        content = [{"type": "text", "text": "Here is a photo from our trip to the coast last week. "}]
+        content += [{"type": "image"}] * n + [{"type": "text", "text": QUESTION}]
+        messages = [{"role": "user", "content": content}]
+        return processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def reference(n: int, images) -> list[int]:
+        """mlx-vlm's greedy tokens: its last response holds them all."""
+        *_, last = mlx_vlm.stream_generate(model, processor, prompt(n), image=list(images), max_tokens=8, temperature=0)
+        return list(last.token_ids)
+
+    prompt.prefaced = prefaced
+    return path, prompt, reference
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_tokens_equal_mlx_vlm_with_one_and_two_images_alone_and_batched(family, layout):
+    path, prompt, reference = family
+    images = [picture(1), picture(2, (64, 48))]
+    expected = {n: reference(n, images[:n]) for n in (1, 2)}
+    llm = LLM(str(path), kv_layout=layout, max_num_seqs=8, page_size=8)
+    texts = ["The sky is", "Once upon a time"]
+    alone = {t: llm.generate(t, GREEDY)[0].token_ids for t in texts}
+    for n in (1, 2):
+        (done,) = llm.generate(ImagePrompt(prompt(n), images[:n]), GREEDY, continuation=False)
+        assert done.token_ids == expected[n]
+    batch = [texts[0], ImagePrompt(prompt(1), images[:1]), texts[1], ImagePrompt(prompt(2), images)]
+    done = llm.generate(batch, GREEDY, continuation=False)
+    assert [d.token_ids for d in done] == [alone[texts[0]], expected[1], alone[texts[1]], expected[2]]
+    assert llm.stats().kv.pages_used == 0
+
+
+def test_sixteen_images_behind_the_same_text_get_sixteen_answers(family):
+    """vllm-mlx keyed its prefix cache on token ids alone and answered every page with the first
+    image's reply: here each request's answer is its cold run's."""
+    path, prompt, _ = family
+    images = [picture(100 + i) for i in range(16)]
+    cold = LLM(str(path), prefix_caching=False, max_num_seqs=16)
+    runs = [cold.generate(ImagePrompt(prompt(1), [image]), GREEDY, continuation=False)[0] for image in images]
+    expected = [run.token_ids for run in runs]
+    assert len({tuple(tokens) for tokens in expected}) > 1  # the images do change the answer
+    warm = LLM(str(path), max_num_seqs=16, page_size=8)
+    warm.generate(ImagePrompt(prompt(1), images[:1]), GREEDY, continuation=False)  # cached: the first image's pages
+    done = warm.generate([ImagePrompt(prompt(1), [image]) for image in images], GREEDY, continuation=False)
+    assert [d.token_ids for d in done] == expected
+
+
+def test_the_same_image_reuses_every_page_and_another_only_those_before_it(family):
+    path, prompt, _ = family
+    llm = LLM(str(path), max_num_seqs=4, page_size=8)
+    if not llm.stats().prefix_caching:
+        pytest.skip("this family shares no pages (Gemma 4: sliding-window layers no longer hold a prefix)")
+    text = prompt.prefaced(1)
+    first = llm.engine.place_images(ImagePrompt(text, [picture(7)]))
+    placeholder = int(first.images.images[0].placeholders[0])
+    assert placeholder >= 8  # a page or more before the image
+    llm.generate(ImagePrompt(text, [picture(7)]), GREEDY, continuation=False)
+    (again,) = llm.generate(ImagePrompt(text, [picture(7)]), GREEDY, continuation=False)
+    assert again.num_cached_tokens == (len(first) - 1) // 8 * 8  # every full page but the one with the last token
+    (other,) = llm.generate(ImagePrompt(text, [picture(8)]), GREEDY, continuation=False)
+    assert other.num_cached_tokens == placeholder // 8 * 8  # the pages before the image's first placeholder
