@@ -29,7 +29,9 @@ from ..engine.sampling.params import SamplingParams
 from ..errors import MlxkvError, counted
 from ..models.loading import DEMO_MODEL, load, model_context, resolve_model_path
 from ..models.sharding import world
+from ..models.vision import attached
 from .cli_options import PanelledCommand, fail, in_flags, with_settings
+from .images import ImageRef, from_file, template_content
 from .llm import LLM, Stream
 from .prompts import prompt_ids, template_kwargs_of
 from .sampling_defaults import CONVERSATION, conversation_sampling
@@ -217,6 +219,12 @@ def generate(
     ignore_chat_template: bool = typer.Option(
         False, help="Use the prompt as is, without the chat template.", rich_help_panel="Prompt"
     ),
+    image: list[str] = typer.Option(
+        [],
+        "--image",
+        help="An image file the prompt is about, for a multimodal model (repeatable).",
+        rich_help_panel="Prompt",
+    ),
     verbose: bool = VERBOSE,
     reasoning: bool = REASONING,
     *,
@@ -234,10 +242,11 @@ def generate(
         text = utf8(sys.stdin.buffer.read(), "the prompt on stdin") if prompt == "-" else utf8(prompt, "--prompt")
         group = world()
         loaded = load(model, group)
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": text}
-        ]
-        ids = prompt_ids(loaded[1], messages, ignore_chat_template, template_kwargs=kwargs)
+        pieces: list[str | ImageRef] = [*(from_file(path, "--image") for path in image), text]
+        system: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages = system + [{"role": "user", "content": template_content(pieces)}]
+        vision = attached(loaded[0])
+        ids = prompt_ids(loaded[1], messages, ignore_chat_template, template_kwargs=kwargs, vision=vision)
         context = context_length(config.max_model_len, model_context(loaded[0]))
         config = replace(config, max_model_len=min(context, len(ids) + params.max_tokens))
         run_and_report(LLM(loaded, config=config, group=group), ids, params, verbose, reasoning)
@@ -249,6 +258,7 @@ BANNER = (
     "Chat: type a message. /stats shows the last reply's figures, /reset starts over, /exit or Ctrl-D quits, "
     "Ctrl-C stops a reply (and drops the turn)."
 )
+IMAGE_HELP = "/image PATH attaches an image to your next message."
 CHAT_VERBOSE = typer.Option(
     False, "--verbose/--no-verbose", help="Print the figures after each reply (/stats prints the last reply's)."
 )
@@ -278,12 +288,12 @@ def chat(
         params = replace(params, **{k: v for k, v in recommended.items() if not given(ctx, k)})
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
-    typer.echo(BANNER)
+    typer.echo(BANNER + (" " + IMAGE_HELP if llm.engine.vision is not None else ""))
     typer.echo(f"Sampling: {sampling_line(params)}.")
     if sys.stdin.isatty():
         import readline  # noqa: F401  (input() gets line editing and history)
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages, last = list(system), None
+    system: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages, last, images = list(system), None, list[ImageRef]()
     while True:
         try:
             line = utf8(input(">> "), "that line")
@@ -299,8 +309,15 @@ def chat(
         if line.strip() == "/exit":
             return
         if line.strip() == "/reset":
-            messages = list(system)
+            messages, images = list(system), []
             typer.echo("[conversation reset]")
+            continue
+        if line.startswith("/image "):
+            try:
+                images.append(from_file(line.removeprefix("/image ").strip(), "/image"))
+                typer.echo(f"[{counted(len(images), 'image')} attached to your next message]")
+            except ValueError as exc:
+                typer.echo(f"error: {exc}", err=True)
             continue
         if line.strip() == "/stats":
             if last is None:
@@ -308,8 +325,9 @@ def chat(
             else:
                 report(llm, last)
             continue
-        messages.append({"role": "user", "content": line})
+        messages.append({"role": "user", "content": template_content([*images, line])})
         messages, last = chat_turn(llm, messages, params, verbose, reasoning, kwargs)
+        images = []
 
 
 def sampling_line(params: SamplingParams) -> str:
@@ -329,12 +347,12 @@ def given(ctx: typer.Context, name: str) -> bool:
 
 def chat_turn(
     llm: LLM,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     params: SamplingParams,
     verbose: bool,
     reasoning: bool = True,
     template_kwargs: dict[str, Any] | None = None,
-) -> tuple[list[dict[str, str]], Request | None]:
+) -> tuple[list[dict[str, Any]], Request | None]:
     """Answer the last message within what is left of the context (the template reading
     `template_kwargs`); returns the conversation after it, and the reply's request (None when
     there was none)."""

@@ -40,7 +40,7 @@ class UnsupportedContent(ValueError):
     as `block` (the API's name for it): each API refuses it naming both, and the model."""
 
     def __init__(self, kind: str, block: str) -> None:
-        super().__init__(f"{kind} content ({block}) is not supported")
+        super().__init__(f"{kind} content ({block}) is not supported by this model")
         self.kind, self.block = kind, block
 
 

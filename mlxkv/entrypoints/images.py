@@ -12,6 +12,7 @@ import base64
 import binascii
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -59,6 +60,17 @@ def from_base64(data: str, block: str) -> ImageRef:
     if len(raw) > MAX_IMAGE_BYTES:
         raise ValueError(f"{block}: the image is over {MAX_IMAGE_BYTES >> 20} MB")
     return ImageRef(block, data=raw)
+
+
+def from_file(path: str, block: str) -> ImageRef:
+    """An image file on this machine; ValueError naming `block` if it cannot be read."""
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{block}: cannot read {path!r} ({exc.strerror or exc})") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"{block}: {path!r} is over {MAX_IMAGE_BYTES >> 20} MB")
+    return ImageRef(block, data=data)
 
 
 def from_url(url: str, block: str) -> ImageRef:

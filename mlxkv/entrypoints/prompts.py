@@ -7,9 +7,10 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..engine.images import ImagePrompt
+from ..engine.images import ImagePrompt, place_images
 from ..engine.inputs import encode_text
 from ..engine.llm_engine import LLMEngine
+from ..models.vision import Vision
 from .errors import UnreadableImage, UnsupportedContent
 from .images import image_refs
 from .sampling_defaults import effort_kwargs
@@ -56,15 +57,18 @@ def prompt_ids(
     cache_salt: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
     fetch_urls: bool = True,
+    vision: Vision | None = None,
 ) -> list[int]:
     """The prompt for `messages` (`role`/`content` dicts), ending where the assistant's reply
     begins; the template shows the model `tools` (OpenAI's function entries) where given, and
     reads `template_kwargs` (`enable_thinking`, say). With `engine`, replies it produced (under
     `cache_salt`) keep the token ids it produced them as, so that a next turn reuses the pages of
     the turns before. A conversation with images (`images.ImageRef` parts) gives a `PlacedPrompt`,
-    its images read (URLs fetched if `fetch_urls`); `UnsupportedContent` for a model without vision."""
+    its images read (URLs fetched if `fetch_urls`) and placed by the engine's vision (or `vision`,
+    without an engine); `UnsupportedContent` for a model without one."""
     images = image_refs(messages)
-    if images and (engine is None or engine.vision is None):
+    vision = engine.vision if engine is not None else vision
+    if images and vision is None:
         raise UnsupportedContent("image", images[0].block)
     templated = tokenizer.has_chat_template and not ignore_template
     if images and not templated:
@@ -80,10 +84,10 @@ def prompt_ids(
     else:
         text = plain_text(messages)
     if images:
-        assert engine is not None
+        assert vision is not None
         try:
             prompt = ImagePrompt(text, [image.read(fetch_urls) for image in images])
-            return engine.place_images(prompt, cache_salt, templated)
+            return place_images(tokenizer, vision, prompt, engine.recent if engine else None, cache_salt, templated)
         except ValueError as exc:
             raise UnreadableImage(str(exc)) from None
     return encode_text(tokenizer, text, engine.recent if engine else None, cache_salt, templated)

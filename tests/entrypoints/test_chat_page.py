@@ -309,3 +309,44 @@ def test_a_thinking_model_s_reasoning_is_folded_above_its_answer(tmp_path):
     finally:
         browser.quit()
         stop_server(proc)
+
+
+def test_an_attached_image_goes_with_the_message_and_the_reply_streams_in(tmp_path):
+    """A model that reads images shows an Image button: a picked image is shown in the user's turn
+    and sent as an image_url part with the message; the reply streams in. The page as it looks
+    then is kept in `MLXKV_SCREENSHOT` if set (the issue's closing note shows it)."""
+    pytest.importorskip("mlx_vlm")
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    from mlxkv.models.random_vision_model import make_vision_checkpoint
+
+    make_vision_checkpoint(tmp_path / "tiny-vision", "qwen3_vl")
+    picture = tmp_path / "cat.png"
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(picture)
+    proc, url = start_server("--model", "tiny-vision", "--max-model-len", "512", cwd=tmp_path)
+    browser = chromium()
+    try:
+        browser.get(url + "/")
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "attach-label").is_displayed())
+        record_requests(browser)
+        set_field(browser, "max-tokens", "12")
+        browser.find_element(By.ID, "attach").send_keys(str(picture))
+        WebDriverWait(browser, 10).until(lambda b: b.find_elements(By.CSS_SELECTOR, "#attached img"))
+        send(browser, "What is in this picture?")
+        WebDriverWait(browser, 60).until(lambda b: "tokens/s" in b.find_element(By.ID, "figures").text)
+        (body,) = browser.execute_script("return window.sent")
+        image, text = body["messages"][-1]["content"]
+        assert image["type"] == "image_url" and image["image_url"]["url"].startswith("data:image/png;base64,")
+        assert text == {"type": "text", "text": "What is in this picture?"}
+        shown = turns(browser)
+        assert shown[0] == ("turn user", "What is in this picture?") and shown[1][0] == "turn assistant"
+        assert shown[1][1].strip() and browser.find_elements(By.CSS_SELECTOR, "#log .user img")
+        assert not browser.find_elements(By.CSS_SELECTOR, "#attached img")  # sent: the next message has none
+        if os.environ.get("MLXKV_SCREENSHOT"):
+            browser.save_screenshot(os.environ["MLXKV_SCREENSHOT"])
+    finally:
+        browser.quit()
+        stop_server(proc)

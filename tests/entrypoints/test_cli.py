@@ -510,3 +510,52 @@ def test_a_hybrid_generates_mlx_lms_text_and_its_chat_turns_reuse_the_one_before
     assert chat.exit_code == 0, chat.output
     reused = [int(n) for n in re.findall(r"prefix cache: (\d+) of \d+ prompt tokens reused", chat.stdout)]
     assert len(reused) == 2 and reused[0] == 0 and reused[1] > 0, chat.stdout
+
+
+@pytest.fixture(scope="module")
+def seeing(tmp_path_factory):
+    """A tiny Qwen3-VL checkpoint and a picture for it, as files."""
+    pytest.importorskip("mlx_vlm")
+    import numpy as np
+    from PIL import Image
+
+    from mlxkv.models.random_vision_model import make_vision_checkpoint
+
+    folder = tmp_path_factory.mktemp("seeing")
+    picture = folder / "cat.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(picture)
+    return make_vision_checkpoint(folder / "qwen3-vl", "qwen3_vl"), picture
+
+
+def test_generate_and_chat_read_an_image_file(seeing):
+    from mlxkv import ImagePrompt
+
+    path, picture = seeing
+    llm = LLM(str(path))
+    content = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    (expected,) = llm.generate(ImagePrompt(text, [str(picture)]), greedy, continuation=False)
+    flags = ["--model", str(path), "--temp", "0", "-m", "6"]
+    result = runner.invoke(app, ["generate", *flags, "--image", str(picture), "--prompt", "What is this?"])
+    assert result.exit_code == 0, result.output
+    assert generated_text(result.stdout) == expected.text
+    result = runner.invoke(app, ["chat", *flags], input=f"/image {picture}\nWhat is this?\n/image nowhere.png\n")
+    assert result.exit_code == 0, result.output
+    assert (
+        "/image PATH attaches an image" in result.stdout and "[1 image attached to your next message]" in result.stdout
+    )
+    assert expected.text in result.stdout
+    assert "error: /image: cannot read 'nowhere.png' (No such file or directory)" in result.output
+
+
+def test_generate_refuses_an_image_for_a_text_model_in_one_line(checkpoint, tmp_path):
+    picture = tmp_path / "cat.png"
+    picture.write_bytes(b"\x89PNG")
+    result = runner.invoke(
+        app, ["generate", "--model", str(checkpoint("llama-fp32")), "--image", str(picture), "-m", "2"]
+    )
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == "error: image content (--image) is not supported by this model"

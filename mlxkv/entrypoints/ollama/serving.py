@@ -138,7 +138,9 @@ class OllamaServing:
                 "general.parameter_count": self.parameters,
                 f"{architecture}.context_length": self.core.llm.engine.max_request_tokens,
             },
-            capabilities=["completion"] + (["tools"] if tokenizer.has_tool_calling else []),
+            capabilities=["completion"]
+            + (["tools"] if tokenizer.has_tool_calling else [])
+            + (["vision"] if self.core.llm.engine.vision is not None else []),
             modified_at=self.created.isoformat(),
             parameters="\n".join(f"{name} {value:g}" for name, value in self.core.defaults.items()),
         )
