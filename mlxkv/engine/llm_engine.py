@@ -20,10 +20,10 @@ from ..cache.pins import Pin
 from ..cache.prefix_cache import PrefixCacheStats
 from ..config import EngineConfig
 from ..deprecation import warn
-from ..errors import TensorParallelError, UnknownSequenceError
+from ..errors import TensorParallelError, UnknownSequenceError, counted
 from ..models.structure import vocab_size
 from .builder import build_engine
-from .images import ImagePrompt, PlacedPrompt, place_images, step_media
+from .images import ImagePrompt, PlacedPrompt, PromptImages, place_images, step_media
 from .inputs import encode_prompt, new_request, request_key
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -161,6 +161,18 @@ class LLMEngine:
             raise ValueError("images: this model takes no images (it has no vision tower mlxkv can run)")
         return place_images(self.tokenizer, self.vision, prompt, self.recent, cache_salt, templated)
 
+    def _check_images(self, images: PromptImages) -> None:
+        """Refuse (ValueError) images the step reserve cannot encode, as each is encoded in a step."""
+        assert self.vision is not None
+        need = max(self.vision.encode_bytes(placed.image) for placed in images.images)
+        if need > self.memory.reserve:
+            biggest = max(placed.image.placeholders.size for placed in images.images)
+            raise ValueError(
+                f"images: {counted(len(images.images), 'image')}, the largest of {counted(biggest, 'placeholder')}, "
+                f"need about {need / 1e9:.2f} GB to encode, more than the step reserve of "
+                f"{self.memory.reserve / 1e9:.2f} GB; send smaller images or raise memory_limit"
+            )
+
     def new_request_id(self) -> str:
         """An automatic request id that no live request uses."""
         with self._lock:
@@ -203,6 +215,8 @@ class LLMEngine:
             continuation,
         )
         request.images = prompt.images if isinstance(prompt, PlacedPrompt) else None
+        if request.images is not None:
+            self._check_images(request.images)
         if not continuation and self.think_markers is not None:
             request.reasoning = reasoning_for(self.think_markers, request, self.tokenizer.detokenizer)
         with self._lock:

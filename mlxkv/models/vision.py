@@ -111,6 +111,17 @@ class Vision:
     def weight_bytes(self) -> int:
         return sum(a.nbytes for a in self.weights())
 
+    def encode_bytes(self, image: ProcessedImage) -> int:
+        """About the most bytes the vision tower's temporaries take to encode `image`: one layer's
+        attention scores over its patches in float32 (MLX's fused attention on a Mac holds less)
+        and a few copies of a layer's activations."""
+        config = self.model.config.vision_config
+        channels = getattr(config, "in_channels", None) or getattr(config, "num_channels", None) or 3
+        per_patch = channels * config.patch_size**2 * (getattr(config, "temporal_patch_size", None) or 1)
+        patches = image.arrays["pixel_values"].size // per_patch
+        heads = getattr(config, "num_heads", None) or config.num_attention_heads
+        return int(4 * heads * patches**2 + 4 * 16 * patches * config.hidden_size)
+
     def process(self, image: Any) -> ProcessedImage:
         """`image` (a PIL image) as the processor makes it for one placeholder; ValueError if it cannot."""
         try:

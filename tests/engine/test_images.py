@@ -97,3 +97,16 @@ def test_the_same_image_reuses_every_page_and_another_only_those_before_it(famil
     assert again.num_cached_tokens == (len(first) - 1) // 8 * 8  # every full page but the one with the last token
     (other,) = llm.generate(ImagePrompt(text, [picture(8)]), GREEDY, continuation=False)
     assert other.num_cached_tokens == placeholder // 8 * 8  # the pages before the image's first placeholder
+
+
+def test_images_the_step_reserve_cannot_encode_are_refused_in_one_line(family):
+    """Each image is encoded inside a step, within the step reserve: one that would need more is
+    refused when it is added, naming the images and the reserve, and nothing else changes."""
+    from dataclasses import replace
+
+    path, prompt, _ = family
+    llm = LLM(str(path))
+    llm.engine.memory = replace(llm.engine.memory, reserve=1000)
+    with pytest.raises(ValueError, match=r"^images: 2 images, the largest of \d+ placeholders, need about 0\.00 GB"):
+        llm.generate(ImagePrompt(prompt(2), [picture(1), picture(2)]), GREEDY)
+    assert llm.stats().running == llm.stats().waiting == 0 and llm.stats().kv.pages_used == 0
