@@ -19,11 +19,13 @@ from packaging.utils import canonicalize_name
 def requirements(extras: tuple[str, ...]) -> set[str]:
     """The canonical names of the distributions that mlxkv with `extras` needs, installed here."""
     needed: set[str] = set()
+    seen: set[tuple[str, tuple[str, ...]]] = set()  # a distribution may be asked for with more extras later
     todo = [("mlxkv", extras)]
     while todo:
         name, wanted = todo.pop()
-        if name in needed:
+        if (name, wanted) in seen:
             continue
+        seen.add((name, wanted))
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:  # a requirement for another platform

@@ -43,8 +43,16 @@ API = [
         ValueError,
         r"logprobs must be an integer in \[0, 20\] or None, got 21",
     ),
-    (lambda llm, m: llm.generate(b"abc"), TypeError, "prompts must be text, token ids, or a list of those, got bytes"),
-    (lambda llm, m: llm.generate(5.0), TypeError, "prompts must be text, token ids, or a list of those, got float"),
+    (
+        lambda llm, m: llm.generate(b"abc"),
+        TypeError,
+        "prompts must be text, token ids, an ImagePrompt, or a list of those, got bytes",
+    ),
+    (
+        lambda llm, m: llm.generate(5.0),
+        TypeError,
+        "prompts must be text, token ids, an ImagePrompt, or a list of those, got float",
+    ),
     (lambda llm, m: llm.generate([[1.5, 2]]), TypeError, "prompt token ids must be integers, got 1.5"),
     (lambda llm, m: llm.generate([["5", "6"]]), TypeError, "prompt token ids must be integers, got '5'"),
     (lambda llm, m: llm.generate([[True, 2]]), TypeError, "prompt token ids must be integers, got True"),

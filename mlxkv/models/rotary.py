@@ -113,8 +113,9 @@ class Positions:
     def select(self, rotated: list[mx.array]) -> mx.array:
         """Each dim of a head from the rotation at its M-RoPE axis (`rotated[axis]`)."""
         assert self.axis_of_dim is not None
-        head_dim = rotated[0].shape[-1]
-        axis = self.axis_of_dim[:head_dim]
+        head_dim, axis = rotated[0].shape[-1], self.axis_of_dim
+        if axis.shape[0] < head_dim:  # dims past a partial rotation turn at no axis: any will do
+            axis = mx.concatenate([axis, mx.zeros((head_dim - axis.shape[0],), axis.dtype)])
         out = rotated[0]
         for number, other in enumerate(rotated[1:], start=1):
             out = mx.where(axis == number, other, out)
