@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from .random_model import write_tokenizer
 
-VISION_TYPES = ("qwen3_vl", "mistral3", "gemma4")
+VISION_TYPES = ("qwen3_vl", "qwen3_5", "mistral3", "gemma4")
 
 # The text model's shape; `make_vision_checkpoint`'s `shape` overrides any of these keys.
 TINY_TEXT = dict(
@@ -48,6 +48,7 @@ class _Family:
     chat_template: str
     config: Callable[[dict[str, Any], int], dict[str, Any]]  # config.json from the text shape and vocabulary size
     processor: dict[str, dict[str, Any]]  # the image processor's files
+    shape: dict[str, Any] = field(default_factory=dict)  # the family's own text shape, over TINY_TEXT
 
 
 QWEN3_VL_TOKENS = (
@@ -77,14 +78,19 @@ QWEN3_VL_TEMPLATE = (
 )
 
 
-def _qwen3_vl_config(text: dict[str, Any], vocab_size: int) -> dict[str, Any]:
-    """Qwen3-VL: interleaved multimodal RoPE, a vision tower whose first block also feeds the text
-    model's first layer (deepstack)."""
+def _mrope_section(rotated: int) -> list[int]:
+    """How the `rotated` dims of a head split their frequencies among time, height and width (as
+    Qwen's [24, 20, 20] of 128, interleaved)."""
+    half = rotated // 2
+    return [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]
+
+
+def _qwen_config(model_type: str, text: dict[str, Any], vocab_size: int, deepstack: list[int]) -> dict[str, Any]:
+    """What Qwen3-VL's and Qwen3.5's configs share: the image and turn token ids, and a vision tower
+    (learned position grid, 2x2 merge) whose `deepstack` blocks also feed the text model's first layers."""
     ids = {token: i for i, token in enumerate(QWEN3_VL_TOKENS)}
-    half = text["head_dim"] // 2  # the rotary frequencies, split among time, height and width
     return dict(
-        model_type="qwen3_vl",
-        architectures=["Qwen3VLForConditionalGeneration"],
+        model_type=model_type,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
@@ -93,25 +99,8 @@ def _qwen3_vl_config(text: dict[str, Any], vocab_size: int) -> dict[str, Any]:
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=False,
         vocab_size=vocab_size,
-        text_config=dict(
-            text,
-            model_type="qwen3_vl_text",
-            hidden_act="silu",
-            rms_norm_eps=1e-6,
-            vocab_size=vocab_size,
-            max_position_embeddings=4096,
-            rope_theta=5000000.0,
-            rope_scaling=dict(
-                rope_type="default",
-                mrope_interleaved=True,
-                mrope_section=[half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16],
-            ),
-            attention_bias=False,
-            tie_word_embeddings=False,
-            eos_token_id=ids["<|im_end|>"],
-        ),
         vision_config=dict(
-            model_type="qwen3_vl",
+            model_type=model_type,
             depth=2,
             hidden_size=TINY_VISION["hidden_size"],
             intermediate_size=TINY_VISION["intermediate_size"],
@@ -123,10 +112,112 @@ def _qwen3_vl_config(text: dict[str, Any], vocab_size: int) -> dict[str, Any]:
             in_channels=3,
             hidden_act="gelu_pytorch_tanh",
             num_position_embeddings=64,  # a learned 8x8 grid
-            deepstack_visual_indexes=[0],
+            deepstack_visual_indexes=deepstack,
         ),
     )
 
+
+def _qwen3_vl_config(text: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """Qwen3-VL: interleaved multimodal RoPE over whole heads, a vision tower whose first block also
+    feeds the text model's first layer (deepstack)."""
+    config = _qwen_config("qwen3_vl", text, vocab_size, deepstack=[0])
+    return dict(
+        config,
+        architectures=["Qwen3VLForConditionalGeneration"],
+        text_config=dict(
+            text,
+            model_type="qwen3_vl_text",
+            hidden_act="silu",
+            rms_norm_eps=1e-6,
+            vocab_size=vocab_size,
+            max_position_embeddings=4096,
+            rope_theta=5000000.0,
+            rope_scaling=dict(
+                rope_type="default", mrope_interleaved=True, mrope_section=_mrope_section(text["head_dim"])
+            ),
+            attention_bias=False,
+            tie_word_embeddings=False,
+            eos_token_id=config["eos_token_id"],
+        ),
+    )
+
+
+QWEN3_5_ROTARY = 0.25  # Qwen3.5 rotates a quarter of each head's dims
+
+
+def _qwen3_5_config(text: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """Qwen3.5: Gated DeltaNet layers with a gated full-attention layer every second (the released
+    models: every fourth), interleaved multimodal RoPE over the first quarter of each head; the
+    Qwen3-VL vision tower without deepstack."""
+    config = _qwen_config("qwen3_5", text, vocab_size, deepstack=[])
+    interval = 2
+    return dict(
+        config,
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        text_config=dict(
+            text,
+            model_type="qwen3_5_text",
+            hidden_act="silu",
+            rms_norm_eps=1e-6,
+            vocab_size=vocab_size,
+            max_position_embeddings=4096,
+            full_attention_interval=interval,
+            layer_types=[
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(text["num_hidden_layers"])
+            ],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            attn_output_gate=True,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000000.0,
+                partial_rotary_factor=QWEN3_5_ROTARY,
+                mrope_interleaved=True,
+                mrope_section=_mrope_section(int(text["head_dim"] * QWEN3_5_ROTARY)),
+            ),
+            attention_bias=False,
+            tie_word_embeddings=False,
+            eos_token_id=config["eos_token_id"],
+        ),
+    )
+
+
+QWEN_PROCESSOR = {
+    # An image's area is brought within [min_pixels, max_pixels], its sides to multiples of 16.
+    "preprocessor_config.json": dict(
+        image_processor_type="Qwen2VLImageProcessorFast",
+        processor_class="Qwen3VLProcessor",
+        patch_size=8,
+        temporal_patch_size=2,
+        merge_size=2,
+        size=dict(shortest_edge=16 * 16, longest_edge=64 * 64),
+        min_pixels=16 * 16,
+        max_pixels=64 * 64,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        do_convert_rgb=True,
+    ),
+    "video_preprocessor_config.json": dict(
+        video_processor_type="Qwen3VLVideoProcessor",
+        processor_class="Qwen3VLProcessor",
+        patch_size=8,
+        temporal_patch_size=2,
+        merge_size=2,
+        size=dict(shortest_edge=16 * 16, longest_edge=64 * 64 * 8),
+        fps=2,
+        min_frames=2,
+        max_frames=8,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    ),
+}
 
 QWEN3_VL = _Family(
     special_tokens=QWEN3_VL_TOKENS,
@@ -142,39 +233,12 @@ QWEN3_VL = _Family(
     ),
     chat_template=QWEN3_VL_TEMPLATE,
     config=_qwen3_vl_config,
-    processor={
-        # An image's area is brought within [min_pixels, max_pixels], its sides to multiples of 16.
-        "preprocessor_config.json": dict(
-            image_processor_type="Qwen2VLImageProcessorFast",
-            processor_class="Qwen3VLProcessor",
-            patch_size=8,
-            temporal_patch_size=2,
-            merge_size=2,
-            size=dict(shortest_edge=16 * 16, longest_edge=64 * 64),
-            min_pixels=16 * 16,
-            max_pixels=64 * 64,
-            image_mean=[0.5, 0.5, 0.5],
-            image_std=[0.5, 0.5, 0.5],
-            do_rescale=True,
-            rescale_factor=1 / 255,
-            do_normalize=True,
-            do_convert_rgb=True,
-        ),
-        "video_preprocessor_config.json": dict(
-            video_processor_type="Qwen3VLVideoProcessor",
-            processor_class="Qwen3VLProcessor",
-            patch_size=8,
-            temporal_patch_size=2,
-            merge_size=2,
-            size=dict(shortest_edge=16 * 16, longest_edge=64 * 64 * 8),
-            fps=2,
-            min_frames=2,
-            max_frames=8,
-            image_mean=[0.5, 0.5, 0.5],
-            image_std=[0.5, 0.5, 0.5],
-        ),
-    },
+    processor=QWEN_PROCESSOR,
 )
+
+# Qwen3-VL's tokens, template and processor. Both layer kinds twice; heads of 32 dims, a quarter of
+# them rotated: 4 frequencies, 2 turning at the time position and 1 each at height and width.
+QWEN3_5 = replace(QWEN3_VL, config=_qwen3_5_config, shape=dict(num_hidden_layers=4, head_dim=32))
 
 
 MISTRAL3_TOKENS = (
@@ -435,7 +499,7 @@ GEMMA4 = _Family(
     },
 )
 
-FAMILIES = {"qwen3_vl": QWEN3_VL, "mistral3": MISTRAL3, "gemma4": GEMMA4}
+FAMILIES = {"qwen3_vl": QWEN3_VL, "qwen3_5": QWEN3_5, "mistral3": MISTRAL3, "gemma4": GEMMA4}
 
 
 # How the initial weights are reshaped: the output head scaled up (as `random_model` does) for peaky
@@ -487,8 +551,9 @@ def make_vision_checkpoint(
     shape: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random `model_type` multimodal model (one of `VISION_TYPES`) with peaky logits to
-    `path`: its text model `TINY_TEXT` with `shape`'s keys overriding (`head_dim` defaults to
-    hidden_size // num_attention_heads when `shape` changes the width), a tiny vision tower either way.
+    `path`: its text model `TINY_TEXT` with the family's own keys and then `shape`'s overriding
+    (`head_dim` defaults to hidden_size // num_attention_heads when `shape` changes the width), a
+    tiny vision tower either way.
 
     Its weights are mlx's initial ones, reshaped by `_random_weights` so that greedy decoding writes
     varied text without near-ties and does not stop before its `max_tokens`."""
@@ -497,10 +562,10 @@ def make_vision_checkpoint(
     unknown = set(shape or {}) - set(TINY_TEXT)
     if unknown:
         raise ValueError(f"shape keys {sorted(unknown)} are not among {sorted(TINY_TEXT)}")
-    text: dict[str, Any] = {**TINY_TEXT, **(shape or {})}
-    if shape and "head_dim" not in shape:
-        text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
     family = FAMILIES[model_type]
+    text: dict[str, Any] = {**TINY_TEXT, **family.shape, **(shape or {})}
+    if shape and {"hidden_size", "num_attention_heads"} & set(shape) and "head_dim" not in shape:
+        text["head_dim"] = text["hidden_size"] // text["num_attention_heads"]
 
     from mlx_vlm.utils import get_model_and_args, load_config, update_module_configs
 

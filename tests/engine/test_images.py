@@ -96,7 +96,10 @@ def test_the_same_image_reuses_every_page_and_another_only_those_before_it(famil
     (again,) = llm.generate(ImagePrompt(text, [picture(7)]), GREEDY, continuation=False)
     assert again.num_cached_tokens == (len(first) - 1) // 8 * 8  # every full page but the one with the last token
     (other,) = llm.generate(ImagePrompt(text, [picture(8)]), GREEDY, continuation=False)
-    assert other.num_cached_tokens == placeholder // 8 * 8  # the pages before the image's first placeholder
+    if llm.stats().kv.states_total:  # a hybrid (Qwen3.5) keeps its recurrent state only past the image
+        assert other.num_cached_tokens == 0  # (at the prompt's snapshot point): no page before it is reusable
+    else:
+        assert other.num_cached_tokens == placeholder // 8 * 8  # the pages before the image's first placeholder
 
 
 def test_images_the_step_reserve_cannot_encode_are_refused_in_one_line(family):

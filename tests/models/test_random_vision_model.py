@@ -27,5 +27,5 @@ def test_a_checkpoint_loads_and_describes_an_image(tmp_path, model_type):
 
 
 def test_an_unknown_model_type_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"llama.*qwen3_vl, mistral3, gemma4"):
+    with pytest.raises(ValueError, match=r"llama.*qwen3_vl, qwen3_5, mistral3, gemma4"):
         make_vision_checkpoint(tmp_path, "llama")
