@@ -122,7 +122,7 @@ def place_images(
         placed.append(PromptImage(len(ids), processed))
         ids += processed.ids
         if piece:
-            ids += encode_text(tokenizer, piece, recent, salt, templated=True)
+            ids += encode_text(tokenizer, piece, recent, salt, templated=True)  # it continues the text: no BOS
     rope = vision.positions(np.asarray(ids, np.int64), [p.image for p in placed])
     positions, shift = rope if rope is not None else (None, 0)
     return PlacedPrompt(ids, PromptImages(tuple(placed), positions, shift))

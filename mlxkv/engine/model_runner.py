@@ -54,7 +54,11 @@ class ModelRunner:
         self.cache = cache
         self.attention = attention
         self.vision = vision
-        roles, layers = layer_roles(model), decoder_layers(model)
+        layers = decoder_layers(model)
+        for level, layer in enumerate(layers):  # an engine before wrapped them: the layers are wrapped afresh
+            if isinstance(layer, Deepstack):
+                layers[level] = layer.inner
+        roles = layer_roles(model)
         self.pads = pads_exactly(model, roles)  # else a step's prefill chunks run one by one
         # Always around mlx-lm's own module: a model handed to a second engine is wrapped afresh, alike.
         numbers = {index: number for number, index in enumerate(roles.attention)}
@@ -63,7 +67,7 @@ class ModelRunner:
             attn = mlx_lm_module(holder, name)
             adapter, number = adapter_for(model, index, attn), numbers[index if source is None else source]
             if vision is not None and vision.mrope is not None and hasattr(attn, "rope"):  # after the adapter took it
-                attn.rope = attn.rope if isinstance(attn.rope, AxisRope) else AxisRope(attn.rope)
+                attn.rope = AxisRope(mlx_lm_module(attn, "rope"))
             wrapped: PagedAttention
             if isinstance(adapter, Gemma4Adapter):
                 wrapped = SharingAttention(attn, number, adapter, source is not None)

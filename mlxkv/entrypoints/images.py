@@ -44,8 +44,7 @@ class ImageRef:
                 body = bytearray()
                 for chunk in response.iter_bytes():
                     body += chunk
-                    if len(body) > MAX_IMAGE_BYTES:
-                        raise ValueError(f"{self.block}: the image at {self.url} is over {MAX_IMAGE_BYTES >> 20} MB")
+                    _check_size(len(body), self.block, f"the image at {self.url}")
                 return bytes(body)
         except httpx.HTTPError as exc:
             raise ValueError(f"{self.block}: could not fetch {self.url}: {exc}") from None
@@ -57,8 +56,7 @@ def from_base64(data: str, block: str) -> ImageRef:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError(f"{block}: the image data is not base64") from None
-    if len(raw) > MAX_IMAGE_BYTES:
-        raise ValueError(f"{block}: the image is over {MAX_IMAGE_BYTES >> 20} MB")
+    _check_size(len(raw), block, "the image")
     return ImageRef(block, data=raw)
 
 
@@ -68,9 +66,14 @@ def from_file(path: str, block: str) -> ImageRef:
         data = Path(path).expanduser().read_bytes()
     except OSError as exc:
         raise ValueError(f"{block}: cannot read {path!r} ({exc.strerror or exc})") from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"{block}: {path!r} is over {MAX_IMAGE_BYTES >> 20} MB")
+    _check_size(len(data), block, repr(path))
     return ImageRef(block, data=data)
+
+
+def _check_size(size: int, block: str, what: str) -> None:
+    """ValueError naming `block` and `what` for an image file over `MAX_IMAGE_BYTES`."""
+    if size > MAX_IMAGE_BYTES:
+        raise ValueError(f"{block}: {what} is over {MAX_IMAGE_BYTES >> 20} MB")
 
 
 def from_url(url: str, block: str) -> ImageRef:

@@ -22,7 +22,15 @@ from ..attention.variant import Variant
 from ..errors import ModelLoadError
 from .attention_hook import install
 from .rotary import Positions, Rotation
-from .structure import activation_dtype, attention_module, decoder, decoder_layers, hidden_size, model_args
+from .structure import (
+    activation_dtype,
+    attention_module,
+    decoder,
+    decoder_layers,
+    hidden_size,
+    mlx_lm_module,
+    model_args,
+)
 
 
 def _first(module: object, *names: str) -> Any:
@@ -57,7 +65,8 @@ class Adapter:
         norms = [(q, k) for q, k in (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm")) if hasattr(attn, k)]
         self._norms = (getattr(attn, norms[0][0]), getattr(attn, norms[0][1])) if norms else None
         self.out_proj = _first(attn, "o_proj", "out_proj")  # LFM2's name
-        self.rope = getattr(attn, "rope", None)  # None: a layer without RoPE (Nemotron-H's)
+        # mlx-lm's own (an engine before may have wrapped it); None: a layer without RoPE (Nemotron-H's)
+        self.rope = mlx_lm_module(attn, "rope") if hasattr(attn, "rope") else None
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         attn = self.attn

@@ -190,7 +190,8 @@ def attention_module(layer: nn.Module) -> nn.Module:
 
 
 def mlx_lm_module(layer: nn.Module, name: str) -> nn.Module:
-    """A decoder layer's module `name` as mlx-lm made it (mlxkv's layer wrappers keep it as `inner`)."""
+    """A module's submodule `name` (a decoder layer's attention, an attention's RoPE) as mlx-lm made
+    it: mlxkv's wrappers keep it as `inner`."""
     module = getattr(layer, name)
     inner: nn.Module = getattr(module, "inner", module)
     return inner

@@ -129,14 +129,15 @@ class Vision:
         except Exception as exc:
             raise ValueError(f"the model's image processor could not read an image: {exc}") from None
         ids = np.asarray(out["input_ids"]).reshape(-1)
-        arrays = {k: mx.array(np.asarray(v)) for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        raw = {k: np.asarray(v) for k, v in out.items() if k not in ("input_ids", "attention_mask")}
         placeholders = np.flatnonzero(ids == self.image_token_id).astype(np.int32)
         if not placeholders.size:
             raise ValueError("the model's image processor made no placeholder for an image")
         digest = hashlib.sha256(self.settings + ids.astype("<i8").tobytes())
-        for name in sorted(arrays):
-            array = np.asarray(arrays[name])
+        for name in sorted(raw):
+            array = raw[name]
             digest.update(name.encode() + str(array.shape).encode() + str(array.dtype).encode() + array.tobytes())
+        arrays = {name: mx.array(array) for name, array in raw.items()}
         return ProcessedImage(tuple(int(t) for t in ids), placeholders, arrays, digest.digest())
 
     def features(self, image: ProcessedImage) -> ImageFeatures:

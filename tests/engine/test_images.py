@@ -113,3 +113,16 @@ def test_images_the_step_reserve_cannot_encode_are_refused_in_one_line(family):
     with pytest.raises(ValueError, match=r"^images: 2 images, the largest of \d+ placeholders, need about 0\.00 GB"):
         llm.generate(ImagePrompt(prompt(2), [picture(1), picture(2)]), GREEDY)
     assert llm.stats().running == llm.stats().waiting == 0 and llm.stats().kv.pages_used == 0
+
+
+def test_a_model_handed_to_a_second_engine_gives_the_same_tokens(family):
+    """The runner wraps the model's layers (M-RoPE, deepstack) around mlx-lm's own modules, afresh
+    for each engine: a second one must not stack its wrappers on the first's."""
+    from mlxkv import load
+
+    path, prompt, reference = family
+    images = [picture(1)]
+    loaded = load(str(path))
+    for _ in range(2):
+        (done,) = LLM(loaded).generate(ImagePrompt(prompt(1), images), GREEDY, continuation=False)
+        assert done.token_ids == reference(1, images)

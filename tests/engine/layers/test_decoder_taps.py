@@ -16,13 +16,19 @@ from mlxkv.models.tiny_configs import tiny_config
 PROMPTS = [[int(t) for t in np.random.default_rng(n).integers(1, 300, n)] for n in (3, 11, 26)]
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_bigcode"])
-def test_chunks_beside_decodes_equal_mlx_lm_and_the_context_is_the_tables(tmp_path, model_type):
+def batched_like_mlx_lm(tmp_path, model_type):
+    """A tiny `model_type` whose prompts, in chunks beside decodes, get mlx-lm's tokens: (llm, config, path)."""
     config = tiny_config(model_type)
     path = make_checkpoint(tmp_path, config.pop("model_type"), shape=config)
     llm = LLM(str(path), page_size=4, max_num_seqs=3, max_num_batched_tokens=8)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))
     assert [o.token_ids for o in outputs] == [mlx_lm_greedy(path, p, max_tokens=5) for p in PROMPTS]
+    return llm, config, path
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_bigcode"])
+def test_chunks_beside_decodes_equal_mlx_lm_and_the_context_is_the_tables(tmp_path, model_type):
+    llm, config, path = batched_like_mlx_lm(tmp_path, model_type)
     assert llm.engine.max_request_tokens == config["n_positions"]
     with pytest.raises(ValueError, match=r"max_model_len=1025 is more than the 1024 positions"):
         LLM(str(path), max_model_len=config["n_positions"] + 1)
@@ -30,9 +36,5 @@ def test_chunks_beside_decodes_equal_mlx_lm_and_the_context_is_the_tables(tmp_pa
 
 @pytest.mark.parametrize("model_type", ["gpt_neox", "lille-130m"])
 def test_a_decoder_that_computes_the_logits_hands_over_its_final_hidden_states(tmp_path, model_type):
-    config = tiny_config(model_type)
-    path = make_checkpoint(tmp_path, config.pop("model_type"), shape=config)
-    llm = LLM(str(path), page_size=4, max_num_seqs=3, max_num_batched_tokens=8)
-    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))
-    assert [o.token_ids for o in outputs] == [mlx_lm_greedy(path, p, max_tokens=5) for p in PROMPTS]
+    llm, _, _ = batched_like_mlx_lm(tmp_path, model_type)
     assert type(getattr(decoder(llm.engine.runner.model), final_norm(llm.engine.runner.model))) is FinalNorm
