@@ -74,6 +74,17 @@ def packed_step(
     return cache, add(ids, query_lens)
 
 
+def with_row_blocks(batch, blocks_by_row):
+    """`batch` in which the tokens of each block `(first, end)` of row r (`blocks_by_row[r]`, positions
+    among its new tokens) see the whole block (`KVBatch.with_blocks`)."""
+    blocks = np.zeros((batch.num_tokens, 2), np.int32)
+    for row, runs in blocks_by_row.items():
+        start = batch.query_starts[row] - (batch.context_lens[row] - batch.query_lens[row])
+        for first, end in runs:
+            blocks[start + first : start + end] = first, end
+    return batch.with_blocks(blocks)
+
+
 def mlx_lm_greedy(path, prompt, max_tokens=MAX_TOKENS):
     """mlx-lm's own greedy tokens for `prompt`, up to (not including) EOS."""
     model, tokenizer = mlx_lm_load(str(path))

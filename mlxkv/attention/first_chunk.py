@@ -42,7 +42,8 @@ def first_chunk_attention(
     for row in np.flatnonzero(own_kv):
         lo, n = int(batch.query_starts[row]), int(own_kv[row])
         q, k, v = (x[lo : lo + n].swapaxes(0, 1)[None] for x in (queries, keys, values))
-        parts.append((_own_attention(q, k, v, scale, variant)[0].swapaxes(0, 1), np.arange(lo, lo + n)))
+        blocks = None if batch.blocks is None else batch.blocks[lo : lo + n]
+        parts.append((_own_attention(q, k, v, scale, variant, blocks)[0].swapaxes(0, 1), np.arange(lo, lo + n)))
     rest = np.setdiff1d(np.arange(batch.num_tokens), np.concatenate([p[1] for p in parts]))
     if rest.size:
         parts.append(
@@ -56,13 +57,16 @@ def first_chunk_attention(
     return in_packed_order(parts)
 
 
-def _own_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, variant: Variant) -> mx.array:
+def _own_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, variant: Variant, blocks: np.ndarray | None
+) -> mx.array:
     """Causal attention of one chunk over its own K/V (`[1, heads, tokens, head_dim]`), as the
-    mlx-lm model computes it: MLX's SDPA with the window's mask and the sinks, or written out
-    with the soft-cap before the mask (Gemma 2)."""
-    pos = np.arange(q.shape[2])
-    plain = variant.window is None and variant.chunk is None and variant.softcap is None
-    allowed = None if plain else mx.array(visible(pos[:, None], pos[None], variant.window, variant.chunk))
+    mlx-lm model computes it: MLX's SDPA with the window's mask (and the blocks its tokens see
+    whole) and the sinks, or written out with the soft-cap before the mask (Gemma 2)."""
+    pos = np.arange(q.shape[2])  # the chunk starts its sequence
+    plain = variant.window is None and variant.chunk is None and variant.softcap is None and blocks is None
+    shaped = None if blocks is None else blocks[:, None, :]
+    allowed = None if plain else mx.array(visible(pos[:, None], pos[None], variant.window, variant.chunk, shaped))
     if allowed is None or variant.softcap is None:
         mask = "causal" if allowed is None else allowed
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=variant.sinks)

@@ -266,6 +266,7 @@ class PagedAttentionKernels:
         template switch, so plain attention pays for none of them. `partition` (keys per split-K
         partition) replaces what `partition_keys` decides for this step: the cost model counts
         one row as it would run inside a larger step."""
+        assert batch.blocks is None, "the paged kernel is causal: rows with blocks run on SDPA (with_chunks_on_sdpa)"
         tokens, q_heads, head_dim = queries.shape
         group = q_heads // k_pages.shape[1]
         shape = launch_shape(group, head_dim, k_pages.shape[2])

@@ -18,8 +18,8 @@ import numpy as np
 from ..cache.batch import KVBatch
 from ..cache.storage import Pages
 from .heads import Heads
-from .reference import gather_kv, in_packed_order
-from .variant import PLAIN, Variant, first_key, visible
+from .reference import gather_kv, in_packed_order, reference_attention
+from .variant import PLAIN, Variant, key_range, visible
 
 PREFILL_FROM = 8  # query tokens from which a chunk runs on SDPA; a Mac measures it: scripts/bench_kernels.py --prefill
 
@@ -32,19 +32,22 @@ def chunk_attention(
     context: int,
     scale: float,
     variant: Variant = PLAIN,
+    blocks: np.ndarray | None = None,
 ) -> mx.array:
     """Attention for one sequence's chunk of `queries` (`[tokens, q_heads, head_dim]`), the
-    last tokens of its `context`, over its pages `table` through MLX's SDPA."""
+    last tokens of its `context`, over its pages `table` through MLX's SDPA; `blocks`: the blocks
+    its tokens see whole (`KVBatch.blocks`), which the chunk holds."""
     tokens, page_size = queries.shape[0], k_pages.shape[2]
-    first = int(first_key(context - tokens, variant.window, variant.chunk)) // page_size * page_size
+    queries_at = np.arange(context - tokens, context)[:, None]
+    first = key_range(queries_at, variant.window, variant.chunk, blocks)[0] // page_size * page_size
     keys, values = (
         gather_kv(pages, table[None, first // page_size :], context - first)[:, :, : context - first]
         for pages in (k_pages, v_pages)
     )
     mask: str | mx.array = "causal"
-    if variant.window is not None or variant.chunk is not None:
-        queries_at, keys_at = np.arange(context - tokens, context)[:, None], np.arange(first, context)[None, :]
-        mask = mx.array(visible(queries_at, keys_at, variant.window, variant.chunk))
+    if variant.window is not None or variant.chunk is not None or blocks is not None:
+        shaped = None if blocks is None else blocks[:, None, :]
+        mask = mx.array(visible(queries_at, np.arange(first, context)[None, :], variant.window, variant.chunk, shaped))
     out = mx.fast.scaled_dot_product_attention(
         queries.swapaxes(0, 1)[None], keys, values, scale=scale, mask=mask, sinks=variant.sinks
     )
@@ -70,28 +73,25 @@ def with_chunks_on_sdpa(
     smallest: int = PREFILL_FROM,
 ) -> mx.array:
     """`attention` for the batch's decode rows and short chunks, `chunk_attention` for each
-    chunk of at least `smallest` tokens. Soft-capped scores (Gemma 2) have no SDPA form and
-    stay with `attention`."""
-    chunks = np.flatnonzero(batch.query_lens >= smallest) if variant.softcap is None else np.zeros(0, np.int64)
+    chunk of at least `smallest` tokens or with a block its tokens see whole (`KVBatch.blocks`:
+    `attention` is causal). Soft-capped scores (Gemma 2) have no SDPA form and stay with
+    `attention`, or the reference path where blocks need a mask."""
+    blocks = batch.blocks
+    in_blocks = np.zeros(0, np.int64) if blocks is None else batch.token_rows[blocks[:, 1] > blocks[:, 0]]
+    if variant.softcap is not None:
+        if in_blocks.size:
+            return reference_attention(queries, k_pages, v_pages, batch, scale, variant)
+        return attention(queries, k_pages, v_pages, batch, scale, variant)
+    chunks = np.union1d(np.flatnonzero(batch.query_lens >= smallest), in_blocks)
     if not chunks.size:
         return attention(queries, k_pages, v_pages, batch, scale, variant)
     parts = []
     for row in chunks:
         lo, hi = int(batch.query_starts[row]), int(batch.query_starts[row] + batch.query_lens[row])
-        parts.append(
-            (
-                chunk_attention(
-                    queries[lo:hi],
-                    k_pages,
-                    v_pages,
-                    batch.page_tables[row],
-                    int(batch.context_lens[row]),
-                    scale,
-                    variant,
-                ),
-                np.arange(lo, hi),
-            )
-        )
+        own = blocks[lo:hi] if blocks is not None and row in in_blocks else None
+        context = int(batch.context_lens[row])
+        out = chunk_attention(queries[lo:hi], k_pages, v_pages, batch.page_tables[row], context, scale, variant, own)
+        parts.append((out, np.arange(lo, hi)))
     rest = np.setdiff1d(np.arange(len(batch.query_lens)), chunks)
     if rest.size:
         tokens = np.flatnonzero(~np.isin(batch.token_rows, chunks))

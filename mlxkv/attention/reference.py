@@ -12,7 +12,7 @@ import numpy as np
 from ..cache.batch import KVBatch
 from ..cache.storage import Pages, QuantizedPages
 from .heads import FLOAT32, Heads
-from .variant import PLAIN, Variant, first_key, visible
+from .variant import PLAIN, Variant, key_range, visible
 
 QUERY_TILE = 512  # most queries of one chunk attended at once
 KEY_TILE = 1024  # most keys attended at once: with QUERY_TILE, what bounds a step's scores
@@ -114,21 +114,23 @@ def _split(
 
     Decode rows go together in buckets of similar length (page counts within a power of two),
     so a short context does not copy the batch's longest; each prefill chunk goes on its own in
-    tiles of at most `QUERY_TILE` queries; and every group reads its keys `KEY_TILE` at a time.
+    tiles of at most `QUERY_TILE` queries (with the blocks its tokens see whole); and every group
+    reads its keys `KEY_TILE` at a time.
     So the scores and gathered K/V a layer holds at once are bounded, whatever the context."""
     q_lens, ctx, tables, starts = batch.query_lens, batch.context_lens, batch.page_tables, batch.query_starts
-    pieces = []
+    pieces: list[tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray | None]] = []
     decode = np.flatnonzero(q_lens == 1)
     buckets = np.frexp(-(-ctx[decode] // page_size))[1]  # the page count's bit length
     for bucket in sorted(set(buckets.tolist())):
         rows = decode[buckets == bucket]
-        pieces.append((starts[rows], 1, ctx[rows], tables[rows]))
+        pieces.append((starts[rows], 1, ctx[rows], tables[rows], None))
     for row in np.flatnonzero(q_lens > 1):
         for lo in range(0, int(q_lens[row]), QUERY_TILE):
             n = min(QUERY_TILE, int(q_lens[row]) - lo)
-            pieces.append(
-                (starts[row : row + 1] + lo, n, np.array([ctx[row] - q_lens[row] + lo + n]), tables[row : row + 1])
-            )
+            first = int(starts[row]) + lo
+            blocks = None if batch.blocks is None else batch.blocks[first : first + n]
+            last = np.array([ctx[row] - q_lens[row] + lo + n])
+            pieces.append((starts[row : row + 1] + lo, n, last, tables[row : row + 1], blocks))
     groups = [_group(*piece, kv_heads, page_size, window, chunk, batch.num_tokens) for piece in pieces]
     return groups, _unpermutation(np.concatenate([g.token_ids for g in groups]) if groups else np.zeros(0, np.int64))
 
@@ -138,6 +140,7 @@ def _group(
     width: int,
     ctx: np.ndarray,
     tables: np.ndarray,
+    blocks: np.ndarray | None,
     kv_heads: int,
     page_size: int,
     window: int | None,
@@ -145,16 +148,18 @@ def _group(
     total: int,
 ) -> _Group:
     """Rows of `width` queries each, from token `starts[i]`, the last one at position `ctx[i] - 1`,
-    in a batch of `total` tokens."""
+    in a batch of `total` tokens; `blocks`: a single row's queries' blocks (`KVBatch.blocks`)."""
     token_ids = (starts[:, None] + np.arange(width)[None, :]).reshape(-1)
     query_pos = ((ctx - width)[:, None] + np.arange(width)[None, :])[:, :, None]
-    first_page = int(first_key(int(query_pos.min()), window, chunk)) // page_size
+    first, end = key_range(query_pos, window, chunk, blocks)
+    shaped = None if blocks is None else blocks.reshape(1, width, 1, 2)
     per_tile = max(1, KEY_TILE // page_size)  # pages
     tiles = []
-    for page in range(first_page, -(-int(ctx.max()) // page_size), per_tile):
-        length = min(int(ctx.max()) - page * page_size, per_tile * page_size)
+    for page in range(first // page_size, -(-end // page_size), per_tile):
+        length = min(end - page * page_size, per_tile * page_size)
         gather = _Gather.of(tables[:, page : page + per_tile], length, kv_heads, page_size)
-        allowed = visible(query_pos, page * page_size + np.arange(gather.keys)[None, None, :], window, chunk)
+        key_pos = page * page_size + np.arange(gather.keys)[None, None, :]
+        allowed = visible(query_pos, key_pos, window, chunk, shaped)
         tiles.append(_KeyTile(gather, None if allowed.all() else mx.array(allowed[:, None, None])))
     everything = token_ids.size == total and np.array_equal(token_ids, np.arange(total))
     queries = None if everything else mx.array(token_ids.astype(np.int32))

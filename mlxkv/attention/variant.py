@@ -32,9 +32,32 @@ def first_key(query_pos: Any, window: int | None, chunk: int | None = None) -> A
     return 0 * query_pos if window is None else np.maximum(0, query_pos - window + 1)
 
 
-def visible(query_pos: np.ndarray, key_pos: np.ndarray, window: int | None, chunk: int | None = None) -> np.ndarray:
-    """Which keys each query sees (broadcast): causally, and within its window or chunk when given."""
+def visible(
+    query_pos: np.ndarray,
+    key_pos: np.ndarray,
+    window: int | None,
+    chunk: int | None = None,
+    blocks: np.ndarray | None = None,
+) -> np.ndarray:
+    """Which keys each query sees (broadcast): causally, and within its window or chunk when given;
+    with `blocks` (`query_pos`'s shape and 2 more: `[first, end)` positions), every key of its
+    block as well, later ones included (see `KVBatch.with_blocks`)."""
     allowed: np.ndarray = key_pos <= query_pos
     if window is not None or chunk is not None:
         allowed &= key_pos >= first_key(query_pos, window, chunk)
+    if blocks is not None:
+        allowed |= (key_pos >= blocks[..., 0]) & (key_pos < blocks[..., 1])
     return allowed
+
+
+def key_range(
+    query_pos: np.ndarray, window: int | None, chunk: int | None = None, blocks: np.ndarray | None = None
+) -> tuple[int, int]:
+    """The first key any of these queries sees, and the position past the last one (as `visible` says)."""
+    first, end = int(first_key(int(query_pos.min()), window, chunk)), int(query_pos.max()) + 1
+    if blocks is not None:
+        flat = blocks.reshape(-1, 2)
+        inside = flat[flat[:, 1] > flat[:, 0]]
+        if inside.size:
+            first, end = min(first, int(inside[:, 0].min())), max(end, int(inside[:, 1].max()))
+    return first, end

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
 import mlx.core as mx
@@ -27,6 +27,7 @@ class KVBatch:
     page_size: int
     by_window: dict[int, KVBatch] | None = None  # the same step in each sliding-window group's pages
     state_indices: np.ndarray | None = None  # each row's place in the state pool, for recurrent layers
+    blocks: np.ndarray | None = None  # `[tokens, 2]`: the block each new token sees whole, see `with_blocks`
 
     @cached_property
     def num_tokens(self) -> int:
@@ -79,6 +80,15 @@ class KVBatch:
         """The batch of the layers with this sliding window (their own pages), else this one."""
         return self.by_window.get(window, self) if self.by_window and window is not None else self
 
+    def with_blocks(self, blocks: np.ndarray | None) -> KVBatch:
+        """The same step in which each new token i also sees every key of its block, positions
+        `blocks[i, 0]` to `blocks[i, 1] - 1` (an empty range: none), later ones included: Gemma 4
+        attends both ways within an image. A step's chunk holds each block whole (`Scheduler`)."""
+        if blocks is None:
+            return self
+        windows = {w: replace(b, blocks=blocks) for w, b in self.by_window.items()} if self.by_window else None
+        return replace(self, by_window=windows, blocks=blocks)
+
     def select(self, rows: np.ndarray) -> KVBatch:
         """The same step for these rows only (their tokens packed in the same order)."""
         return _selected(self, tuple(np.asarray(rows).tolist()))
@@ -95,6 +105,7 @@ class KVBatch:
 @lru_cache(maxsize=8)
 def _selected(batch: KVBatch, rows: tuple[int, ...]) -> KVBatch:
     index = np.array(rows, np.int64)
+    starts, lens = batch.query_starts[index], batch.query_lens[index]
     return KVBatch(
         tuple(batch.seq_ids[r] for r in rows),
         batch.query_lens[index],
@@ -102,11 +113,13 @@ def _selected(batch: KVBatch, rows: tuple[int, ...]) -> KVBatch:
         batch.page_tables[index],
         batch.page_size,
         state_indices=None if batch.state_indices is None else batch.state_indices[index],
+        blocks=_blocks_of(batch, np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)] or [np.zeros(0)])),
     )
 
 
 @lru_cache(maxsize=8)
 def _skipped(batch: KVBatch, leading: tuple[int, ...]) -> KVBatch:
+    kept = batch.positions >= np.repeat(batch.context_lens - batch.query_lens + np.array(leading), batch.query_lens)
     return KVBatch(
         batch.seq_ids,
         (batch.query_lens - np.array(leading)).astype(np.int32),
@@ -114,7 +127,16 @@ def _skipped(batch: KVBatch, leading: tuple[int, ...]) -> KVBatch:
         batch.page_tables,
         batch.page_size,
         state_indices=batch.state_indices,
+        blocks=_blocks_of(batch, np.flatnonzero(kept)),
     )
+
+
+def _blocks_of(batch: KVBatch, tokens: np.ndarray) -> np.ndarray | None:
+    """The blocks of `batch`'s new tokens `tokens` (packed indices), None where none is in one."""
+    if batch.blocks is None:
+        return None
+    blocks = batch.blocks[tokens.astype(np.int64)]
+    return blocks if (blocks[:, 1] > blocks[:, 0]).any() else None
 
 
 @lru_cache(maxsize=8)

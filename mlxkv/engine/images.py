@@ -43,11 +43,14 @@ class PromptImage:
 @dataclass(frozen=True, eq=False)
 class PromptImages:
     """A prompt's images, and for an M-RoPE family its tokens' positions (`[3, prompt tokens]`)
-    and the shift of the positions of the tokens after the prompt."""
+    and the shift of the positions of the tokens after the prompt. `blocks`: for a family that
+    attends both ways within an image (Gemma 4), each run of placeholders as `(first, end)`
+    positions, which a step's chunk holds whole (see `KVBatch.with_blocks`)."""
 
     images: tuple[PromptImage, ...]
     positions: np.ndarray | None = None
     shift: int = 0
+    blocks: tuple[tuple[int, int], ...] = ()
 
     @property
     def marks(self) -> Marks:
@@ -125,32 +128,45 @@ def place_images(
             ids += encode_text(tokenizer, piece, recent, salt, templated=True)  # it continues the text: no BOS
     rope = vision.positions(np.asarray(ids, np.int64), [p.image for p in placed])
     positions, shift = rope if rope is not None else (None, 0)
-    return PlacedPrompt(ids, PromptImages(tuple(placed), positions, shift))
+    blocks = tuple(run for p in placed for run in _runs(p.placeholders)) if vision.both_ways else ()
+    return PlacedPrompt(ids, PromptImages(tuple(placed), positions, shift, blocks))
+
+
+def _runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """The runs of consecutive `positions` (ascending), as `(first, end)`."""
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    return [(int(run[0]), int(run[-1]) + 1) for run in np.split(positions, breaks)]
 
 
 @dataclass(frozen=True, eq=False)
 class StepMedia:
     """What a step's images put into its forward pass: the packed tokens at `rows` take the
     `features` rows instead of their embeddings (and the `deepstack` rows added to the first
-    layers' outputs); `positions` (`[3, tokens]`) are every token's M-RoPE positions, or None."""
+    layers' outputs); `positions` (`[3, tokens]`) are every token's M-RoPE positions, or None;
+    `blocks` (`[tokens, 2]`) the block each token sees whole (`KVBatch.with_blocks`), or None."""
 
     rows: mx.array
     features: mx.array
     deepstack: tuple[mx.array, ...]
     positions: np.ndarray | None
+    blocks: np.ndarray | None = None
 
 
 def step_media(
-    vision: Vision | None, requests: Sequence[Request], counts: Sequence[int], positions: np.ndarray
+    vision: Vision | None,
+    requests: Sequence[Request],
+    counts: Sequence[int],
+    positions: np.ndarray,
+    reserve: int | None = None,
 ) -> StepMedia | None:
     """The images of a step of `counts[i]` tokens of `requests[i]` at KV `positions` (encoded
-    here, lazily, where not cached); None when no row has any."""
+    here, lazily, together as far as the step `reserve` allows, where not cached); None when no
+    row has any."""
     if vision is None or not any(r.images is not None for r in requests):
         return None
-    rows: list[np.ndarray] = []
-    features: list[mx.array] = []
-    deep: list[list[mx.array]] = []
     rope = np.broadcast_to(positions, (3, positions.size)).copy() if vision.mrope is not None else None
+    blocks = np.zeros((positions.size, 2), np.int32) if vision.both_ways else None
+    reached: list[tuple[np.ndarray, np.ndarray, PromptImage]] = []  # step rows, which placeholders, image
     offset = 0
     for request, count in zip(requests, counts):
         start, stop = request.num_computed, request.num_computed + count
@@ -158,22 +174,34 @@ def step_media(
             for placed in request.images.images:
                 inside = (placed.placeholders >= start) & (placed.placeholders < stop)
                 if inside.any():
-                    encoded = vision.features(placed.image)
-                    taken = mx.array(np.flatnonzero(inside).astype(np.int32))
-                    rows.append(offset + placed.placeholders[inside] - start)
-                    features.append(encoded.rows[taken])
-                    deep.append([level[taken] for level in encoded.deepstack])
+                    reached.append((offset + placed.placeholders[inside] - start, np.flatnonzero(inside), placed))
+            if blocks is not None:
+                _fill_blocks(blocks[offset : offset + count], request.images.blocks, start, stop)
             if rope is not None and request.images.positions is not None:
                 rope[:, offset : offset + count] = _positions(request.images, start, stop)
         offset += count
-    if not rows and rope is None:
+    if not reached and rope is None:
         return None
+    encoded = vision.features([placed.image for _, _, placed in reached], reserve)
+    taken = [mx.array(which.astype(np.int32)) for _, which, _ in reached]
+    deep = [[level[t] for level in e.deepstack] for e, t in zip(encoded, taken)]
     return StepMedia(
-        mx.array(np.concatenate(rows).astype(np.int32)) if rows else mx.zeros((0,), mx.int32),
-        mx.concatenate(features) if features else mx.zeros((0,)),
+        mx.array(np.concatenate([rows for rows, _, _ in reached]).astype(np.int32))
+        if reached
+        else mx.zeros((0,), mx.int32),
+        mx.concatenate([e.rows[t] for e, t in zip(encoded, taken)]) if reached else mx.zeros((0,)),
         tuple(mx.concatenate(list(level)) for level in zip(*deep)) if deep and deep[0] else (),
         rope,
+        blocks if blocks is not None and blocks.any() else None,
     )
+
+
+def _fill_blocks(rows: np.ndarray, blocks: tuple[tuple[int, int], ...], start: int, stop: int) -> None:
+    """Write into `rows` (a row's tokens `start` to `stop`) the block each of them is in."""
+    for first, end in blocks:
+        lo, hi = max(first, start), min(end, stop)
+        if lo < hi:
+            rows[lo - start : hi - start] = first, end
 
 
 def _positions(images: PromptImages, start: int, stop: int) -> np.ndarray:

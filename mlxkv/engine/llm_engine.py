@@ -162,8 +162,18 @@ class LLMEngine:
         return place_images(self.tokenizer, self.vision, prompt, self.recent, cache_salt, templated)
 
     def _check_images(self, images: PromptImages) -> None:
-        """Refuse (ValueError) images the step reserve cannot encode, as each is encoded in a step."""
+        """Refuse (ValueError) images the step reserve cannot encode, as each is encoded in a step,
+        and blocks (Gemma 4's image spans) that a step cannot hold whole with one token more."""
         assert self.vision is not None
+        longest = max((end - first for first, end in images.blocks), default=0)
+        if longest >= self.scheduler.room:
+            raise ValueError(
+                f"images: {counted(len(images.images), 'image')}, one with {counted(longest, 'placeholder')} "
+                f"that attend each other both ways, need a step of {longest + 1} tokens beside a decode token "
+                f"of every other sequence, more than the {self.scheduler.room} that max_num_batched_tokens and "
+                "max_num_seqs leave; "
+                "send smaller images or raise max_num_batched_tokens"
+            )
         need = max(self.vision.encode_bytes(placed.image) for placed in images.images)
         if need > self.memory.reserve:
             biggest = max(placed.image.placeholders.size for placed in images.images)
@@ -300,7 +310,7 @@ class LLMEngine:
         read: list[RequestOutput] | None = None
         try:
             samples = sum(1 + len(d) for d in drafts)
-            media = step_media(self.vision, batch.requests, batch.counts, batch.kv.positions)
+            media = step_media(self.vision, batch.requests, batch.counts, batch.kv.positions, self.memory.reserve)
             plan = StepPlan.of(batch, previous.sampling if previous else [], samples, media)
             hidden = self.rank_zero.forward(self.runner, plan, previous.tokens if previous else None)
             logits = self.runner.logits(batch, hidden)  # None when no row samples

@@ -109,6 +109,7 @@ class ModelRunner:
         the first `own_kv[b]` tokens of row b attending their own K/V as computed, its images'
         features and positions as `media` has them (lazy)."""
         spans = np.asarray(own_kv, np.int32) if any(own_kv) else None  # a scan, not an array, in the common case
+        kv = kv.with_blocks(media.blocks if media is not None else None)
         states = state_batch(kv, self.pads) if self.cache.states is not None else None
         positions = self._positions(kv, media)
         context = StepContext(self.cache, kv, positions, self.attention, spans, states, media=media)

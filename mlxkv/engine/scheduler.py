@@ -82,7 +82,8 @@ class Scheduler:
     With quantized pages a request's first chunk holds at least its `own_kv_span`, so that
     span is computed in one step whatever else runs. A hybrid model's prefill chunk stops at its
     prompt's snapshot point (`KVCacheManager.snapshot_point`), where the step keeps its recurrent
-    state for later requests that share the prompt.
+    state for later requests that share the prompt. A chunk never ends inside a block of tokens that
+    attend each other both ways (Gemma 4's image spans), nor at its last token (`whole_blocks`).
     """
 
     def __init__(
@@ -177,8 +178,12 @@ class Scheduler:
         token of every other sequence; otherwise none, and every token attends the pages."""
         if self.cache.kv_bits is None or request.num_computed:
             return 0
-        room = self.max_num_batched_tokens - (self.max_num_seqs - 1)
-        return max(0, min(len(request.prompt_ids) - 1, room))
+        return whole_blocks(request, 0, max(0, min(len(request.prompt_ids) - 1, self.room)), self.room)
+
+    @property
+    def room(self) -> int:
+        """The most tokens one row is sure to get in a step: the budget less a decode token of every other sequence."""
+        return self.max_num_batched_tokens - (self.max_num_seqs - 1)
 
     def _own_kv_spans(self, requests: list[Request]) -> list[int]:
         """`own_kv_span` of each request (none with float pages)."""
@@ -257,6 +262,7 @@ class Scheduler:
                 if self._holds(selection, request, count):
                     selection.held.add(request)
                     count -= 1
+                count = whole_blocks(request, request.num_computed, count, left)
             if count:
                 picked.append(request)
                 counts.append(count)
@@ -328,3 +334,20 @@ class Scheduler:
         request.num_computed = 0
         request.status = Status.WAITING
         self.waiting.appendleft(request)
+
+
+def whole_blocks(request: Request, start: int, count: int, most: int) -> int:
+    """`count` tokens of `request` from `start`, changed so that they do not end inside a block
+    of its images (`PromptImages.blocks`) or at a block's last token, whose queries need every
+    key of the block, and the own-K/V span the whole block: cut back to the block's start, or,
+    where that leaves nothing, run on past its end (if `most` tokens allow, else none)."""
+    if request.images is None:
+        return count
+    end = start + count
+    for first, stop in request.images.blocks:
+        if first < end <= stop:
+            if first > start:
+                return first - start
+            past = min(stop + 1, len(request.all_token_ids)) - start
+            return past if past <= most else 0
+    return count

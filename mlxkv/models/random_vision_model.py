@@ -421,6 +421,7 @@ def _gemma4_config(text: dict[str, Any], vocab_size: int) -> dict[str, Any]:
             hidden_size_per_layer_input=8,
             num_kv_shared_layers=0,
             sliding_window=128,
+            use_bidirectional_attention="vision",  # as the released checkpoints: both ways within an image
             layer_types=[
                 "full_attention" if i % 6 == 5 or i == layers - 1 else "sliding_attention" for i in range(layers)
             ],

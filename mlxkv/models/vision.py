@@ -18,6 +18,7 @@ import inspect
 import json
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,8 @@ class Vision:
     ) -> None:
         """`text`: the mlx-lm text model beside it. Gemma's decoder scales the embeddings it is given
         by `embed_scale`, mlx-vlm's features come unscaled: they are divided by it (`input_scale`);
-        and its per-layer inputs read token id 0 at an image's rows, as mlx-vlm's (`blank_placeholders`)."""
+        and its per-layer inputs read token id 0 at an image's rows, as mlx-vlm's (`blank_placeholders`).
+        `both_ways`: the language model attends both ways within each run of an image's placeholders."""
         self.model = model
         self.processor = processor
         inner = decoder(text)
@@ -91,6 +93,8 @@ class Vision:
         self.image_token_id = int(getattr(config, names[0]))
         self.settings = _settings(processor)
         self.mrope = _mrope(model)
+        text_config = getattr(config, "text_config", None)
+        self.both_ways = getattr(text_config, "use_bidirectional_attention", None) == "vision"  # Gemma 4's
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[bytes, ImageFeatures] = OrderedDict()
         self._cached_bytes = 0
@@ -140,22 +144,46 @@ class Vision:
         arrays = {name: mx.array(array) for name, array in raw.items()}
         return ProcessedImage(tuple(int(t) for t in ids), placeholders, arrays, digest.digest())
 
-    def features(self, image: ProcessedImage) -> ImageFeatures:
-        """`image`'s features: from the cache, else encoded now (lazily, within the caller's step)."""
-        found = self._cache.get(image.digest)
-        if found is not None:
-            self._cache.move_to_end(image.digest)
-            return found
-        ids = mx.array(np.asarray(image.ids, np.int64))[None]
-        arrays = dict(image.arrays)
+    def features(self, images: Sequence[ProcessedImage], budget: int | None = None) -> list[ImageFeatures]:
+        """Each image's features: from the cache, else encoded now (lazily, within the caller's
+        step), the images whose arrays differ only along their first axis together, in passes of
+        the tower whose `encode_bytes` add up to at most `budget` (or one image)."""
+        found: dict[bytes, ImageFeatures] = {}
+        for image in images:
+            if image.digest in self._cache:
+                self._cache.move_to_end(image.digest)
+                found[image.digest] = self._cache[image.digest]
+        groups: dict[tuple[Any, ...], list[list[ProcessedImage]]] = {}
+        for image in {i.digest: i for i in images if i.digest not in found}.values():
+            passes = groups.setdefault(_batch_shape(image), [[]])
+            if passes[-1] and budget is not None and sum(map(self.encode_bytes, passes[-1] + [image])) > budget:
+                passes.append([])
+            passes[-1].append(image)
+        for together in (p for passes in groups.values() for p in passes):
+            for image, features in zip(together, self._encode(together)):
+                found[image.digest] = features
+                self._keep(image.digest, features)
+        return [found[image.digest] for image in images]
+
+    def _encode(self, images: list[ProcessedImage]) -> list[ImageFeatures]:
+        """`images` through the tower in one pass, as mlx-vlm encodes a prompt's images: their spans
+        one after another, their arrays joined along the first axis (a token's, along the tokens)."""
+        ids = mx.array(np.concatenate([np.asarray(image.ids, np.int64) for image in images]))[None]
+        arrays = {
+            name: mx.concatenate([i.arrays[name] for i in images], axis=1 if _per_token(images[0], name) else 0)
+            for name in images[0].arrays
+        }
         pixels = arrays.pop("pixel_values")
         out = self.model.get_input_embeddings(ids, pixels, mask=mx.ones(ids.shape, mx.int64), **arrays)
-        placeholders = mx.array(image.placeholders)
         deep = getattr(out, "deepstack_visual_embeds", None) or ()
-        rows = out.inputs_embeds[0][placeholders]
-        features = ImageFeatures(rows / self.input_scale if self.input_scale != 1.0 else rows, tuple(deep))
-        self._keep(image.digest, features)
-        return features
+        encoded, offset, taken = [], 0, 0
+        for image in images:
+            rows = out.inputs_embeds[0][mx.array(offset + image.placeholders)]
+            count = image.placeholders.size
+            levels = tuple(level[taken : taken + count] for level in deep)
+            encoded.append(ImageFeatures(rows / self.input_scale if self.input_scale != 1.0 else rows, levels))
+            offset, taken = offset + len(image.ids), taken + count
+        return encoded
 
     def _keep(self, digest: bytes, features: ImageFeatures) -> None:
         """Cache `features`, dropping the least recently used beyond `cache_bytes`."""
@@ -182,6 +210,21 @@ class Vision:
         }
         position_ids, delta = language.get_rope_index(mx.array(ids.astype(np.int64))[None], **grids)
         return np.array(position_ids)[:, 0].astype(np.int32), int(np.array(delta).reshape(-1)[0])
+
+
+def _batch_shape(image: ProcessedImage) -> tuple[Any, ...]:
+    """What images must share to be encoded in one pass: each array's name, dtype and shape past the
+    axis they are joined along."""
+    return tuple(
+        (name, array.dtype, array.shape[:1] if _per_token(image, name) else array.shape[1:])
+        for name, array in sorted(image.arrays.items())
+    )
+
+
+def _per_token(image: ProcessedImage, name: str) -> bool:
+    """Whether the processor's array `name` has a value per token of the image's span (`[1, tokens]`,
+    as Gemma 4's `mm_token_type_ids`)."""
+    return tuple(image.arrays[name].shape) == (1, len(image.ids))
 
 
 def _settings(processor: Any) -> bytes:
@@ -221,12 +264,6 @@ def load_vision(path: Path, config: dict[str, Any], text: nn.Module) -> Vision |
         model, processor = mlx_vlm.load(str(path), lazy=True)
     except Exception as exc:
         raise ModelLoadError(f"could not load the vision half of the checkpoint in {str(path)!r}: {exc}") from None
-    text_config = getattr(model.config, "text_config", None)
-    if getattr(text_config, "use_bidirectional_attention", None) == "vision":
-        logger.warning(
-            "%s attends both ways within an image, which mlxkv does not do yet: it runs on text only", path.name
-        )
-        return None
     model.language_model.model.embed_tokens = embeddings(text)  # shared: mlx-vlm's own copy is never read
     return Vision(model, processor, text)
 

@@ -5,7 +5,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import packed_step
+from helpers import packed_step, with_row_blocks
 
 from mlxkv import reference_attention
 from mlxkv.attention.first_chunk import first_chunk_attention
@@ -53,3 +53,16 @@ def test_a_batch_of_own_kv_spans_only_reads_no_page():
     own_kv = only.query_lens.copy()
     out = first_chunk_attention(no_pages, q, k, v, *cache.kv(0), only, own_kv, 0.125)
     assert out.shape == q.shape
+
+
+def test_an_own_kv_span_sees_its_blocks_whole():
+    cache, causal_batch, q, k, v, own_kv = first_chunks_beside_decodes(8)
+    batch = with_row_blocks(causal_batch, {1: [(2, 6)]})
+    out = first_chunk_attention(reference_attention, q, k, v, *cache.kv(0), batch, own_kv, 0.125)
+    pos = np.arange(7)
+    seen = (pos[None] <= pos[:, None]) | ((pos[:, None] >= 2) & (pos[:, None] < 6) & (pos[None] >= 2) & (pos[None] < 6))
+    q_own, k_own, v_own = (x[1:8].swapaxes(0, 1)[None] for x in (q, k, v))
+    own = mx.fast.scaled_dot_product_attention(q_own, k_own, v_own, scale=0.125, mask=mx.array(seen))[0].swapaxes(0, 1)
+    assert mx.allclose(out[1:8], own, atol=1e-5).item()
+    causal = first_chunk_attention(reference_attention, q, k, v, *cache.kv(0), causal_batch, own_kv, 0.125)
+    assert not mx.allclose(out[1:8], causal[1:8], atol=1e-3).item()

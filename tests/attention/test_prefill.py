@@ -5,7 +5,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import packed_step
+from helpers import packed_step, with_row_blocks
 
 from mlxkv import reference_attention
 from mlxkv.attention.kernels import TOLERANCE, PagedAttentionKernels
@@ -64,3 +64,24 @@ def test_the_metal_path_sends_long_chunks_to_sdpa_and_decode_rows_to_the_kernel(
     out = kernels(q, *cache.kv(0), batch)
     expected = reference_attention(q, *cache.kv(0), batch, 1 / math.sqrt(64))
     assert mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max().item() <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("name", ["plain", "window", "softcap"])
+def test_rows_with_blocks_leave_the_paged_kernel_and_see_them_whole(name):
+    """A short chunk with a block goes to SDPA like a long one (the kernel is causal); soft-capped
+    rows, which SDPA cannot take, run on the reference path."""
+    cache, batch = packed_step("paged", 16, 2, 64, mx.float32, [5, 70, 30, 45], [1, 1, 5, 30])
+    batch = with_row_blocks(batch, {2: [(26, 29)], 3: [(20, 36)]})
+    q, variant = queries(batch, 4, 64), VARIANTS[name]
+    seen = []
+
+    def paged(q, k_pages, v_pages, sub, scale, variant):
+        seen.append(sub.query_lens.tolist())
+        return reference_attention(q, k_pages, v_pages, sub, scale, variant)
+
+    out = with_chunks_on_sdpa(paged, q, *cache.kv(0), batch, 0.125, variant)
+    assert seen == ([] if name == "softcap" else [[1, 1]])
+    reference = reference_attention(q, *cache.kv(0), batch, 0.125, variant)
+    assert mx.abs(out - reference).max().item() <= TOLERANCE[mx.float32]
+    kernels = PagedAttentionKernels(metal_kernel)
+    assert mx.abs(kernels(q, *cache.kv(0), batch, 0.125, variant) - reference).max().item() <= TOLERANCE[mx.float32]

@@ -3,10 +3,11 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import scramble_free_pages
+from helpers import packed_step, scramble_free_pages, with_row_blocks
 
 from mlxkv import KVCacheManager, reference_attention
-from mlxkv.attention.variant import Variant
+from mlxkv.attention.reference import gather_kv
+from mlxkv.attention.variant import PLAIN, Variant
 
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 HEAD_DIM = 32
@@ -140,26 +141,31 @@ def test_keys_read_a_tile_at_a_time_match_sdpa(monkeypatch, page_size):
     run_case("paged", page_size, 2, 4, mx.float16, contexts=[40, 21, 70], query_lens=[30, 21, 1], kv_bits=8)
 
 
-def numpy_oracle(q, keys, values, scale, variant):
-    """One sequence's attention written out: q holds the last len(q) positions of `keys`."""
+def numpy_oracle(q, keys, values, scale, variant, blocks=None, end=None):
+    """One sequence's attention written out: q holds positions `end - len(q)` to `end - 1` (by
+    default the last ones of `keys`), each also seeing its block `blocks[i]` (`[first, end)`)."""
     q, keys, values = (np.array(x, np.float64) for x in (q, keys, values))
     n, q_heads, _ = q.shape
     length, kv_heads, _ = keys.shape
+    end = length if end is None else end
     out = np.zeros_like(q)
     for i in range(n):
-        pos = length - n + i
+        pos = end - n + i
         lo = 0 if variant.window is None else max(0, pos - variant.window + 1)
         if variant.chunk is not None:  # the chunk's first position
             lo = pos // variant.chunk * variant.chunk
+        seen = (np.arange(length) >= lo) & (np.arange(length) <= pos)
+        if blocks is not None:
+            seen |= (np.arange(length) >= blocks[i][0]) & (np.arange(length) < blocks[i][1])
         for h in range(q_heads):
             kh = h // (q_heads // kv_heads)
-            s = keys[lo : pos + 1, kh] @ q[i, h] * scale
+            s = keys[seen, kh] @ q[i, h] * scale
             if variant.softcap is not None:
                 s = np.tanh(s / variant.softcap) * variant.softcap
             logits = s if variant.sinks is None else np.append(s, float(variant.sinks[h]))
             w = np.exp(logits - logits.max())
-            w = w[: pos + 1 - lo] / w.sum()
-            out[i, h] = w @ values[lo : pos + 1, kh]
+            w = w[: int(seen.sum())] / w.sum()
+            out[i, h] = w @ values[seen, kh]
     return out
 
 
@@ -202,3 +208,36 @@ def test_attention_variants_match_the_written_out_oracle(monkeypatch, layout, va
         keys, values = (mx.concatenate([h, x[lo:hi]]) for h, x in zip(history[s], new))
         expected = numpy_oracle(q[lo:hi], keys, values, 0.3, variant)
         assert np.abs(np.array(out[lo:hi]) - expected).max() < 1e-5
+
+
+BLOCKS = {1: [(14, 22)], 2: [(3, 13), (15, 20)]}  # row 0 decodes, row 1 a chunk at 10-29, row 2 a first chunk
+
+
+def blocked_oracle(cache, batch, q, scale, variant):
+    """`numpy_oracle` row by row over the keys and values the pages hold."""
+    expected = []
+    for row in range(len(batch.query_lens)):
+        lo, hi = int(batch.query_starts[row]), int(batch.query_starts[row] + batch.query_lens[row])
+        ctx = int(batch.context_lens[row])
+        table = batch.page_tables[row : row + 1]
+        keys, values = (gather_kv(p, table, ctx)[0, :, :ctx].swapaxes(0, 1) for p in cache.kv(0))
+        blocks = batch.blocks[lo:hi]
+        expected.append(numpy_oracle(q[lo:hi], keys, values, scale, variant, blocks))
+    return np.concatenate(expected)
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize(
+    "variant", [PLAIN, Variant(window=5), Variant(window=16)], ids=["causal", "window5", "window16"]
+)
+@pytest.mark.parametrize("tiles", [(512, 1024), (8, 8)], ids=["one-tile", "tiles-of-8"])
+def test_blocks_are_seen_whole_beside_causal_rows(monkeypatch, layout, variant, tiles):
+    """Each token of a block sees all of it, later keys included (Gemma 4's image spans), also
+    where a block is longer than the window and where query and key tiles cut through it."""
+    monkeypatch.setattr("mlxkv.attention.reference.QUERY_TILE", tiles[0])
+    monkeypatch.setattr("mlxkv.attention.reference.KEY_TILE", tiles[1])
+    cache, batch = packed_step(layout, 8, 2, HEAD_DIM, mx.float32, [40, 30, 24], [1, 20, 24], seed=3)
+    batch = with_row_blocks(batch, BLOCKS)
+    q = mx.array(np.random.default_rng(4).standard_normal((batch.num_tokens, 4, HEAD_DIM)), mx.float32)
+    out = reference_attention(q, *cache.kv(0), batch, 0.3, variant)
+    assert np.abs(np.array(out) - blocked_oracle(cache, batch, q, 0.3, variant)).max() < 1e-5

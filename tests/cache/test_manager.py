@@ -492,6 +492,19 @@ def test_skip_drops_each_rows_leading_new_tokens():
     assert rest.slot_mapping.tolist() == [batch.slot_mapping[i] for i in (1, 2, 7)]
 
 
+def test_blocks_follow_their_tokens_into_derived_batches():
+    cache = make(num_pages=10)
+    a, b, c = cache.claim(3)
+    cache.append([a], [2])
+    blocks = np.zeros((8, 2), np.int32)
+    blocks[1:3] = 3, 5  # row a's tokens at positions 3 and 4
+    batch = cache.append([a, b, c], [3, 4, 1]).with_blocks(blocks)
+    assert batch.skip(np.array([1, 4, 0])).blocks.tolist() == [[3, 5], [3, 5], [0, 0]]
+    assert batch.skip(np.array([3, 0, 0])).blocks is None  # none of its tokens is in a block
+    assert batch.select(np.array([2, 0])).blocks.tolist() == [[0, 0], [0, 0], [3, 5], [3, 5]]
+    assert batch.select(np.array([1])).blocks is None
+
+
 def test_sliding_window_layers_hold_pages_of_their_own():
     """Layer 0 sees the last 6 tokens, layer 1 all of them: layer 0's pages slide, the step's
     batch for each layer points at its own pages, and usage counts both."""

@@ -23,11 +23,10 @@ def picture(seed: int, size=(48, 64)):
     return Image.fromarray(pixels)
 
 
-@pytest.fixture(scope="module", params=VISION_TYPES)
-def family(request, tmp_path_factory):
-    """A tiny random checkpoint of each family, mlx-vlm's model and processor for it, and a prompt
-    with n images as mlx-vlm's chat template writes it."""
-    path = make_vision_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+def checkpoint(tmp_path_factory, model_type):
+    """A tiny random checkpoint of `model_type`, a prompt with n images as mlx-vlm's chat template
+    writes it (`prompt.prefaced(n)`: with text before them), and mlx-vlm's greedy tokens for it."""
+    path = make_vision_checkpoint(tmp_path_factory.mktemp(model_type), model_type)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, processor = mlx_vlm.load(str(path))
@@ -49,6 +48,11 @@ def family(request, tmp_path_factory):
 
     prompt.prefaced = prefaced
     return path, prompt, reference
+
+
+@pytest.fixture(scope="module", params=VISION_TYPES)
+def family(request, tmp_path_factory):
+    return checkpoint(tmp_path_factory, request.param)
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
@@ -126,3 +130,64 @@ def test_a_model_handed_to_a_second_engine_gives_the_same_tokens(family):
     for _ in range(2):
         (done,) = LLM(loaded).generate(ImagePrompt(prompt(1), images), GREEDY, continuation=False)
         assert done.token_ids == reference(1, images)
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    return checkpoint(tmp_path_factory, "gemma4")
+
+
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_gemma4_sees_each_image_whole_where_a_chunk_would_end_inside_it(gemma4, layout):
+    """Gemma 4 attends both ways within an image (its released checkpoints' `use_bidirectional_attention`):
+    with a budget of 16 tokens a step, chunks that would end inside an image stop before it, and
+    the tokens are still mlx-vlm's (which prefills the prompt in one piece); attending causally
+    within the image, they would not be."""
+    path, prompt, reference = gemma4
+    images = [picture(1), picture(2, (64, 48))]
+    expected = {n: reference(n, images[:n]) for n in (1, 2)}
+    llm = LLM(str(path), kv_layout=layout, max_num_seqs=2, max_num_batched_tokens=16, page_size=8)
+    blocks = llm.engine.place_images(ImagePrompt(prompt(2), images)).images.blocks
+    assert [end - first for first, end in blocks] == [12, 12] and blocks[0][0] < 16 < blocks[0][1]
+    for n in (1, 2):
+        (done,) = llm.generate(ImagePrompt(prompt(n), images[:n]), GREEDY, continuation=False)
+        assert done.token_ids == expected[n]
+    llm.engine.vision.both_ways = False  # causal within the image, as mlxkv was before
+    (causal,) = llm.generate(ImagePrompt(prompt(2), images), GREEDY, continuation=False)
+    assert causal.token_ids != expected[2]
+    assert llm.stats().kv.pages_used == 0
+
+
+def test_gemma4_refuses_an_image_no_step_can_hold_whole(gemma4):
+    path, prompt, _ = gemma4
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=14)
+    refused = r"^images: 1 image, one with 12 placeholders that attend each other both ways, need a step of 13 tokens"
+    with pytest.raises(ValueError, match=refused + r" .* more than the 11 that max_num_batched_tokens"):
+        llm.generate(ImagePrompt(prompt(1), [picture(1)]), GREEDY)
+    assert llm.stats().running == llm.stats().waiting == 0 and llm.stats().kv.pages_used == 0
+
+
+def test_a_steps_new_images_are_encoded_together_where_their_shapes_allow(family, monkeypatch):
+    """Images a step reaches are encoded in one pass of the tower per shape (Qwen's patches of any
+    count join; Gemma 4's and Pixtral's pictures join when their sizes match) and within the step
+    reserve, each as it would be alone."""
+    path, _, _ = family
+    vision, alone = LLM(str(path)).engine.vision, LLM(str(path)).engine.vision
+    images = [vision.process(picture(i, size)) for i, size in ((1, (48, 64)), (2, (48, 64)), (3, (64, 48)))]
+    passes = []
+    for v in (vision, alone):
+        encode = v.model.get_input_embeddings
+        counted = lambda ids, *a, encode=encode, **k: passes.append(ids.size) or encode(ids, *a, **k)  # noqa: E731
+        monkeypatch.setattr(v.model, "get_input_embeddings", counted)
+    together = vision.features(images + images[:1])
+    assert together[3] is together[0]  # the same image, once
+    a, b, c = (len(image.ids) for image in images)
+    assert passes == ([a + b + c] if "qwen" in path.name else [a + b, c])
+    passes.clear()
+    singles = alone.features(images, budget=max(map(alone.encode_bytes, images)))  # a reserve for one image
+    assert passes == [a, b, c]
+    for features, single in zip(together, singles):
+        assert np.abs(np.array(features.rows) - np.array(single.rows)).max() < 1e-4
+        assert len(features.deepstack) == len(single.deepstack)
+        for x, y in zip(features.deepstack, single.deepstack):
+            assert np.abs(np.array(x) - np.array(y)).max() < 1e-4

@@ -1,6 +1,7 @@
 import mlx.core as mx
 
 from mlxkv import KVCacheManager, SamplingParams
+from mlxkv.engine.images import PromptImages
 from mlxkv.engine.memory.chunk_sizing import LEAST_CHUNK, ChunkSizer
 from mlxkv.engine.memory.step_memory import StepMemory
 from mlxkv.engine.memory.step_time import StepTime
@@ -257,3 +258,29 @@ def test_chunks_are_cut_to_the_memory_reserve_more_as_the_context_grows():
     s.add(request("a", 60))
     counts = [run_step(s)[0][1] for _ in range(4)]
     assert counts == [27, 18, 14, 1]  # the most n with 10 * n + n * (computed + n) <= 1000
+
+
+def with_blocks(r, *blocks):
+    """`r` as a prompt whose images' tokens at each `(first, end)` attend each other both ways (Gemma 4)."""
+    r.images = PromptImages((), blocks=blocks)
+    return r
+
+
+def test_a_chunk_never_ends_inside_a_block_nor_at_its_last_token():
+    s = make(budget=8)
+    s.add(with_blocks(request("a", 24), (5, 12), (15, 21)))
+    assert run_step(s) == [("a", 5)]  # 8 would end inside (5, 12): cut back to its start
+    assert run_step(s) == [("a", 8)]  # to 13, past the block's last token
+    assert run_step(s) == [("a", 2)]  # 8 would end at (15, 21)'s last token: cut back to 15
+    assert run_step(s) == [("a", 8)]
+    assert run_step(s) == [("a", 1)]
+
+
+def test_a_block_where_a_chunk_starts_waits_for_a_step_that_holds_it_and_one_token_more():
+    s = make(budget=8)
+    s.add(request("a", 2))
+    run_step(s)
+    s.add(with_blocks(request("b", 12, first=100), (0, 7)))
+    assert run_step(s) == [("a", 1)]  # b's block and a token more need 8 of the 7 left
+    s.finish(s.running[0], "length")
+    assert run_step(s) == [("b", 8)]

@@ -1,6 +1,6 @@
 """A multimodal checkpoint's vision half: loaded through mlx-vlm when it is installed (its
-language weights the text model's), a line at load when it is not or when the family needs
-attention mlxkv does not do; images told apart by digest, encoded once."""
+language weights the text model's), a line at load when it is not; images told apart by digest,
+encoded once."""
 
 import json
 import logging
@@ -39,8 +39,9 @@ def test_the_vision_half_shares_the_text_model_s_embeddings_and_keeps_encoded_im
     assert vision.weight_bytes > 0 and not any(id(w) in text for w in vision.weights())  # the tower's alone
     cat, again, dog = vision.process(picture(1)), vision.process(picture(1)), vision.process(picture(2))
     assert cat.digest == again.digest != dog.digest and cat.ids == dog.ids  # same size: same placeholders
-    assert vision.features(cat) is vision.features(again)  # encoded once
-    assert vision.features(cat).rows.shape == (cat.placeholders.size, 64)
+    (first,) = vision.features([cat])
+    assert vision.features([again]) == [first]  # encoded once
+    assert first.rows.shape == (cat.placeholders.size, 64)
 
 
 def test_without_mlx_vlm_a_multimodal_checkpoint_runs_on_text_and_says_so(qwen3_vl, monkeypatch, caplog):
@@ -54,14 +55,9 @@ def test_without_mlx_vlm_a_multimodal_checkpoint_runs_on_text_and_says_so(qwen3_
     ]
 
 
-def test_a_language_model_that_attends_an_image_both_ways_runs_on_text(tmp_path, caplog):
-    path = make_vision_checkpoint(tmp_path / "gemma4", "gemma4")
-    config = json.loads((path / "config.json").read_text())
-    config["text_config"]["use_bidirectional_attention"] = "vision"  # as Gemma 4's released checkpoints
-    (path / "config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING, logger="mlxkv"):
-        model, _ = load(path)
-    assert attached(model) is None
-    assert [r.getMessage() for r in caplog.records] == [
-        "gemma4 attends both ways within an image, which mlxkv does not do yet: it runs on text only"
-    ]
+def test_a_language_model_that_attends_an_image_both_ways_says_so(qwen3_vl, tmp_path):
+    """Gemma 4's config (`use_bidirectional_attention: "vision"`, as its released checkpoints) makes
+    each run of an image's placeholders attend itself both ways; Qwen3-VL's is causal."""
+    gemma4 = make_vision_checkpoint(tmp_path / "gemma4", "gemma4")
+    assert json.loads((gemma4 / "config.json").read_text())["text_config"]["use_bidirectional_attention"] == "vision"
+    assert attached(load(gemma4)[0]).both_ways and not attached(load(qwen3_vl)[0]).both_ways
