@@ -109,6 +109,20 @@ class EngineConfig:
     prefix_caching: bool = setting(
         True, "Reuse the KV pages of a prompt prefix computed before (paged layout).", BOOLEAN, panel="Memory"
     )
+    disk_cache: str | None = setting(
+        None,
+        "Folder for the prefix cache's disk tier: full KV pages are filed there, so that a prompt prefix "
+        "outlives the pool and the process [default: none].",
+        optional(TEXT),
+        panel="Memory",
+    )
+    disk_cache_size: int | str = setting(
+        "16GB",
+        "Most bytes the disk tier keeps, such as 16GB; the least recently used pages go first.",
+        convert=lambda value: parse_memory(value, "disk_cache_size"),
+        cli_type=str,
+        panel="Memory",
+    )
     prefix_states: int | None = setting(
         None,
         "Recurrent states a hybrid model keeps for prefix-cache hits, each as large as a running "

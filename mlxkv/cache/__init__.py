@@ -8,7 +8,8 @@ with pages of their own: the full-attention layers, or a sliding window's) -> `m
 lifecycle over both layouts, chosen in `layout`), which reports its `usage`. Beside the pages:
 `pins` keep a prompt prefix's pages from eviction for a while; a hybrid model's recurrent state is
 kept per sequence in `state_pool`, read a step at a time through `state_batch`, and snapshotted
-for the prefix cache in `state_snapshots`.
+for the prefix cache in `state_snapshots`. Under the pool, `disk` files full pages on disk by their
+keys, so that a prefix outlives the pool and the process.
 """
 
 from ..deprecation import module_getattr

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -12,6 +13,8 @@ from ..deprecation import RenamedAttribute, renamed_keywords
 from ..errors import KVCacheExhausted, MlxkvError, UnknownSequenceError
 from ..settings import BOOLEAN, POSITIVE, integer, require
 from .batch import KVBatch
+from .disk.namespace import DiskSpec, namespace
+from .disk.tier import DiskTier
 from .layout import KVLayout, resolve_layout
 from .page_group import PageGroup, window_pool_pages
 from .page_table import PageTable
@@ -22,6 +25,9 @@ from .state_pool import StatePool, StateShape
 from .state_snapshots import State, StateSnapshots
 from .storage import KVStorage, Pages, PerLayer, check_quantization, per_layer
 from .usage import KVUsage
+
+RestorePays = Callable[[int, int, float], bool]
+"""`(tokens in place, tokens on disk after them, seconds to read them)`: whether reading beats computing them."""
 
 
 def prefix_cached(
@@ -116,6 +122,7 @@ class KVCacheManager:
         prefix_states: int | None = None,
         pinned_fraction: float = 0.5,
         keys_only: Sequence[int] = (),
+        disk: DiskSpec | None = None,
     ) -> None:
         sizes = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size)
         for name, value in sizes.items():
@@ -164,6 +171,11 @@ class KVCacheManager:
         self._next_id = 0
         self._lock = threading.RLock()
         self._tensor_thread: int | None = None
+        self.disk = (
+            DiskTier(disk.folder, namespace(disk.model, self.storage), disk.max_bytes)
+            if disk is not None and self.prefix_caching and self.snapshots is None
+            else None
+        )
         self.peak_usage = self.usage()  # of the step holding the most pages (see `reset_peak_usage`)
 
     def _page_group(self, window: int | None, layers: list[int], pool: PagePool, storage: KVStorage) -> PageGroup:
@@ -225,15 +237,46 @@ class KVCacheManager:
                     self._tables[seq_id].reserve_pages(1)
             return ids
 
-    def reuse_prefix(self, seq_id: int, tokens: Sequence[int], salt: str | None = None, marks: Marks = ()) -> int:
+    def reuse_prefix(
+        self,
+        seq_id: int,
+        tokens: Sequence[int],
+        salt: str | None = None,
+        marks: Marks = (),
+        restore_pays: RestorePays | None = None,
+    ) -> int:
         """Start the new sequence `seq_id` from the cached pages of `tokens`' prefix (its full
-        pages, never the last token); returns how many tokens it now holds (0 with prefix
-        caching off). Sequences share pages only when their `salt`s are equal, and only up to
-        their first unequal mark (an image's digest at its first placeholder)."""
+        pages, never the last token): the pool's, then the disk tier's where `restore_pays` says
+        reading them beats computing them (always, without it); returns how many tokens it now
+        holds (0 with prefix caching off). Sequences share pages only when their `salt`s are
+        equal, and only up to their first unequal mark (an image's digest at its first placeholder)."""
         with self._lock:
             table = self._table(seq_id)
             reused = table.reuse_prefix(tokens, salt, marks) if self.prefix_caching else 0
+            if self.disk is not None:
+                reused = self._restore(table, tokens, restore_pays)
             return reused if self.snapshots is None else self._reuse_state(seq_id, table, reused)
+
+    def _restore(self, table: PageTable, tokens: Sequence[int], restore_pays: RestorePays | None) -> int:
+        """Continue `table`, which ends on the last page the pool had, with the pages of `tokens`
+        the disk tier holds (never the last token's), read into free pages; returns its tokens."""
+        assert self.disk is not None
+        wanted = (len(tokens) - 1) // self.page_size - len(table.keys)
+        if wanted <= 0 or table.num_tokens != len(table.keys) * self.page_size:  # a partial page: the pool had more
+            return table.num_tokens
+        keys = table.next_keys(tokens, wanted)
+        count = min(self.disk.found(keys), self.pool.free_count)
+        size = self.page_size
+        seconds = self.disk.read_seconds(count * size * self.storage.bytes_per_token)
+        if count and restore_pays is not None and not restore_pays(table.num_tokens, count * size, seconds):
+            return table.num_tokens
+        arrays = self.disk.read(keys[:count]) if count else []
+        if arrays:
+            pages = self.pool.alloc(table.owner, arrays[0].shape[0])
+            self.storage.put_pages(pages, arrays)
+            table.adopt(pages, keys[: len(pages)])
+            self._tensor_thread = threading.get_ident()
+        return table.num_tokens
 
     def _reuse_state(self, seq_id: int, table: PageTable, reused: int) -> int:
         """Cut a hybrid's reused pages back to the deepest one whose state is kept, and start the
@@ -295,13 +338,24 @@ class KVCacheManager:
         with self._lock:
             tables = self._tables_of(seq_ids)
             if self.prefix_caching:
-                for table, ids, count in zip(tables, tokens, num_computed):
-                    table.publish(ids, count)
+                fresh = [(table, table.publish(ids, count)) for table, ids, count in zip(tables, tokens, num_computed)]
+                if self.disk is not None:
+                    self._persist(fresh)
             for seq_id, table in zip(seq_ids, tables):
                 captured = self._captured.get(seq_id)
                 if captured is not None and self.snapshots is not None and table.num_computed >= captured[0]:
                     self.snapshots.put(table.keys[captured[0] // self.page_size - 1], captured[1])
                     del self._captured[seq_id]
+
+    def _persist(self, published: list[tuple[PageTable, list[int]]]) -> None:
+        """Hand the disk tier the pages just published that it does not hold (their copies are
+        taken in the graph the step left, so the step's next writes still go in place)."""
+        assert self.disk is not None
+        pages = [int(table.physical[i]) for table, indices in published for i in indices]
+        keys = [table.keys[i] for table, indices in published for i in indices]
+        missing = self.disk.missing(keys)
+        if missing:
+            self.disk.put([keys[i] for i in missing], self.storage.page_arrays([pages[i] for i in missing]))
 
     def append(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""
@@ -459,6 +513,7 @@ class KVCacheManager:
                 self.states.bytes_per_sequence if self.states is not None else 0,
                 len(self.snapshots) if self.snapshots is not None else 0,
                 self.pins.num_pages if self.pins is not None else 0,
+                replace(self.disk.stats) if self.disk is not None else None,
             )
 
     @property

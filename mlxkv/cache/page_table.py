@@ -175,18 +175,42 @@ class PageTable:
         self.num_computed, self.tokens = self.num_tokens, tokens
         return self.num_tokens
 
-    def publish(self, tokens: Sequence[int], num_computed: int) -> None:
+    def publish(self, tokens: Sequence[int], num_computed: int) -> list[int]:
         """Offer every page filled by the first `num_computed` of `tokens` (K/V now stored) to
         the cache, and keep `tokens` (not a copy: the caller leaves those first ones as they
-        are) for `release` to cache a partly filled last page. O(1) unless a page filled."""
+        are) for `release` to cache a partly filled last page. Returns the indices of the pages
+        that now hold content the pool held nowhere else. O(1) unless a page filled."""
         high = min(self.num_tokens, len(tokens))
         if not self.num_computed <= num_computed <= high:
             raise ValueError(f"num_computed={num_computed} is outside {self.num_computed}..{high}")
-        size = self.page_size
+        size, fresh = self.page_size, []
         for index in range(len(self.keys), num_computed // size):
             self.keys.append(self._key(tokens, index * size, (index + 1) * size))
-            self.pool.publish(int(self.physical[index]), self.keys[-1])
+            if self.pool.publish(int(self.physical[index]), self.keys[-1]):
+                fresh.append(index)
         self.num_computed, self.tokens = num_computed, tokens
+        return fresh
+
+    def next_keys(self, tokens: Sequence[int], count: int) -> list[bytes]:
+        """The keys of the `count` full pages of `tokens` after the ones this table has keyed."""
+        keys, parent, size = [], self._parent, self.page_size
+        for index in range(len(self.keys), len(self.keys) + count):
+            start = index * size
+            keys.append(page_key(parent, tokens[start : start + size], marks_in(self.marks, start, start + size)))
+            parent = keys[-1]
+        return keys
+
+    def adopt(self, pages: list[int], keys: list[bytes]) -> None:
+        """Append full `pages` (this sequence's already, their K/V being written) holding the pages
+        `keys` (`next_keys`) to a table that ends on a full, keyed page, and publish them."""
+        if self.num_tokens != len(self.keys) * self.page_size or self.num_pages != len(self.keys):
+            raise ValueError(f"sequence {self.owner} does not end on a full, keyed page")
+        self.physical[self.num_pages : self.num_pages + len(pages)] = pages
+        self.num_pages += len(pages)
+        for page, key in zip(pages, keys):
+            self.keys.append(key)
+            self.pool.publish(page, key)
+        self.num_tokens = self.num_computed = self.num_pages * self.page_size
 
     def truncate(self, num_pages: int) -> None:
         """Keep only the first `num_pages` full pages of a table `reuse_prefix` just started, giving

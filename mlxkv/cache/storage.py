@@ -261,6 +261,24 @@ class KVStorage:
 
         return tokens(k_pages), tokens(v_pages)
 
+    def page_arrays(self, pages: list[int]) -> list[mx.array]:
+        """Copies of `pages` of every array of every layer (`tensors`' order), `[len(pages), ...]`
+        each (lazy): what the disk tier files for them."""
+        index = mx.array(pages, mx.int32)
+        return [mx.take(part, index, axis=0) for part in self.tensors]
+
+    def put_pages(self, pages: list[int], arrays: list[mx.array]) -> None:
+        """Write `arrays` (as `page_arrays` gives them) into `pages`, in place."""
+        index, parts = mx.array(pages, mx.int32), iter(arrays)
+
+        def put(stored: Pages) -> Pages:
+            for part in arrays_of(stored):
+                part[index] = next(parts)
+            return stored
+
+        self.keys = [put(pages_) for pages_ in self.keys]
+        self.values = [None if pages_ is None else put(pages_) for pages_ in self.values]
+
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store one layer's new K/V (`[tokens, kv_heads, head_dim]`) at `slots` of its pages
         (`KVBatch.head_slots`), quantized once here when the pages are; a keys-only layer's

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..deprecation import RenamedAttribute
 from ..errors import counted
+from .disk.tier import DiskStats
 from .layout import KVLayout
 
 
@@ -28,6 +29,7 @@ class KVUsage:
     state_bytes: int = 0  # bytes of one sequence's state
     states_kept: int = 0  # states kept for the prefix cache (see StateSnapshots)
     pages_pinned: int = 0  # pages pinned for a while (see PrefixPins), in use
+    disk: DiskStats | None = None  # what the disk tier did, if there is one
 
     block_size = RenamedAttribute("page_size")
 
@@ -71,4 +73,15 @@ class KVUsage:
             f"{self.layout.value}{bits}, {self.pages_used}/{self.pages_total} pages of "
             f"{counted(self.page_size, 'token')} in use{cached}{windows}{states} (pool {size}), "
             f"{self.bytes_holding_tokens / 2**20:.2f} of {self.bytes_allocated / 2**20:.2f} MiB in use holding tokens"
+            f"{_disk_line(self.disk)}"
         )
+
+
+def _disk_line(disk: DiskStats | None) -> str:
+    """The disk tier's part of the KV line: pages restored (bytes read, seconds), bytes written."""
+    if disk is None:
+        return ""
+    return (
+        f"; disk: {counted(disk.pages_restored, 'page')} restored ({disk.bytes_read / 2**20:.2f} MiB in "
+        f"{disk.restore_seconds:.2f} s), {disk.bytes_written / 2**20:.2f} MiB written"
+    )

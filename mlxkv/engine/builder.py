@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,8 +14,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..attention.backend import expected_temporary_bytes, temporary_bytes_of
 from ..attention.kernels import PagedAttentionKernels
 from ..attention.reference import reference_attention
+from ..cache.disk import DiskSpec
 from ..cache.manager import KVCacheManager
 from ..config import EngineConfig
+from ..models.identity import weights_digest
 from ..models.structure import held_arrays, position_table, text_model, vocab_size
 from ..models.vision import Vision, attached
 from .memory.chunk_sizing import ChunkSizer
@@ -83,7 +86,7 @@ def build_engine(
     memory, sizing = split_memory(config, shape, planned, draft[1] if draft is not None else None, vision_bytes)
     if group is not None:
         sizing = agreed(sizing, group)
-    cache = build_kv_cache(config, shape, sizing)
+    cache = build_kv_cache(config, shape, sizing, disk_spec(config, model, vision, group))
     attention = attention_for(model, cache, config.attention, kernels)
     memory.apply()
     logger.info(
@@ -115,6 +118,20 @@ def build_engine(
         rank_zero(config, group),
         vision,
     )
+
+
+def disk_spec(
+    config: EngineConfig, model: nn.Module, vision: Vision | None, group: mx.distributed.Group | None
+) -> DiskSpec | None:
+    """The disk tier `config` asks for, its pages named by the model's weights (and its vision
+    tower's, which makes an image's K/V); none across processes, with one line."""
+    if config.disk_cache is None:
+        return None
+    if group is not None:
+        logger.warning("the disk cache does not serve across processes yet: it is off")
+        return None
+    model_digest = weights_digest(model, vision.model if vision is not None else None)
+    return DiskSpec(Path(config.disk_cache).expanduser(), int(config.disk_cache_size), model_digest)
 
 
 def rank_zero(config: EngineConfig, group: mx.distributed.Group | None) -> RankZero | Alone:

@@ -236,7 +236,9 @@ class Scheduler:
         their pages are free; otherwise leave everything as it was."""
         (request.seq_id,) = self.cache.claim(1)
         marks = request.images.marks if request.images is not None else ()
-        request.num_computed = self.cache.reuse_prefix(request.seq_id, request.all_token_ids, request.cache_salt, marks)
+        request.num_computed = self.cache.reuse_prefix(
+            request.seq_id, request.all_token_ids, request.cache_salt, marks, self._restore_pays
+        )
         if not self._pick(selection, [request]):
             self.cache.release(request.seq_id)
             request.seq_id, request.num_computed = NO_SEQUENCE, 0
@@ -245,6 +247,15 @@ class Scheduler:
             request.num_cached_tokens = request.num_computed
             self.prefix_stats.record(len(request.prompt_ids), request.num_computed)
         return True
+
+    def _restore_pays(self, start: int, count: int, read_seconds: float) -> bool:
+        """Whether reading `count` tokens' pages from disk (`read_seconds`) beats computing them after
+        the `start` in place, by the fitted step time (before there is a fit: it does)."""
+        step_time = self.sizer.step_time
+        if step_time is None or step_time.coefficients is None:
+            return True
+        _, per_token, per_pair = step_time.coefficients
+        return read_seconds < per_token * count + per_pair * count * (start + count / 2)
 
     def _pick(self, selection: _Selection, requests: list[Request]) -> bool:
         """Pick `requests` in order, each as many tokens as the budget leaves (a prompt's chunk as

@@ -47,6 +47,24 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "mlxkv_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", value=lookups.cached_tokens
         )
+        disk = stats.kv.disk
+        if disk is not None:
+            for name, doc, value in (
+                ("disk_cache_restored_pages", "KV pages read back from the disk tier", disk.pages_restored),
+                ("disk_cache_read_bytes", "Bytes read from the disk tier", disk.bytes_read),
+                ("disk_cache_written_bytes", "Bytes written to the disk tier", disk.bytes_written),
+                (
+                    "disk_cache_restore_seconds",
+                    "Seconds spent reading pages back from the disk tier",
+                    disk.restore_seconds,
+                ),
+                (
+                    "disk_cache_dropped_writes",
+                    "Runs of pages not written (queue full, disk nearly full)",
+                    disk.writes_dropped,
+                ),
+            ):
+                yield CounterMetricFamily(f"mlxkv_{name}", doc, value=value)
         speculation = stats.speculation
         if speculation is not None:
             gauges["spec_acceptance_rate"] = ("Share of draft tokens the model accepted", speculation.acceptance_rate)

@@ -5,7 +5,8 @@ says how a model is put together (text model, decoder, which layers attend, whic
 state); `adapters` say how each attention layer meets the pages (its own module, through
 `attention_hook`; multi-head latent attention; or a family's adapter); `rotary` applies RoPE from
 tables shared by the layers; `vision` is a multimodal checkpoint's vision tower and processor
-(mlx-vlm's), beside the text model; `sharding` splits a model across a tensor-parallel group;
+(mlx-vlm's), beside the text model; `identity` is a digest of a model's weights, which names its
+pages on disk; `sharding` splits a model across a tensor-parallel group;
 `random_model` writes random checkpoints for tests and benchmarks, `random_vision_model` random
 multimodal ones (mlx-vlm's format, a tiny vision tower), and `tiny_configs` a tiny config for every
 family mlx-lm has (the census's).

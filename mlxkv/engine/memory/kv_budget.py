@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
+from ...cache.disk import DiskSpec
 from ...cache.layout import KVLayout
 from ...cache.manager import KVCacheManager, prefix_cached
 from ...cache.page_group import window_pool_pages
@@ -175,8 +176,10 @@ def draft_bytes_per_token(draft: ModelKV | None) -> int:
     )
 
 
-def build_kv_cache(config: EngineConfig, model: ModelKV, sizing: KVCacheSizing) -> KVCacheManager:
-    """The KV cache `sizing` (from `size_kv_cache`) plans for `model`, allocated."""
+def build_kv_cache(
+    config: EngineConfig, model: ModelKV, sizing: KVCacheSizing, disk: DiskSpec | None = None
+) -> KVCacheManager:
+    """The KV cache `sizing` (from `size_kv_cache`) plans for `model`, allocated, over the disk tier `disk`."""
     return KVCacheManager(
         model.num_layers,
         model.num_kv_heads,
@@ -196,6 +199,7 @@ def build_kv_cache(config: EngineConfig, model: ModelKV, sizing: KVCacheSizing) 
         layer_windows=sizing.layer_windows,
         window_pages=sizing.window_pages,
         state_shapes=model.state_shapes,
+        disk=disk,
     )
 
 

@@ -1,0 +1,13 @@
+"""The disk tier under the page pool: full pages filed on disk by their page keys, so that a prefix
+outlives the pool and the process.
+
+`run_file` is the file format (pages under their keys, a namespace, a checksum), `namespace` the
+digest of what the pages belong to (the model, the cache's format), `writer` the thread that
+writes them, `tier` the index over the files, what is restored from it and what is dropped,
+least recently used first, beyond its size.
+"""
+
+from .namespace import DiskSpec, namespace
+from .tier import DiskStats, DiskTier
+
+__all__ = ["DiskSpec", "DiskStats", "DiskTier", "namespace"]

@@ -1,0 +1,115 @@
+"""A run file: the K/V of some full pages, each filed under its page key, as one file.
+
+Layout: the magic `MLXKVRUN`, the header's length (4 bytes, little-endian), the header (JSON),
+then the payload, each array's bytes after the other's. The header names the format version, the
+namespace (the model and cache the pages belong to), the pages' keys, each array's dtype and
+shape (its first axis the pages), the payload's length and its sha256. So a file from another
+model or page size, a truncated one or one with a flipped byte is told apart before anything of
+it reaches a page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"MLXKVRUN"
+VERSION = 1
+SUFFIX = ".run"
+
+
+class RunFileError(Exception):
+    """A run file that cannot be used: the message says why, in a few words."""
+
+
+@dataclass(frozen=True)
+class RunHeader:
+    """What a run file holds: `arrays` are `(dtype, shape)` of each stored array (an MLX dtype's
+    name; the bytes are read back as such), their first axis the run's pages, in `keys`' order."""
+
+    namespace: str
+    keys: tuple[bytes, ...]
+    arrays: tuple[tuple[str, tuple[int, ...]], ...]
+    payload_bytes: int
+    checksum: str
+    offset: int  # where the payload starts in the file
+
+
+def write_run(path: Path, namespace: str, keys: Sequence[bytes], arrays: Sequence[tuple[str, np.ndarray]]) -> int:
+    """Write the pages `keys` (their `arrays`: `(dtype, bytes as uint8 of shape [pages, ...])`) to
+    `path`, whole or not at all (through a temporary file); returns the bytes written."""
+    payload = [np.ascontiguousarray(data) for _, data in arrays]
+    digest = hashlib.sha256()
+    for data in payload:
+        digest.update(data.data)
+    header = json.dumps(
+        dict(
+            version=VERSION,
+            namespace=namespace,
+            keys=[key.hex() for key in keys],
+            arrays=[[dtype, list(data.shape)] for (dtype, _), data in zip(arrays, payload)],
+            payload_bytes=sum(data.nbytes for data in payload),
+            checksum=digest.hexdigest(),
+        )
+    ).encode()
+    temporary = path.with_suffix(".tmp")
+    with open(temporary, "wb") as file:
+        file.write(MAGIC + struct.pack("<I", len(header)) + header)
+        for data in payload:
+            file.write(data.data)
+    os.replace(temporary, path)
+    return len(MAGIC) + 4 + len(header) + sum(data.nbytes for data in payload)
+
+
+def read_header(path: Path) -> RunHeader:
+    """The header of the run file `path`, checked against its size; RunFileError if it is not one."""
+    try:
+        with open(path, "rb") as file:
+            start = file.read(len(MAGIC) + 4)
+            if len(start) < len(MAGIC) + 4 or start[: len(MAGIC)] != MAGIC:
+                raise RunFileError("not a run file")
+            (length,) = struct.unpack("<I", start[len(MAGIC) :])
+            fields = json.loads(file.read(length))
+        if fields.get("version") != VERSION:
+            raise RunFileError(f"format version {fields.get('version')!r}, not {VERSION}")
+        header = RunHeader(
+            fields["namespace"],
+            tuple(bytes.fromhex(key) for key in fields["keys"]),
+            tuple((dtype, tuple(shape)) for dtype, shape in fields["arrays"]),
+            int(fields["payload_bytes"]),
+            fields["checksum"],
+            len(MAGIC) + 4 + length,
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RunFileError(f"unreadable header ({exc.__class__.__name__})") from None
+    if path.stat().st_size != header.offset + header.payload_bytes:
+        raise RunFileError(f"{path.stat().st_size} bytes where the header says {header.offset + header.payload_bytes}")
+    return header
+
+
+def read_payload(path: Path, header: RunHeader) -> list[np.ndarray]:
+    """The arrays of the run file `path` (uint8, shaped as stored), once its checksum matches;
+    RunFileError if it does not, or the file changed since its header was read."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(header.offset)
+            payload = file.read(header.payload_bytes + 1)
+    except OSError as exc:
+        raise RunFileError(f"unreadable ({exc.__class__.__name__})") from None
+    if len(payload) != header.payload_bytes:
+        raise RunFileError(f"{len(payload)} payload bytes where the header says {header.payload_bytes}")
+    if hashlib.sha256(payload).hexdigest() != header.checksum:
+        raise RunFileError("its checksum does not match")
+    arrays, at = [], 0
+    for _, shape in header.arrays:
+        size = int(np.prod(shape))
+        arrays.append(np.frombuffer(payload, np.uint8, size, at).reshape(shape))
+        at += size
+    return arrays

@@ -1,0 +1,52 @@
+"""The prefix cache's disk tier through the engine: a prompt's pages outlive the engine that
+computed them, and a restored prompt gives the tokens its pages give from the pool (a cold run's,
+with float pages) and reports them as cached."""
+
+import pytest
+
+from mlxkv import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+PROMPT = list(range(3, 116))  # 113 tokens: 7 full pages of 16, then the last one
+OTHERS = [list(range(200, 230)), list(range(40, 61))]
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8, 4])
+def test_a_prompt_restored_from_disk_gives_the_tokens_of_its_pages_in_the_pool(checkpoint, tmp_path, kv_bits):
+    path = str(checkpoint("qwen3-fp32-d64"))
+    settings = dict(kv_bits=kv_bits, max_num_seqs=4)
+    cold = [o.token_ids for o in LLM(path, prefix_caching=False, **settings).generate([PROMPT, *OTHERS], GREEDY)]
+    first = LLM(path, disk_cache=str(tmp_path), **settings)
+    (done,) = first.generate([PROMPT], GREEDY)
+    assert done.num_cached_tokens == 0 and done.token_ids == cold[0]
+    (hit,) = first.generate([PROMPT], GREEDY)  # the same pages, from the pool
+    assert hit.num_cached_tokens == 112 and (kv_bits is not None or hit.token_ids == cold[0])
+    assert first.engine.cache.disk.flush(10)
+    again = LLM(path, disk_cache=str(tmp_path), **settings)  # as after a restart
+    done = again.generate([PROMPT, *OTHERS], GREEDY)
+    assert [o.token_ids for o in done] == [hit.token_ids, *cold[1:]]
+    assert done[0].num_cached_tokens == 112 == (len(PROMPT) - 1) // 16 * 16
+    assert "; disk: 7 pages restored" in str(again.stats().kv)
+    assert again.stats().kv.pages_used == 0
+
+
+@pytest.mark.parametrize("seconds_a_token, restored", [(1e-12, 0), (1.0, 112)])
+def test_pages_are_read_back_only_where_reading_beats_computing(checkpoint, tmp_path, seconds_a_token, restored):
+    """The engine's fitted step time against the disk's read rate: where computing 112 tokens takes
+    about a nanosecond they are computed, where it takes minutes they are read."""
+    from dataclasses import replace
+
+    from mlxkv.engine.memory.step_time import StepTime
+
+    path = str(checkpoint("qwen3-fp32-d64"))
+    first = LLM(path, disk_cache=str(tmp_path))
+    (done,) = first.generate([PROMPT], GREEDY)
+    assert first.engine.cache.disk.flush(10)
+    again = LLM(path, disk_cache=str(tmp_path))
+    fitted = StepTime()
+    for tokens in (1, 64, 1, 256, 8):
+        fitted.record(tokens, 0, 1e-3 + seconds_a_token * tokens)
+    scheduler = again.engine.scheduler
+    scheduler.sizer = replace(scheduler.sizer, step_time=fitted)
+    (after,) = again.generate([PROMPT], GREEDY)
+    assert after.num_cached_tokens == restored and after.token_ids == done.token_ids
