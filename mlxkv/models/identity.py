@@ -13,18 +13,17 @@ ENDS = 8  # values read from each end of every weight
 
 
 def weights_digest(*models: nn.Module | None) -> str:
-    """A hex digest of every weight of `models` (None skipped): its name, shape and dtype, and its
-    first and last `ENDS` values. Two checkpoints of one architecture differ there, and reading
-    so little costs nothing beside loading them."""
-    named: list[tuple[str, mx.array]] = []
-    for i, model in enumerate(models):
-        if model is not None:
-            weights = tree_flatten(model.parameters())
-            assert isinstance(weights, list)
-            named += sorted((f"{i}.{name}", array) for name, array in weights)
-    ends = [mx.concatenate([array.reshape(-1)[:ENDS], array.reshape(-1)[-ENDS:]]).view(mx.uint8) for _, array in named]
+    """A hex digest of the weights of `models` (None skipped): each weight's shape and dtype and its
+    first and last `ENDS` values, in an order of their own, so that a model mlxkv has wrapped (whose
+    parameters then have other names) digests as it did before. Two checkpoints of one
+    architecture differ there, and reading so little costs nothing beside loading them."""
+    weights = list({id(a): a for model in models if model is not None for a in _parameters(model)}.values())
+    ends = [mx.concatenate([a.reshape(-1)[:ENDS], a.reshape(-1)[-ENDS:]]).view(mx.uint8) for a in weights]
     mx.eval(ends)
-    digest = hashlib.sha256()
-    for (name, array), values in zip(named, ends):
-        digest.update(f"{name}{tuple(array.shape)}{array.dtype}".encode() + np.asarray(values).tobytes())
-    return digest.hexdigest()
+    entries = sorted(f"{tuple(a.shape)}{a.dtype}".encode() + np.asarray(e).tobytes() for a, e in zip(weights, ends))
+    return hashlib.sha256(b"".join(entries)).hexdigest()
+
+
+def _parameters(model: nn.Module) -> list[mx.array]:
+    flat = tree_flatten(model.parameters())
+    return [value for _, value in flat if isinstance(value, mx.array)] if isinstance(flat, list) else []
