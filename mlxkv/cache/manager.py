@@ -20,7 +20,7 @@ from .page_group import PageGroup, window_pool_pages
 from .page_table import PageTable
 from .pins import PrefixPins
 from .pool import PagePool
-from .prefix_cache import Marks
+from .prefix_cache import Marks, chain_keys, root_key
 from .state_pool import StatePool, StateShape
 from .state_snapshots import State, StateSnapshots
 from .storage import KVStorage, Pages, PerLayer, check_quantization, per_layer
@@ -256,6 +256,26 @@ class KVCacheManager:
             if self.disk is not None:
                 reused = self._restore(table, tokens, restore_pays)
             return reused if self.snapshots is None else self._reuse_state(seq_id, table, reused)
+
+    def restoring(
+        self, tokens: Sequence[int], salt: str | None = None, marks: Marks = (), restore_pays: RestorePays | None = None
+    ) -> bool:
+        """Whether pages of `tokens`' prefix that the pool lacks and the disk tier holds (and that pay
+        to restore) are still being read: a read ahead starts here if none has, and the request
+        waits for it rather than any step for the disk."""
+        if self.disk is None:
+            return False
+        with self._lock:
+            keys = chain_keys(root_key(salt), tokens, marks, 0, (len(tokens) - 1) // self.page_size, self.page_size)
+            first = next((i for i, key in enumerate(keys) if self.pool.lookup(key) is None), len(keys))
+            count = self.disk.found(keys[first:])
+            size, per_token = self.page_size, self.storage.bytes_per_token
+            if not count or (
+                restore_pays is not None
+                and not restore_pays(first * size, count * size, self.disk.read_seconds(count * size * per_token))
+            ):
+                return False
+            return not self.disk.prefetch(keys[first : first + count])
 
     def _restore(self, table: PageTable, tokens: Sequence[int], restore_pays: RestorePays | None) -> int:
         """Continue `table`, which ends on the last page the pool had, with the pages of `tokens`

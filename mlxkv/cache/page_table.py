@@ -9,7 +9,7 @@ import numpy as np
 from ..deprecation import RenamedAttribute
 from ..errors import SequenceTooLong, counted
 from .pool import PagePool
-from .prefix_cache import Marks, marks_in, page_key, root_key
+from .prefix_cache import Marks, chain_keys, marks_in, page_key, root_key
 
 
 class PageTable:
@@ -193,12 +193,7 @@ class PageTable:
 
     def next_keys(self, tokens: Sequence[int], count: int) -> list[bytes]:
         """The keys of the `count` full pages of `tokens` after the ones this table has keyed."""
-        keys, parent, size = [], self._parent, self.page_size
-        for index in range(len(self.keys), len(self.keys) + count):
-            start = index * size
-            keys.append(page_key(parent, tokens[start : start + size], marks_in(self.marks, start, start + size)))
-            parent = keys[-1]
-        return keys
+        return chain_keys(self._parent, tokens, self.marks, len(self.keys), count, self.page_size)
 
     def adopt(self, pages: list[int], keys: list[bytes]) -> None:
         """Append full `pages` (this sequence's already, their K/V being written) holding the pages

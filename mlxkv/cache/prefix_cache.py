@@ -36,6 +36,17 @@ def page_key(parent: bytes, tokens: Sequence[int], marks: bytes = b"") -> bytes:
     return hashlib.sha256(parent + np.asarray(tokens, dtype="<i8").tobytes() + marks).digest()
 
 
+def chain_keys(parent: bytes, tokens: Sequence[int], marks: Marks, first: int, count: int, size: int) -> list[bytes]:
+    """The keys of full pages `first` to `first + count - 1` of `tokens` (pages of `size`), page
+    `first`'s parent being `parent`."""
+    keys = []
+    for index in range(first, first + count):
+        start = index * size
+        parent = page_key(parent, tokens[start : start + size], marks_in(marks, start, start + size))
+        keys.append(parent)
+    return keys
+
+
 def marks_in(marks: Marks, start: int, stop: int) -> bytes:
     """The digests of `marks` at positions `start` to `stop` (exclusive), joined."""
     return b"".join(digest for position, digest in marks if start <= position < stop)

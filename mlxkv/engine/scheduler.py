@@ -124,16 +124,20 @@ class Scheduler:
             for request in running:
                 if selection.budget and request not in selection.preempted:
                     self._make_room(selection, request)
+        passed = 0  # waiting requests whose pages are still being read from disk: the next go first
         while (
-            self.waiting
+            len(self.waiting) > passed
             and selection.budget
             and len(self.running) < self.max_num_seqs
             and self.cache.num_sequences < self.cache.max_num_seqs
         ):
-            request = self.waiting[0]
+            request = self.waiting[passed]
+            if self._restoring(request):
+                passed += 1
+                continue
             if not self._admit(selection, request):
                 break
-            self.waiting.popleft()
+            del self.waiting[passed]
             request.status = Status.RUNNING
             self.running.append(request)
         if selection.hold and not selection.counts:  # nothing could run beside the held first tokens: they go now
@@ -247,6 +251,11 @@ class Scheduler:
             request.num_cached_tokens = request.num_computed
             self.prefix_stats.record(len(request.prompt_ids), request.num_computed)
         return True
+
+    def _restoring(self, request: Request) -> bool:
+        """Whether `request`'s prefix pages are still being read from the disk tier (see `KVCacheManager.restoring`)."""
+        marks = request.images.marks if request.images is not None else ()
+        return self.cache.restoring(request.all_token_ids, request.cache_salt, marks, self._restore_pays)
 
     def _restore_pays(self, start: int, count: int, read_seconds: float) -> bool:
         """Whether reading `count` tokens' pages from disk (`read_seconds`) beats computing them after

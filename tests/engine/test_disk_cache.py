@@ -50,3 +50,28 @@ def test_pages_are_read_back_only_where_reading_beats_computing(checkpoint, tmp_
     scheduler.sizer = replace(scheduler.sizer, step_time=fitted)
     (after,) = again.generate([PROMPT], GREEDY)
     assert after.num_cached_tokens == restored and after.token_ids == done.token_ids
+
+
+def test_a_request_waits_for_its_pages_from_disk_while_the_others_step(checkpoint, tmp_path, monkeypatch):
+    """Reading a prompt's pages back runs on the tier's reader thread: the request waits in the
+    queue meanwhile, and every step goes on for the others."""
+    import threading
+
+    import mlxkv.cache.disk.tier as tier
+
+    path = str(checkpoint("qwen3-fp32-d64"))
+    first = LLM(path, disk_cache=str(tmp_path))
+    (done,) = first.generate([PROMPT], GREEDY)
+    assert first.engine.cache.disk.flush(10)
+    release, read = threading.Event(), tier.read_payload
+    monkeypatch.setattr(tier, "read_payload", lambda *args: release.wait(30) and read(*args))
+    engine = LLM(path, disk_cache=str(tmp_path)).engine
+    other = engine.add_request(OTHERS[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    restoring = engine.add_request(PROMPT, GREEDY)
+    for _ in range(8):
+        engine.step()
+    assert other.num_outputs >= 6 and restoring.num_computed == 0 and restoring in engine.scheduler.waiting
+    release.set()
+    while engine.has_unfinished():
+        engine.step()
+    assert restoring.num_cached_tokens == 112 and restoring.output_ids == done.token_ids

@@ -7,7 +7,7 @@ place) lives in memory, rebuilt at start from the files' headers; a file that do
 (another namespace, another version, truncated) is ignored with one log line, and one whose
 checksum fails when read is dropped with one, so a page from disk is the page that was written
 or none at all. Files beyond `max_bytes` go least recently used first. Writing runs on a thread
-of its own (`RunWriter`), so that no step waits for the disk.
+of its own (`RunWriter`), and so does reading ahead (`prefetch`), so that no step waits for the disk.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 FREE_FLOOR = 2**30  # bytes the disk keeps free: below them nothing more is written
 ASSUMED_READ_RATE = 1e9  # bytes a second, until reads have measured it (an SSD reads several times that)
 MEASURED_FROM = 2**20  # bytes read before the measured rate replaces the assumed one
+READY_FILES = 64  # files read ahead and kept for the request that asked for them
 
 
 @dataclass
@@ -63,6 +65,9 @@ class DiskTier:
         self._where: dict[bytes, tuple[Path, int]] = {}  # page key: its file and its place there
         self._files: OrderedDict[Path, tuple[RunHeader, int]] = OrderedDict()  # least recently used first
         self._bytes = 0
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="mlxkv-disk-reader")
+        self._reading: dict[Path, Future[list[np.ndarray] | None]] = {}  # files `prefetch` is reading
+        self._ready: OrderedDict[Path, list[np.ndarray] | None] = OrderedDict()  # and those it has read
         self._scan()
         self.writer = RunWriter(self, queue_bytes)
 
@@ -114,32 +119,57 @@ class DiskTier:
         with self._lock:
             return next((i for i, key in enumerate(keys) if key not in self._where), len(keys))
 
+    def prefetch(self, keys: Sequence[bytes]) -> bool:
+        """Whether the files holding the pages `keys` are read and checked, in memory for `read`;
+        those that are not are read on the reader thread from now on."""
+        with self._lock:
+            paths = list(dict.fromkeys(self._where[key][0] for key in keys if key in self._where))
+        ready = True
+        for path in paths:
+            if path in self._ready:
+                continue
+            reading = self._reading.get(path)
+            if reading is None:
+                self._reading[path] = self._reader.submit(self._load, path)
+                ready = False
+            elif reading.done():
+                self._ready[path] = reading.result()
+                del self._reading[path]
+                while len(self._ready) > READY_FILES:  # a request that never came back for them
+                    self._ready.popitem(last=False)
+            else:
+                ready = False
+        return ready
+
     def read(self, keys: Sequence[bytes]) -> list[mx.array]:
         """The stored arrays of the pages `keys` (in order), each `[pages, ...]` in its dtype, for
-        as many leading pages as their files give back whole (a damaged file is dropped, with one
-        line, and the pages from it on are not returned)."""
-        started = time.perf_counter()
+        as many leading pages as are on disk and their files give back whole (a damaged file is
+        dropped, with one line). Files `prefetch` read are taken from memory, the others read now."""
+        places: list[tuple[Path, int]] = []
         with self._lock:
-            places = [self._where[key] for key in keys if key in self._where][: len(keys)]
-        loaded: dict[Path, list[np.ndarray]] = {}
-        taken: list[list[np.ndarray]] = []
-        for path, place in places:
-            if path not in loaded:
-                arrays = self._load(path)
-                if arrays is None:
+            for key in keys:
+                place = self._where.get(key)
+                if place is None:  # gone since it was found (the writer dropped its file): stop there
                     break
-                loaded[path] = arrays
-            taken.append([array[place] for array in loaded[path]])
+                places.append(place)
+        loaded: dict[Path, list[np.ndarray] | None] = {}
+        taken: list[list[np.ndarray]] = []
+        for path, index in places:
+            if path not in loaded:
+                loaded[path] = self._ready.pop(path) if path in self._ready else self._load(path)
+            arrays = loaded[path]
+            if arrays is None:
+                break
+            taken.append([array[index] for array in arrays])
         if not taken:
             return []
-        header = self._files_header(next(iter(loaded)))
+        header = self._files_header(places[0][0])
         out = [
             mx.array(np.stack([page[i] for page in taken])).view(getattr(mx, dtype))
             for i, (dtype, _) in enumerate(header.arrays)
         ]
         self.stats.pages_restored += len(taken)
         self.stats.bytes_read += sum(a.nbytes for a in out)
-        self.stats.restore_seconds += time.perf_counter() - started
         return out
 
     def read_seconds(self, nbytes: int) -> float:
@@ -153,20 +183,25 @@ class DiskTier:
             return self._files[path][0]
 
     def _load(self, path: Path) -> list[np.ndarray] | None:
-        """A file's arrays, checked; None (the file dropped, with one line) if it is damaged."""
+        """A file's arrays, checked (timed into `stats.restore_seconds`); None (the file dropped,
+        with one line) if it is damaged or gone. Any thread may call it."""
         with self._lock:
             entry = self._files.get(path)
             if entry is None:
                 return None
             self._files.move_to_end(path)
+        started = time.perf_counter()
         try:
-            return read_payload(path, entry[0])
+            arrays = read_payload(path, entry[0])
         except RunFileError as exc:
-            self._reject(path, exc)
             with self._lock:
+                self._reject(path, exc)
                 if path in self._files:
                     self._drop(path)
             return None
+        with self._lock:
+            self.stats.restore_seconds += time.perf_counter() - started
+        return arrays
 
     def missing(self, keys: Sequence[bytes]) -> list[int]:
         """Which of `keys` are not on disk (their indices)."""
@@ -197,5 +232,6 @@ class DiskTier:
         return self.writer.flush(timeout)
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued, then stop the writer and the reader."""
         self.writer.close()
+        self._reader.shutdown(wait=True)
