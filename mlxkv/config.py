@@ -112,8 +112,9 @@ class EngineConfig:
     disk_cache: str | None = setting(
         None,
         "Folder for the prefix cache's disk tier: full KV pages are filed there, so that a prompt prefix "
-        "outlives the pool and the process [default: none].",
+        "outlives the pool and the process; none: no disk tier [default: none; serve: ~/.cache/mlxkv/kv].",
         optional(TEXT),
+        convert=lambda value: None if isinstance(value, str) and value.strip().lower() in ("", "none") else value,
         panel="Memory",
     )
     disk_cache_size: int | str = setting(

@@ -187,9 +187,14 @@ def free_ports(count: int) -> int:
 def start_server(*flags: str, port: int | None = None, cwd=None, ranks: int = 1) -> tuple[subprocess.Popen, str]:
     """`mlxkv serve` with the demo model on 127.0.0.1 (a free port unless `port`), once /health
     answers; run in `cwd` if given, as `ranks` tensor-parallel processes under `mlx.launch` if more
-    than one."""
+    than one. Its disk tier (on by default) is a folder of its own unless `flags` name one, so that
+    no server reads what another test's wrote, nor the user's cache."""
+    import tempfile
+
     import httpx
 
+    if "--disk-cache" not in flags:
+        flags = (*flags, "--disk-cache", tempfile.mkdtemp(prefix="mlxkv-disk-"))
     if port is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

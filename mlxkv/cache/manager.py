@@ -22,7 +22,7 @@ from .pins import PrefixPins
 from .pool import PagePool
 from .prefix_cache import Marks, chain_keys, root_key
 from .state_pool import StatePool, StateShape
-from .state_snapshots import State, StateSnapshots
+from .state_snapshots import State, StateSnapshots, state_key
 from .storage import KVStorage, Pages, PerLayer, check_quantization, per_layer
 from .usage import KVUsage
 
@@ -173,7 +173,7 @@ class KVCacheManager:
         self._tensor_thread: int | None = None
         self.disk = (
             DiskTier(disk.folder, namespace(disk.model, self.storage), disk.max_bytes)
-            if disk is not None and self.prefix_caching and self.snapshots is None
+            if disk is not None and self.prefix_caching
             else None
         )
         self.peak_usage = self.usage()  # of the step holding the most pages (see `reset_peak_usage`)
@@ -268,7 +268,7 @@ class KVCacheManager:
         with self._lock:
             keys = chain_keys(root_key(salt), tokens, marks, 0, (len(tokens) - 1) // self.page_size, self.page_size)
             first = next((i for i, key in enumerate(keys) if self.pool.lookup(key) is None), len(keys))
-            count = self.disk.found(keys[first:])
+            count = self._restorable(keys[first:])
             size, per_token = self.page_size, self.storage.bytes_per_token
             if not count or (
                 restore_pays is not None
@@ -285,7 +285,7 @@ class KVCacheManager:
         if wanted <= 0 or table.num_tokens != len(table.keys) * self.page_size:  # a partial page: the pool had more
             return table.num_tokens
         keys = table.next_keys(tokens, wanted)
-        count = min(self.disk.found(keys), self.pool.free_count)
+        count = min(self._restorable(keys), self.pool.free_count)
         size = self.page_size
         seconds = self.disk.read_seconds(count * size * self.storage.bytes_per_token)
         if count and restore_pays is not None and not restore_pays(table.num_tokens, count * size, seconds):
@@ -298,18 +298,48 @@ class KVCacheManager:
             self._tensor_thread = threading.get_ident()
         return table.num_tokens
 
+    def _restorable(self, keys: list[bytes]) -> int:
+        """How many of the pages `keys` (a chain) to restore from disk: as many as it holds, and for
+        a hybrid only as far as a state is kept (in memory or on disk) at the end of the last."""
+        assert self.disk is not None
+        count = self.disk.found(keys)
+        if self.snapshots is None:
+            return count
+        return next((c for c in range(count, 0, -1) if self._has_state(keys[c - 1])), 0)
+
+    def _has_state(self, key: bytes) -> bool:
+        assert self.snapshots is not None
+        return key in self.snapshots or (self.disk is not None and state_key(key) in self.disk)
+
     def _reuse_state(self, seq_id: int, table: PageTable, reused: int) -> int:
-        """Cut a hybrid's reused pages back to the deepest one whose state is kept, and start the
-        sequence's state from it; returns the tokens now in place."""
+        """Cut a hybrid's reused pages back to the deepest one whose state is kept (in memory, else
+        on disk), and start the sequence's state from it; returns the tokens now in place."""
         assert self.snapshots is not None and self.states is not None
         full = min(reused // self.page_size, len(table.keys))
-        pages = next((k for k in range(full, 0, -1) if table.keys[k - 1] in self.snapshots), 0)
-        table.truncate(pages)
-        if pages:
-            index = mx.array([self._index_of[seq_id]])
-            for layer, arrays in enumerate(self.snapshots.get(table.keys[pages - 1])):
-                self.states.write(layer, index, [array[None] for array in arrays])
+        pages = next((k for k in range(full, 0, -1) if self._has_state(table.keys[k - 1])), 0)
+        state = self._state(table.keys[pages - 1]) if pages else None
+        table.truncate(pages if state is not None else 0)
+        if state is None:
+            return 0
+        index = mx.array([self._index_of[seq_id]])
+        for layer, arrays in enumerate(state):
+            self.states.write(layer, index, [array[None] for array in arrays])
+        self._tensor_thread = threading.get_ident()
         return pages * self.page_size
+
+    def _state(self, key: bytes) -> State | None:
+        """The state kept at the end of the page `key`: from memory, else from disk (None if its
+        file is damaged)."""
+        assert self.snapshots is not None and self.states is not None
+        if key in self.snapshots:
+            return self.snapshots.get(key)
+        assert self.disk is not None
+        arrays = [array[0] for array in self.disk.read([state_key(key)])]
+        counts = [len(layer) for layer in self.states.arrays]
+        if len(arrays) != sum(counts):
+            return None
+        ends = np.cumsum(counts)
+        return [arrays[end - count : end] for count, end in zip(counts, ends)]
 
     def pin(self, seq_id: int, tokens: int, ttl_s: float) -> int:
         """Pin the full, published pages among the first `tokens` of sequence `seq_id` for
@@ -364,7 +394,10 @@ class KVCacheManager:
             for seq_id, table in zip(seq_ids, tables):
                 captured = self._captured.get(seq_id)
                 if captured is not None and self.snapshots is not None and table.num_computed >= captured[0]:
-                    self.snapshots.put(table.keys[captured[0] // self.page_size - 1], captured[1])
+                    key = table.keys[captured[0] // self.page_size - 1]
+                    self.snapshots.put(key, captured[1])
+                    if self.disk is not None and state_key(key) not in self.disk:
+                        self.disk.put([state_key(key)], [array[None] for layer in captured[1] for array in layer])
                     del self._captured[seq_id]
 
     def _persist(self, published: list[tuple[PageTable, list[int]]]) -> None:

@@ -3,11 +3,17 @@ also has the state of its recurrent layers at their end."""
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 import mlx.core as mx
 
 State = list[list[mx.array]]  # every recurrent layer's arrays for one sequence, without the sequence axis
+
+
+def state_key(page_key: bytes) -> bytes:
+    """The key a state kept at the end of the page keyed `page_key` is filed under on disk."""
+    return hashlib.sha256(b"mlxkv/state/" + page_key).digest()
 
 
 class StateSnapshots:

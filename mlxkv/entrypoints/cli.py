@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import sys
 import threading
 import time
 from dataclasses import replace
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -72,6 +74,11 @@ VERBOSE = typer.Option(
 )
 SERVING = "Serving"
 SERVE_MAX_ITL_FACTOR = 2.0  # a server's decodes should feel smooth while prompts prefill beside them
+
+
+def serve_disk_cache() -> str:
+    """Where `serve` keeps its disk tier unless told: the user's cache folder (`$XDG_CACHE_HOME`, else ~/.cache)."""
+    return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlxkv" / "kv")
 
 
 def cli() -> None:
@@ -381,7 +388,10 @@ def chat_turn(
 
 
 @app.command(cls=PanelledCommand)
-@with_settings(defaults={"max_itl_factor": SERVE_MAX_ITL_FACTOR}, sampling=("thinking_token_budget",))
+@with_settings(
+    defaults={"max_itl_factor": SERVE_MAX_ITL_FACTOR, "disk_cache": serve_disk_cache()},
+    sampling=("thinking_token_budget",),
+)
 def serve(
     model: Optional[str] = MODEL,  # noqa: UP045
     host: str = typer.Option(

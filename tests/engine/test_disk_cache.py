@@ -75,3 +75,22 @@ def test_a_request_waits_for_its_pages_from_disk_while_the_others_step(checkpoin
     while engine.has_unfinished():
         engine.step()
     assert restoring.num_cached_tokens == 112 and restoring.output_ids == done.token_ids
+
+
+def test_a_hybrid_restores_its_pages_and_its_recurrent_state_from_disk(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers need their state where the reused pages end: the state kept
+    at the prompt's snapshot point is filed beside the pages and read back with them."""
+    from helpers import BASE, HYBRIDS
+
+    from mlxkv.models.random_model import make_checkpoint
+
+    path = str(make_checkpoint(tmp_path / "qwen3_5", "qwen3_5", shape={**BASE, **HYBRIDS["qwen3_5"]}))
+    first = LLM(path, disk_cache=str(tmp_path / "disk"))
+    (done,) = first.generate([PROMPT], GREEDY)
+    (hit,) = first.generate([PROMPT], GREEDY)  # the pages and the state, from memory
+    assert hit.num_cached_tokens == 112 and hit.token_ids == done.token_ids
+    assert first.engine.cache.disk.flush(10)
+    again = LLM(path, disk_cache=str(tmp_path / "disk"))
+    (after,) = again.generate([PROMPT], GREEDY)
+    assert after.num_cached_tokens == 112 and after.token_ids == done.token_ids
+    assert again.stats().kv.pages_used == 0
