@@ -94,3 +94,14 @@ def test_a_hybrid_restores_its_pages_and_its_recurrent_state_from_disk(tmp_path)
     (after,) = again.generate([PROMPT], GREEDY)
     assert after.num_cached_tokens == 112 and after.token_ids == done.token_ids
     assert again.stats().kv.pages_used == 0
+
+
+def test_a_disk_tier_too_small_for_a_page_keeps_serving(checkpoint, tmp_path):
+    path = str(checkpoint("qwen3-fp32-d64"))
+    cold = LLM(path, prefix_caching=False).generate([PROMPT, *OTHERS], GREEDY)
+    tiny = LLM(path, disk_cache=str(tmp_path), disk_cache_size="1KB")
+    for _ in range(2):
+        assert [o.token_ids for o in tiny.generate([PROMPT, *OTHERS], GREEDY)] == [o.token_ids for o in cold]
+    disk = tiny.engine.cache.disk
+    assert disk.flush(10) and disk.bytes_stored == 0 and disk.stats.bytes_written > 0
+    assert not list(tmp_path.rglob("*.run"))  # each file went as soon as it was written
