@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -25,6 +26,8 @@ from .state_pool import StatePool, StateShape
 from .state_snapshots import State, StateSnapshots, state_key
 from .storage import KVStorage, Pages, PerLayer, check_quantization, per_layer
 from .usage import KVUsage
+
+logger = logging.getLogger(__name__)
 
 RestorePays = Callable[[int, int, float], bool]
 """`(tokens in place, tokens on disk after them, seconds to read them)`: whether reading beats computing them."""
@@ -171,12 +174,16 @@ class KVCacheManager:
         self._next_id = 0
         self._lock = threading.RLock()
         self._tensor_thread: int | None = None
-        self.disk = (
-            DiskTier(disk.folder, namespace(disk.model, self.storage), disk.max_bytes)
-            if disk is not None and self.prefix_caching
-            else None
-        )
+        self.disk = self._disk_tier(disk) if disk is not None and self.prefix_caching else None
         self.peak_usage = self.usage()  # of the step holding the most pages (see `reset_peak_usage`)
+
+    def _disk_tier(self, disk: DiskSpec) -> DiskTier | None:
+        """The disk tier `disk` asks for; None, with one line, where its folder cannot be made."""
+        try:
+            return DiskTier(disk.folder, namespace(disk.model, self.storage), disk.max_bytes)
+        except OSError as exc:
+            logger.warning("disk cache: cannot use %s (%s); running without it", disk.folder, exc.strerror or exc)
+            return None
 
     def _page_group(self, window: int | None, layers: list[int], pool: PagePool, storage: KVStorage) -> PageGroup:
         """`layers`' page group, its page tables in a matrix of a line per sequence index."""

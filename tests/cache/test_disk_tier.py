@@ -125,3 +125,12 @@ def test_a_full_queue_drops_pages_rather_than_wait(tmp_path, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "disk cache: pages not written, as its queue is full (said once)"
     ]
+
+
+def test_a_folder_that_cannot_be_made_leaves_the_cache_without_a_disk_tier(tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="mlxkv"):
+        cache, disk = cache_on(blocked / "kv")
+    assert disk is None and cache.prefix_caching
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"disk cache: cannot use {blocked / 'kv'}"]
