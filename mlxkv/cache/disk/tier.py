@@ -152,23 +152,26 @@ class DiskTier:
                 if place is None:  # gone since it was found (the writer dropped its file): stop there
                     break
                 places.append(place)
+            dtypes = [dtype for dtype, _ in self._files[places[0][0]][0].arrays] if places else []
         loaded: dict[Path, list[np.ndarray] | None] = {}
-        taken: list[list[np.ndarray]] = []
+        runs: list[tuple[list[np.ndarray], int, int]] = []  # a file's arrays, and which of its pages in a row
         for path, index in places:
             if path not in loaded:
                 loaded[path] = self._ready.pop(path) if path in self._ready else self._load(path)
             arrays = loaded[path]
             if arrays is None:
                 break
-            taken.append([array[index] for array in arrays])
-        if not taken:
+            if runs and runs[-1][0] is arrays and runs[-1][2] == index:
+                runs[-1] = (arrays, runs[-1][1], index + 1)
+            else:
+                runs.append((arrays, index, index + 1))
+        if not runs:
             return []
-        header = self._files_header(places[0][0])
-        out = [
-            mx.array(np.stack([page[i] for page in taken])).view(getattr(mx, dtype))
-            for i, (dtype, _) in enumerate(header.arrays)
-        ]
-        self.stats.pages_restored += len(taken)
+        out = []
+        for i, dtype in enumerate(dtypes):
+            parts = [arrays[i][start:stop] for arrays, start, stop in runs]  # views: one copy, into MLX
+            out.append(mx.array(parts[0] if len(parts) == 1 else np.concatenate(parts)).view(getattr(mx, dtype)))
+        self.stats.pages_restored += out[0].shape[0]
         self.stats.bytes_read += sum(a.nbytes for a in out)
         return out
 
@@ -177,10 +180,6 @@ class DiskTier:
         stats = self.stats
         measured = stats.bytes_read >= MEASURED_FROM and stats.restore_seconds > 0
         return nbytes / (stats.bytes_read / stats.restore_seconds if measured else ASSUMED_READ_RATE)
-
-    def _files_header(self, path: Path) -> RunHeader:
-        with self._lock:
-            return self._files[path][0]
 
     def _load(self, path: Path) -> list[np.ndarray] | None:
         """A file's arrays, checked (timed into `stats.restore_seconds`); None (the file dropped,
