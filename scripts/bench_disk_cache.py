@@ -36,7 +36,7 @@ from tqdm import tqdm
 from mlxkv import LLMEngine, SamplingParams
 from mlxkv.config import EngineConfig
 
-DEFAULTS_TAKE = 1500  # seconds on progress.MACHINE (docs/benchmarks.md)
+DEFAULTS_TAKE = 430  # seconds on progress.MACHINE (docs/benchmarks.md)
 FIRST = SamplingParams(max_tokens=1, temperature=0.0)
 
 
@@ -174,9 +174,9 @@ def writer(model, tokenizer, args, progress: tqdm) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768], help="prompt lengths for (a)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192], help="prompt lengths for (a)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of (a) per length")
-    parser.add_argument("--sessions", type=int, default=20, help="agent sessions in (b)")
+    parser.add_argument("--sessions", type=int, default=12, help="agent sessions in (b)")
     parser.add_argument("--session-min", type=int, default=1024, help="shortest session prompt in (b)")
     parser.add_argument("--session-max", type=int, default=4096, help="longest session prompt in (b)")
     parser.add_argument("--cycles", type=int, default=2, help="times each session is resent in (b)")
