@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     port = free_port()
     log = Path(tempfile.mkdtemp()) / "serve.log"
     command = [sys.executable, "-m", "mlxkv", "serve", "--port", str(port), "--max-model-len", "2048"]
+    command += ["--disk-cache", "none"]  # no pages from earlier runs
     server = launch(command, port, log)
     print(f"BLAS: {blas_in_use()}; a {args.megabytes} MB prompt beside a streamed reply")
     try:

@@ -140,7 +140,7 @@ def servers(model: str, port: int, max_model_len: int, flags: list[str]) -> dict
         "mlx_lm.server": [python, "-m", "mlx_lm", "server", "--model", model, "--port", str(port)]
         + ["--log-level", "WARNING"],
         "mlxkv serve": [python, "-m", "mlxkv", "serve", "--model", model, "--port", str(port), "--max-num-seqs", "16"]
-        + ["--max-model-len", str(max_model_len), *flags],
+        + ["--max-model-len", str(max_model_len), "--disk-cache", "none", *flags],  # no pages from earlier runs
     }
 
 

@@ -128,6 +128,7 @@ CLIENTS: dict[str, Callable[..., list[Turn]]] = {"anthropic": anthropic_turns, "
 def server(path: Path, template_kwargs: str | None, log: Path) -> Iterator[str]:
     port = free_port()
     command = [sys.executable, "-m", "mlxkv", "serve", "--model", str(path), "--port", str(port)]
+    command += ["--disk-cache", "none"]  # each run starts from an empty cache
     command += ["--max-model-len", "4096"] + (["--chat-template-kwargs", template_kwargs] if template_kwargs else [])
     proc = launch(command, port, log)
     try:

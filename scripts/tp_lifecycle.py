@@ -38,7 +38,7 @@ def launch(port: int) -> subprocess.Popen[bytes]:
     """`mlxkv serve` on `port` as two ranks, the launcher in a session of its own (to stop them all)."""
     launcher = str(Path(sys.executable).parent / "mlx.launch")
     ring = ["-n", "2", "--backend", "ring", "--starting-port", str(free_port())]
-    serve = [sys.executable, "-m", "mlxkv", "serve", "--port", str(port)]
+    serve = [sys.executable, "-m", "mlxkv", "serve", "--port", str(port), "--disk-cache", "none"]
     return subprocess.Popen(
         [launcher, *ring, "--", *serve], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -105,8 +106,10 @@ def missing_lines(quoted: list[str], output: str) -> list[str]:
 
 def run(block: Block, bin_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run `block` with the environment of `bin_dir`, in a process group of its own, all of which
-    goes when it ends or times out (a block may start a server in the background)."""
+    goes when it ends or times out (a block may start a server in the background). Its cache
+    folder is a fresh one, so that a server's disk tier reads no pages an earlier run left."""
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(bin_dir.parent)}
+    env["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="mlxkv-docs-cache-")
     python = str(bin_dir / "python")
     command = [python, "-c", block.source] if block.language == "python" else ["bash", "-e", "-c", block.source]
     proc = subprocess.Popen(
