@@ -16,7 +16,7 @@ import os
 import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,30 +43,39 @@ class RunHeader:
     offset: int  # where the payload starts in the file
 
 
-def write_run(path: Path, namespace: str, keys: Sequence[bytes], arrays: Sequence[tuple[str, np.ndarray]]) -> int:
+def write_run(path: Path, namespace: str, keys: Sequence[bytes], arrays: Sequence[tuple[str, np.ndarray]]) -> RunHeader:
     """Write the pages `keys` (their `arrays`: `(dtype, bytes as uint8 of shape [pages, ...])`) to
-    `path`, whole or not at all (through a temporary file); returns the bytes written."""
+    `path`, whole or not at all (through a temporary file); returns its header (the file's size is
+    `offset + payload_bytes`)."""
     payload = [np.ascontiguousarray(data) for _, data in arrays]
     checksum = 0
     for data in payload:
         checksum = zlib.crc32(data.data, checksum)
-    header = json.dumps(
+    header = RunHeader(
+        namespace,
+        tuple(keys),
+        tuple((dtype, tuple(data.shape)) for (dtype, _), data in zip(arrays, payload)),
+        sum(data.nbytes for data in payload),
+        checksum,
+        0,
+    )
+    fields = json.dumps(
         dict(
             version=VERSION,
             namespace=namespace,
-            keys=[key.hex() for key in keys],
-            arrays=[[dtype, list(data.shape)] for (dtype, _), data in zip(arrays, payload)],
-            payload_bytes=sum(data.nbytes for data in payload),
+            keys=[key.hex() for key in header.keys],
+            arrays=[[dtype, list(shape)] for dtype, shape in header.arrays],
+            payload_bytes=header.payload_bytes,
             crc32=checksum,
         )
     ).encode()
     temporary = path.with_suffix(".tmp")
     with open(temporary, "wb") as file:
-        file.write(MAGIC + struct.pack("<I", len(header)) + header)
+        file.write(MAGIC + struct.pack("<I", len(fields)) + fields)
         for data in payload:
             file.write(data.data)
     os.replace(temporary, path)
-    return len(MAGIC) + 4 + len(header) + sum(data.nbytes for data in payload)
+    return replace(header, offset=len(MAGIC) + 4 + len(fields))
 
 
 def read_header(path: Path) -> RunHeader:

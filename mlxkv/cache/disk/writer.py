@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from .run_file import SUFFIX, read_header, write_run
+from .run_file import SUFFIX, write_run
 
 if TYPE_CHECKING:
     from .tier import DiskTier
@@ -93,8 +93,8 @@ class RunWriter:
             return
         data = [(dtype, np.asarray(a)) for dtype, a in arrays]  # waits for their evaluation
         path: Path = self.tier.folder / (keys[0].hex() + SUFFIX)
-        written = write_run(path, self.tier.namespace, keys, data)
-        self.tier.filed(path, read_header(path), written)
+        header = write_run(path, self.tier.namespace, keys, data)
+        self.tier.filed(path, header, header.offset + header.payload_bytes)
 
     def flush(self, timeout: float | None = None) -> bool:
         with self._changed:
