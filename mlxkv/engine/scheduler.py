@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ..cache.batch import KVBatch
 from ..cache.manager import KVCacheManager
-from ..cache.prefix_cache import PrefixCacheStats
+from ..cache.prefix_cache import Marks, PrefixCacheStats
 from .memory.chunk_sizing import ChunkSizer, StepShape
 from .request import NO_SEQUENCE, Request, Status
 
@@ -239,9 +239,8 @@ class Scheduler:
         """Open a sequence for `request` from its cached prefix and pick its first tokens, if
         their pages are free; otherwise leave everything as it was."""
         (request.seq_id,) = self.cache.claim(1)
-        marks = request.images.marks if request.images is not None else ()
         request.num_computed = self.cache.reuse_prefix(
-            request.seq_id, request.all_token_ids, request.cache_salt, marks, self._restore_pays
+            request.seq_id, request.all_token_ids, request.cache_salt, _marks(request), self._restore_pays
         )
         if not self._pick(selection, [request]):
             self.cache.release(request.seq_id)
@@ -254,8 +253,7 @@ class Scheduler:
 
     def _restoring(self, request: Request) -> bool:
         """Whether `request`'s prefix pages are still being read from the disk tier (see `KVCacheManager.restoring`)."""
-        marks = request.images.marks if request.images is not None else ()
-        return self.cache.restoring(request.all_token_ids, request.cache_salt, marks, self._restore_pays)
+        return self.cache.restoring(request.all_token_ids, request.cache_salt, _marks(request), self._restore_pays)
 
     def _restore_pays(self, start: int, count: int, read_seconds: float) -> bool:
         """Whether reading `count` tokens' pages from disk (`read_seconds`) beats computing them after
@@ -371,3 +369,8 @@ def whole_blocks(request: Request, start: int, count: int, most: int) -> int:
             past = min(stop + 1, len(request.all_token_ids)) - start
             return past if past <= most else 0
     return count
+
+
+def _marks(request: Request) -> Marks:
+    """What `request`'s page keys fold in besides its tokens: its images' digests."""
+    return request.images.marks if request.images is not None else ()
