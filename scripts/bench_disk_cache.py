@@ -183,15 +183,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=16, help="requests decoding in (c)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens each client generates in (c)")
     parser.add_argument("--runs", type=int, default=3, help="runs of (c) per engine, alternating")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which parts to run")
     args = parser.parse_args(argv)
     expect(DEFAULTS_TAKE, OPENBLAS)
     model, tokenizer = load_bench_model(args.model)
     args.vocab = tokenizer.vocab_size  # random prompts' ids below it
-    total = len(args.lengths) * args.repeats + 2 * args.sessions * args.cycles + 2 * args.runs * args.tokens
-    with bar(total, "loading") as progress:
-        restart(model, tokenizer, args, progress)
-        pressure(model, tokenizer, args, progress)
-        writer(model, tokenizer, args, progress)
+    steps = {
+        "restart": len(args.lengths) * args.repeats,
+        "pressure": 2 * args.sessions * args.cycles,
+        "writer": 2 * args.runs * args.tokens,
+    }
+    with bar(sum(steps[part] for part in args.parts), "loading") as progress:
+        for part in args.parts:
+            PARTS[part](model, tokenizer, args, progress)
+
+
+PARTS = {"restart": restart, "pressure": pressure, "writer": writer}
 
 
 if __name__ == "__main__":

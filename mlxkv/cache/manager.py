@@ -34,13 +34,12 @@ RestorePays = Callable[[int, int, float], bool]
 
 
 def prefix_cached(
-    layout: KVLayout, prefix_caching: bool, windowed: bool, hybrid: bool, kv_bits: int | None, prefix_states: int
+    layout: KVLayout, prefix_caching: bool, hybrid: bool, kv_bits: int | None, prefix_states: int
 ) -> bool:
-    """Whether a cache shares prefixes: asked for, paged (a contiguous page is one sequence's), no
-    sliding-window layers (they no longer hold a prefix's early tokens), and for a hybrid model
-    states kept for it (`prefix_states`) and float pages (its snapshot point would cut the first
-    chunk that quantized pages need whole, see `Scheduler.own_kv_span`)."""
-    shares = prefix_caching and layout is KVLayout.PAGED and not windowed
+    """Whether a cache shares prefixes: asked for, paged (a contiguous page is one sequence's), and
+    for a hybrid model states kept for it (`prefix_states`) and float pages (its snapshot point
+    would cut the first chunk that quantized pages need whole, see `Scheduler.own_kv_span`)."""
+    shares = prefix_caching and layout is KVLayout.PAGED
     return shares and not (hybrid and (kv_bits or not prefix_states))
 
 
@@ -80,8 +79,9 @@ class KVCacheManager:
     In the paged layout the layers of each window get pages of their own (a `PageGroup`
     of `window_pages[window]` pages, by default enough that they never run out): a sequence holds
     there only the pages its window reaches, and the scheduler counts the full-attention
-    layers' pages alone. Prefix caching is then off, since a windowed layer no longer holds
-    a prefix's early tokens.
+    layers' pages alone. Its full pages are cached under the full-attention pages' keys as they
+    fill, so a prefix is reused only as far as each window group still has the pages its window
+    reaches at the prefix's end.
 
     With prefix caching, `pin` keeps a sequence's leading pages from eviction for a while (see
     `PrefixPins`), at most `pinned_fraction` of the pool.
@@ -141,7 +141,7 @@ class KVCacheManager:
         grouped = self.layout is KVLayout.PAGED and any(windows)
         hybrid = bool(state_shapes)
         kept = max_num_seqs if prefix_states is None else prefix_states
-        self.prefix_caching = prefix_cached(self.layout, prefix_caching, grouped, hybrid, kv_bits, kept)
+        self.prefix_caching = prefix_cached(self.layout, prefix_caching, hybrid, kv_bits, kept)
         self.states = StatePool(max_num_seqs, state_shapes) if hybrid else None
         self.snapshots = StateSnapshots(kept) if hybrid and self.prefix_caching else None
         self._captured: dict[int, tuple[int, State]] = {}  # seq_id: (tokens, state) until published
@@ -171,6 +171,7 @@ class KVCacheManager:
         self._full = self.groups[None]
         self._tables = self._full.tables
         self.windowed = {window: group for window, group in self.groups.items() if window is not None}
+        self._ends_anywhere = not self.windowed and self.snapshots is None  # a prefix may end on any full page
         self._next_id = 0
         self._lock = threading.RLock()
         self._tensor_thread: int | None = None
@@ -180,7 +181,8 @@ class KVCacheManager:
     def _disk_tier(self, disk: DiskSpec) -> DiskTier | None:
         """The disk tier `disk` asks for; None, with one line, where its folder cannot be made."""
         try:
-            return DiskTier(disk.folder, namespace(disk.model, self.storage), disk.max_bytes)
+            windows = {window: group.storage for window, group in self.windowed.items()}
+            return DiskTier(disk.folder, namespace(disk.model, self.storage, windows), disk.max_bytes)
         except OSError as exc:
             logger.warning("disk cache: cannot use %s (%s); running without it", disk.folder, exc.strerror or exc)
             return None
@@ -256,13 +258,16 @@ class KVCacheManager:
         pages, never the last token): the pool's, then the disk tier's where `restore_pays` says
         reading them beats computing them (always, without it); returns how many tokens it now
         holds (0 with prefix caching off). Sequences share pages only when their `salt`s are
-        equal, and only up to their first unequal mark (an image's digest at its first placeholder)."""
+        equal, and only up to their first unequal mark (an image's digest at its first placeholder).
+        With window groups or recurrent state, only as far as each can continue (`_can_end`)."""
         with self._lock:
             table = self._table(seq_id)
-            reused = table.reuse_prefix(tokens, salt, marks) if self.prefix_caching else 0
+            if not self.prefix_caching:
+                return 0
+            table.reuse_prefix(tokens, salt, marks, partial=self._ends_anywhere)
             if self.disk is not None:
-                reused = self._restore(table, tokens, restore_pays)
-            return reused if self.snapshots is None else self._reuse_state(seq_id, table, reused)
+                self._restore(table, tokens, restore_pays)
+            return table.num_tokens if self._ends_anywhere else self._settle(seq_id, table)
 
     def restoring(
         self, tokens: Sequence[int], salt: str | None = None, marks: Marks = (), restore_pays: RestorePays | None = None
@@ -275,64 +280,125 @@ class KVCacheManager:
         with self._lock:
             keys = chain_keys(root_key(salt), tokens, marks, 0, (len(tokens) - 1) // self.page_size, self.page_size)
             first = next((i for i, key in enumerate(keys) if self.pool.lookup(key) is None), len(keys))
-            count = self._restorable(keys[first:])
+            count = self._restorable(keys, first)
             size, per_token = self.page_size, self.storage.bytes_per_token
             if not count or (
                 restore_pays is not None
                 and not restore_pays(first * size, count * size, self.disk.read_seconds(count * size * per_token))
             ):
                 return False
-            return not self.disk.prefetch(keys[first : first + count])
+            end = first + count
+            return not self.disk.prefetch(keys[first:end] + self._window_reads(keys[:end]))
 
-    def _restore(self, table: PageTable, tokens: Sequence[int], restore_pays: RestorePays | None) -> int:
+    def _restore(self, table: PageTable, tokens: Sequence[int], restore_pays: RestorePays | None) -> None:
         """Continue `table`, which ends on the last page the pool had, with the pages of `tokens`
-        the disk tier holds (never the last token's), read into free pages; returns its tokens."""
+        the disk tier holds (never the last token's), read into free pages."""
         assert self.disk is not None
-        wanted = (len(tokens) - 1) // self.page_size - len(table.keys)
-        if wanted <= 0 or table.num_tokens != len(table.keys) * self.page_size:  # a partial page: the pool had more
-            return table.num_tokens
-        keys = table.next_keys(tokens, wanted)
-        count = min(self._restorable(keys), self.pool.free_count)
+        first = len(table.keys)
+        wanted = (len(tokens) - 1) // self.page_size - first
+        if wanted <= 0 or table.num_tokens != first * self.page_size:  # a partial page: the pool had more
+            return
+        chain = table.keys + table.next_keys(tokens, wanted)
+        count = min(self._restorable(chain, first), self.pool.free_count)
         size = self.page_size
         seconds = self.disk.read_seconds(count * size * self.storage.bytes_per_token)
         if count and restore_pays is not None and not restore_pays(table.num_tokens, count * size, seconds):
-            return table.num_tokens
-        arrays = self.disk.read(keys[:count]) if count else []
+            return
+        arrays = self.disk.read(chain[first : first + count]) if count else []
         if arrays:
             pages = self.pool.alloc(table.owner, arrays[0].shape[0])
             self.storage.put_pages(pages, arrays)
-            table.adopt(pages, keys[: len(pages)])
+            table.adopt(pages, chain[first : first + len(pages)])
             self._tensor_thread = threading.get_ident()
-        return table.num_tokens
 
-    def _restorable(self, keys: list[bytes]) -> int:
-        """How many of the pages `keys` (a chain) to restore from disk: as many as it holds, and for
-        a hybrid only as far as a state is kept (in memory or on disk) at the end of the last."""
+    def _restorable(self, chain: list[bytes], first: int) -> int:
+        """How many of the pages of `chain` after its first `first` (those in place) to restore from
+        disk: as many as it holds in a row, cut back to the deepest end `_can_end` allows."""
         assert self.disk is not None
-        count = self.disk.found(keys)
-        if self.snapshots is None:
+        count = self.disk.found(chain[first:])
+        if self._ends_anywhere:
             return count
-        return next((c for c in range(count, 0, -1) if self._has_state(keys[c - 1])), 0)
+        return next((c for c in range(count, 0, -1) if self._can_end(chain, first + c)), 0)
+
+    def _can_end(self, chain: list[bytes], end: int) -> bool:
+        """Whether a sequence can continue from the prefix of full pages `chain[:end]`: each window
+        group has the pages its window reaches there, and a hybrid the state at its end (in
+        memory or on disk)."""
+        if self.snapshots is not None and not self._has_state(chain[end - 1]):
+            return False
+        return all(
+            self._has_page(group, chain[page])
+            for group in self.windowed.values()
+            for page in range(end - 1, group.reach(end) - 1, -1)  # the last first: it is the likeliest missing
+        )
+
+    def _has_page(self, group: PageGroup, key: bytes) -> bool:
+        return group.pool.lookup(key) is not None or (self.disk is not None and group.disk_key(key) in self.disk)
 
     def _has_state(self, key: bytes) -> bool:
         assert self.snapshots is not None
         return key in self.snapshots or (self.disk is not None and state_key(key) in self.disk)
 
-    def _reuse_state(self, seq_id: int, table: PageTable, reused: int) -> int:
-        """Cut a hybrid's reused pages back to the deepest one whose state is kept (in memory, else
-        on disk), and start the sequence's state from it; returns the tokens now in place."""
-        assert self.snapshots is not None and self.states is not None
-        full = min(reused // self.page_size, len(table.keys))
-        pages = next((k for k in range(full, 0, -1) if self._has_state(table.keys[k - 1])), 0)
-        state = self._state(table.keys[pages - 1]) if pages else None
-        table.truncate(pages if state is not None else 0)
+    def _window_reads(self, chain: list[bytes]) -> list[bytes]:
+        """The disk keys of the window groups' pages that continuing from the prefix `chain` needs
+        and their pools lack."""
+        end = len(chain)
+        return [
+            group.disk_key(key)
+            for group in self.windowed.values()
+            for key in chain[group.reach(end) : end]
+            if group.pool.lookup(key) is None
+        ]
+
+    def _settle(self, seq_id: int, table: PageTable) -> int:
+        """Cut the pages `table` reused back to the deepest end every window group and a hybrid's
+        state can continue from, and start those there; returns the tokens now in place (none
+        if a page or state on disk turns out damaged)."""
+        end = next((e for e in range(len(table.keys), 0, -1) if self._can_end(table.keys, e)), 0)
+        table.truncate(end)
+        if end and not (self._start_windows(seq_id, table.keys) and self._start_state(seq_id, table.keys[end - 1])):
+            for group in self.windowed.values():
+                group.tables[seq_id].release()
+            table.truncate(0)
+        return table.num_tokens
+
+    def _start_windows(self, seq_id: int, chain: list[bytes]) -> bool:
+        """Give each window group's table of `seq_id` the pages its window reaches at the end of the
+        prefix `chain`: the pool's, shared, and the rest read from disk into free pages (and
+        cached). False if the disk gives back fewer than it should."""
+        end = len(chain)
+        for group in self.windowed.values():
+            first = group.reach(end)
+            wanted = chain[first:end]
+            pages = [group.pool.lookup(key) for key in wanted]
+            group.pool.share(seq_id, [page for page in pages if page is not None])
+            missing = [i for i, page in enumerate(pages) if page is None]
+            if missing:
+                arrays = self.disk.read([group.disk_key(wanted[i]) for i in missing]) if self.disk is not None else []
+                if not arrays or arrays[0].shape[0] != len(missing) or len(missing) > group.pool.free_count:
+                    return False
+                fresh = group.pool.alloc(seq_id, len(missing))
+                group.storage.put_pages(fresh, arrays)
+                for i, page in zip(missing, fresh):
+                    pages[i] = page
+                    group.pool.publish(page, wanted[i])
+                self._tensor_thread = threading.get_ident()
+            group.tables[seq_id].start_window(chain, first, [int(page) for page in pages if page is not None])
+        return True
+
+    def _start_state(self, seq_id: int, key: bytes) -> bool:
+        """Start a hybrid sequence's recurrent state from the one kept at the end of the page `key`
+        (in memory, else on disk); False if its file is damaged. True without recurrent layers."""
+        if self.snapshots is None or self.states is None:
+            return True
+        state = self._state(key)
         if state is None:
-            return 0
+            return False
         index = mx.array([self._index_of[seq_id]])
         for layer, arrays in enumerate(state):
             self.states.write(layer, index, [array[None] for array in arrays])
         self._tensor_thread = threading.get_ident()
-        return pages * self.page_size
+        return True
 
     def _state(self, key: bytes) -> State | None:
         """The state kept at the end of the page `key`: from memory, else from disk (None if its
@@ -395,9 +461,15 @@ class KVCacheManager:
         with self._lock:
             tables = self._tables_of(seq_ids)
             if self.prefix_caching:
-                fresh = [(table, table.publish(ids, count)) for table, ids, count in zip(tables, tokens, num_computed)]
+                fresh = [(self._full, [(t, t.publish(ids, n)) for t, ids, n in zip(tables, tokens, num_computed)])]
+                for group in self.windowed.values():
+                    followers = [group.tables[seq_id] for seq_id in seq_ids]
+                    fresh.append(
+                        (group, [(f, f.follow(t.keys, n)) for f, t, n in zip(followers, tables, num_computed)])
+                    )
                 if self.disk is not None:
-                    self._persist(fresh)
+                    for group, published in fresh:
+                        self._persist(group, published)
             for seq_id, table in zip(seq_ids, tables):
                 captured = self._captured.get(seq_id)
                 if captured is not None and self.snapshots is not None and table.num_computed >= captured[0]:
@@ -407,15 +479,15 @@ class KVCacheManager:
                         self.disk.put([state_key(key)], [array[None] for layer in captured[1] for array in layer])
                     del self._captured[seq_id]
 
-    def _persist(self, published: list[tuple[PageTable, list[int]]]) -> None:
-        """Hand the disk tier the pages just published that it does not hold (their copies are
-        taken in the graph the step left, so the step's next writes still go in place)."""
+    def _persist(self, group: PageGroup, published: list[tuple[PageTable, list[int]]]) -> None:
+        """Hand the disk tier the pages of `group` just published that it does not hold (their
+        copies are taken in the graph the step left, so the step's next writes still go in place)."""
         assert self.disk is not None
         pages = [int(table.physical[i]) for table, indices in published for i in indices]
-        keys = [table.keys[i] for table, indices in published for i in indices]
+        keys = [group.disk_key(table.keys[i]) for table, indices in published for i in indices]
         missing = self.disk.missing(keys)
         if missing:
-            self.disk.put([keys[i] for i in missing], self.storage.page_arrays([pages[i] for i in missing]))
+            self.disk.put([keys[i] for i in missing], group.storage.page_arrays([pages[i] for i in missing]))
 
     def append(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""

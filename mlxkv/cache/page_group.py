@@ -4,6 +4,7 @@ are another, where a sequence holds only the pages its window reaches."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,20 @@ class PageGroup:
         """What its pages are called in an error: the full-attention layers' are just pages."""
         return "pages" if self.window is None else f"pages of window-{self.window} layers"
 
+    def reach(self, end: int) -> int:
+        """The first of a prefix's `end` full pages that the token after them still sees (0 for
+        full attention): a window group needs only those to continue the prefix."""
+        if self.window is None:
+            return 0
+        return max(0, end * self.pool.page_size - self.window + 1) // self.pool.page_size
+
+    def disk_key(self, key: bytes) -> bytes:
+        """The key its page of content `key` is filed under on disk: the full-attention pages'
+        own; a window group's qualified by its window, as its pages hold other layers' K/V."""
+        if self.window is None:
+            return key
+        return hashlib.sha256(b"mlxkv/window/%d/" % self.window + key).digest()
+
     def batch(
         self,
         seq_ids: Sequence[int],
@@ -55,9 +70,10 @@ class PageGroup:
         )
 
     def usage(self, layout: KVLayout) -> KVUsage:
-        """A sliding-window group's use: its tokens are those its pages still hold."""
+        """A sliding-window group's use: its tokens are those its pages still hold (a page that
+        several sequences share counts once)."""
         pool, page_size = self.pool, self.pool.page_size
-        tokens = sum(t.num_tokens - t.dropped * page_size for t in self.tables.values())
+        tokens = sum(t.num_tokens - t.dropped * page_size for t in self.tables.values()) - pool.extra_refs * page_size
         return KVUsage(layout, pool.used_count, pool.capacity, page_size, tokens, self.storage.bytes_per_token)
 
 

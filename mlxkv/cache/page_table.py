@@ -139,11 +139,13 @@ class PageTable:
         size = self.page_size
         return int(self.physical[position // size]) * size + position % size
 
-    def reuse_prefix(self, tokens: Sequence[int], salt: str | None = None, marks: Marks = ()) -> int:
+    def reuse_prefix(
+        self, tokens: Sequence[int], salt: str | None = None, marks: Marks = (), partial: bool = True
+    ) -> int:
         """Start the empty table from the cache: the pages holding `tokens`' leading full pages,
-        up to the first miss, then the freed, partly filled page that holds the tokens after
-        them if there is one (taken over, as this sequence will write into it). The last
-        token is never reused, since its logits must be computed: a shared page holding it
+        up to the first miss, then (with `partial`) the freed, partly filled page that holds the
+        tokens after them if there is one (taken over, as this sequence will write into it). The
+        last token is never reused, since its logits must be computed: a shared page holding it
         is not taken, a partial one is, and the token is written again. `salt` and `marks`
         (see `prefix_cache`) key every page the sequence publishes. Returns the tokens now in place."""
         if self.num_pages:
@@ -163,7 +165,7 @@ class PageTable:
         self.physical[: len(shared)] = shared
         self.num_pages = len(shared)
         self.num_tokens = start = len(shared) * size
-        for count in range(min(len(tokens) - start, size - 1), 0, -1):
+        for count in range(min(len(tokens) - start, size - 1) if partial else 0, 0, -1):
             page = self.pool.lookup(self._key(tokens, start, start + count))
             if page is not None:
                 if last > start:  # it may hold the last token too: that one is computed again
@@ -190,6 +192,31 @@ class PageTable:
                 fresh.append(index)
         self.num_computed, self.tokens = num_computed, tokens
         return fresh
+
+    def follow(self, keys: list[bytes], num_computed: int) -> list[int]:
+        """`publish` for a window group's table, whose pages hold the same tokens as the
+        full-attention table keyed `keys`: its full pages among the first `num_computed` tokens
+        take those keys. A page that slid out before it was published is not (its content may be
+        another's by now). Returns the indices of the pages that now hold content the pool held
+        nowhere else. Only full pages are ever published here, so `release` caches no partial one."""
+        fresh = []
+        for index in range(len(self.keys), num_computed // self.page_size):
+            self.keys.append(keys[index])
+            if index >= self.dropped and self.pool.publish(int(self.physical[index]), keys[index]):
+                fresh.append(index)
+        self.num_computed = len(self.keys) * self.page_size
+        return fresh
+
+    def start_window(self, keys: list[bytes], first: int, pages: list[int]) -> None:
+        """Start an empty window group's table as the prefix of the full pages `keys`, of which it
+        holds `pages` (this sequence's already) for pages `first` on, the ones its window still
+        reaches; the pages before them count as slid out."""
+        end = len(keys)
+        if self.num_pages or len(pages) != end - first:
+            raise ValueError(f"sequence {self.owner}'s window pages cannot start from {len(pages)} of {end} pages")
+        self.physical[first:end] = pages
+        self.keys, self.num_pages, self.dropped = list(keys), end, first
+        self.num_tokens = self.num_computed = end * self.page_size
 
     def next_keys(self, tokens: Sequence[int], count: int) -> list[bytes]:
         """The keys of the `count` full pages of `tokens` after the ones this table has keyed."""

@@ -18,6 +18,7 @@ from mlxkv import (
     UnknownSequenceError,
 )
 from mlxkv.attention.reference import gather_kv
+from mlxkv.cache.disk import DiskSpec
 
 
 def make(layout="paged", **kw):
@@ -520,7 +521,7 @@ def test_sliding_window_layers_hold_pages_of_their_own():
     group = cache.windowed[6]
     assert group.layers == [0] and group.tables[a].dropped == 1  # tokens 0-3 left the window of token 9
     assert group.pool.pages(a) == local.page_tables[0, 1:4].tolist()
-    assert cache.kv(0)[0].shape[0] == 8 and cache.kv(1)[0].shape[0] == 16 and not cache.prefix_caching
+    assert cache.kv(0)[0].shape[0] == 8 and cache.kv(1)[0].shape[0] == 16
     usage = cache.usage()
     assert (usage.pages_used, usage.windowed[0][0], usage.windowed[0][1].pages_used) == (4, 6, 3)
     assert "window-6 layers 3/8" in str(usage)
@@ -586,3 +587,61 @@ def test_each_layer_may_have_its_own_kv_heads_and_head_dim(layout):
 def test_per_layer_shapes_are_checked(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         make(**kw)
+
+
+def windowed_prefix(cache, tokens, steps=(5, 4, 4)):
+    """A sequence that computed `tokens` in steps of `steps` tokens (publishing each, as the engine
+    does), then was released."""
+    (seq,) = cache.claim(1)
+    done, keys = 0, kv(len(tokens))
+    for count in steps:
+        batch = cache.append([seq], [count])
+        for layer in (0, 1):
+            cache.write(layer, batch, keys[done : done + count] + 100.0 * layer, kv(count))
+        cache.evaluate()
+        done += count
+        cache.publish([seq], [tokens], [done])
+    cache.release(seq)
+
+
+def test_a_window_group_reuses_a_prefix_only_while_it_holds_the_pages_its_window_reaches():
+    """Layer 0 sees the last 6 tokens: 12 cached tokens continue from page 1 on in its group (token
+    12 sees tokens 7-12), shared with the sequence that left them; once another sequence has
+    taken those pages the full-attention pages alone cannot start a prefix, and nothing is reused."""
+    cache = make(num_pages=16, max_num_seqs=2, layer_windows=[6, None], window_pages={6: 4})
+    tokens = list(range(1, 15))
+    windowed_prefix(cache, tokens)
+    group = cache.windowed[6]
+    (b,) = cache.claim(1)
+    assert cache.reuse_prefix(b, tokens) == 12 and cache.prefix_caching
+    table = group.tables[b]
+    assert (table.dropped, table.num_tokens, len(group.pool.pages(b)), table.pages[0]) == (1, 12, 2, 0)
+    assert mx.array_equal(group.storage.read(0, table.pages[1:3], 8)[0], kv(14)[4:12]).item()
+    batch = cache.append([b], [2])
+    assert batch.for_window(6).context_lens.tolist() == [14] and batch.context_lens.tolist() == [14]
+    cache.release(b)
+    (c,) = cache.claim(1)
+    cache.append([c], [13])  # all four of the window group's pages
+    cache.release(c)
+    (d,) = cache.claim(1)
+    assert cache.reuse_prefix(d, tokens) == 0 and cache._table(d).num_pages == 0
+
+
+def test_a_window_groups_pages_come_back_from_disk_where_its_pool_lost_them(tmp_path):
+    """With the disk tier, each window group's pages are filed too, under keys of its own: the
+    pool still holds the full-attention pages, the window group's come back from disk, equal."""
+    cache = make(
+        num_pages=16, max_num_seqs=2, layer_windows=[6, None], window_pages={6: 4}, disk=DiskSpec(tmp_path, 10**9, "m")
+    )
+    tokens = list(range(1, 15))
+    windowed_prefix(cache, tokens)
+    assert cache.disk.flush(10)
+    group = cache.windowed[6]
+    (c,) = cache.claim(1)
+    cache.append([c], [13])
+    cache.release(c)
+    (d,) = cache.claim(1)
+    assert cache.reuse_prefix(d, tokens) == 12
+    assert cache.disk.stats.pages_restored == 2  # the window group's pages 1 and 2; the others were in the pool
+    cache.evaluate()
+    assert mx.array_equal(group.storage.read(0, group.tables[d].pages[1:3], 8)[0], kv(14)[4:12]).item()

@@ -96,6 +96,28 @@ def test_a_hybrid_restores_its_pages_and_its_recurrent_state_from_disk(tmp_path)
     assert again.stats().kv.pages_used == 0
 
 
+@pytest.mark.parametrize("name, kv_bits", [("gemma4_text", None), ("gemma4_text", 8), ("gpt_oss", None)])
+def test_a_sliding_window_model_restores_its_window_pages_beside_the_others(tmp_path, name, kv_bits):
+    """Gemma 4's and gpt-oss's sliding-window layers keep pages of their own: the one their window
+    of 8 reaches at the prefix's end is filed and read back beside the 7 full-attention pages, and
+    the tokens are those of the pages in the pool (a cold run's, with float pages), alone and batched."""
+    from helpers import family_checkpoint
+
+    path = str(family_checkpoint(tmp_path / name, name))
+    settings = dict(kv_bits=kv_bits, max_num_seqs=4)
+    cold = [o.token_ids for o in LLM(path, prefix_caching=False, **settings).generate([PROMPT, *OTHERS], GREEDY)]
+    first = LLM(path, disk_cache=str(tmp_path / "disk"), **settings)
+    (done,) = first.generate([PROMPT], GREEDY)
+    (hit,) = first.generate([PROMPT], GREEDY)  # from the pool: the window group's pages are still there
+    assert hit.num_cached_tokens == 112 and (kv_bits is not None or done.token_ids == hit.token_ids == cold[0])
+    assert first.engine.cache.disk.flush(10)
+    for prompts in ([PROMPT], [PROMPT, *OTHERS]):  # alone, then batched, each after a restart
+        again = LLM(path, disk_cache=str(tmp_path / "disk"), **settings)
+        restored = again.generate(prompts, GREEDY)
+        assert [o.token_ids for o in restored] == [hit.token_ids, *cold[1 : len(prompts)]]
+        assert restored[0].num_cached_tokens == 112 and "; disk: 8 pages restored" in str(again.stats().kv)
+
+
 def test_a_disk_tier_too_small_for_a_page_keeps_serving(checkpoint, tmp_path):
     path = str(checkpoint("qwen3-fp32-d64"))
     cold = LLM(path, prefix_caching=False).generate([PROMPT, *OTHERS], GREEDY)

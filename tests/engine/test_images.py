@@ -90,8 +90,6 @@ def test_sixteen_images_behind_the_same_text_get_sixteen_answers(family):
 def test_the_same_image_reuses_every_page_and_another_only_those_before_it(family):
     path, prompt, _ = family
     llm = LLM(str(path), max_num_seqs=4, page_size=8)
-    if not llm.stats().prefix_caching:
-        pytest.skip("this family shares no pages (Gemma 4: sliding-window layers no longer hold a prefix)")
     text = prompt.prefaced(1)
     first = llm.engine.place_images(ImagePrompt(text, [picture(7)]))
     placeholder = int(first.images.images[0].placeholders[0])
@@ -152,10 +150,32 @@ def test_gemma4_sees_each_image_whole_where_a_chunk_would_end_inside_it(gemma4, 
     for n in (1, 2):
         (done,) = llm.generate(ImagePrompt(prompt(n), images[:n]), GREEDY, continuation=False)
         assert done.token_ids == expected[n]
-    llm.engine.vision.both_ways = False  # causal within the image, as mlxkv was before
-    (causal,) = llm.generate(ImagePrompt(prompt(2), images), GREEDY, continuation=False)
+    llm.engine.vision.both_ways = False  # causal within the image, as mlxkv was before (and none of its pages)
+    (causal,) = llm.generate(ImagePrompt(prompt(2), images), GREEDY, continuation=False, cache_salt="causal")
     assert causal.token_ids != expected[2]
     assert llm.stats().kv.pages_used == 0
+
+
+def test_gemma4_continues_a_cached_prefix_that_ends_inside_an_image(gemma4):
+    """A cached prefix whose later pages were evicted may end inside an image: its pages hold K/V
+    computed with the whole image, the rest of the image is computed seeing all of it, and the
+    tokens are still mlx-vlm's."""
+    from mlxkv.cache.prefix_cache import chain_keys, root_key
+
+    path, prompt, reference = gemma4
+    llm = LLM(str(path), max_num_seqs=2, page_size=4)
+    request = ImagePrompt(prompt(1), [picture(1)])
+    placed = llm.engine.place_images(request)
+    (first, stop), expected = placed.images.blocks[0], reference(1, [picture(1)])
+    assert llm.generate(request, GREEDY, continuation=False)[0].token_ids == expected
+    middle = (first + stop) // 2 // 4  # the page holding the image's middle
+    assert first < middle * 4 < stop
+    pool = llm.engine.cache.pool
+    for key in chain_keys(root_key(None), placed, placed.images.marks, 0, (len(placed) - 1) // 4, 4)[middle:]:
+        pool.take_over("evicted", pool.lookup(key))
+    pool.free("evicted")
+    (again,) = llm.generate(request, GREEDY, continuation=False)
+    assert again.num_cached_tokens == middle * 4 and again.token_ids == expected
 
 
 def test_gemma4_refuses_an_image_no_step_can_hold_whole(gemma4):

@@ -21,12 +21,19 @@ class DiskSpec:
     model: str
 
 
-def namespace(model: str, storage: KVStorage) -> str:
-    """The model's digest, the pages' dtype, size, quantization and each layer's K/V shape, and the
-    file format's version, as one hex digest: pages of another namespace are never read."""
-    fields = dict(
-        version=VERSION,
-        model=model,
+def namespace(model: str, storage: KVStorage, windows: dict[int, KVStorage] | None = None) -> str:
+    """The model's digest, the pages' dtype, size, quantization and each layer's K/V shape (of the
+    full-attention pages and each window group's), and the file format's version, as one hex
+    digest: pages of another namespace are never read."""
+    fields = dict(version=VERSION, model=model, **_format(storage))
+    if windows:
+        fields["windows"] = {str(window): _format(pages) for window, pages in sorted(windows.items())}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _format(storage: KVStorage) -> dict[str, object]:
+    """What a page's bytes mean: dtype, size, quantization, each layer's K/V shape."""
+    return dict(
         dtype=dtype_name(storage.dtype),
         page_size=storage.page_size,
         bits=storage.bits,
@@ -35,4 +42,3 @@ def namespace(model: str, storage: KVStorage) -> str:
         head_dims=list(storage.head_dims),
         keys_only=sorted(storage.keys_only),
     )
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()

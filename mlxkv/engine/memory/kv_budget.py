@@ -125,7 +125,7 @@ def _kv_costs(config: EngineConfig, model: ModelKV, draft: ModelKV | None) -> _K
     window_bytes = sum(grouped[w] * config.page_size * size for size, w in zip(layer_bytes, windows) if w is not None)
     kept = config.max_num_seqs if config.prefix_states is None else config.prefix_states
     hybrid = bool(model.state_shapes)
-    shares = prefix_cached(layout, config.prefix_caching, bool(grouped), hybrid, config.kv_bits, kept)
+    shares = prefix_cached(layout, config.prefix_caching, hybrid, config.kv_bits, kept)
     state_bytes = (config.max_num_seqs + (kept if shares else 0)) * model.state_bytes_per_sequence
     return _KVCosts(windows, grouped, bytes_per_token, window_bytes, state_bytes)
 
