@@ -253,32 +253,36 @@ class KVCacheManager:
         salt: str | None = None,
         marks: Marks = (),
         restore_pays: RestorePays | None = None,
+        keys: list[bytes] | None = None,
     ) -> int:
         """Start the new sequence `seq_id` from the cached pages of `tokens`' prefix (its full
         pages, never the last token): the pool's, then the disk tier's where `restore_pays` says
         reading them beats computing them (always, without it); returns how many tokens it now
         holds (0 with prefix caching off). Sequences share pages only when their `salt`s are
         equal, and only up to their first unequal mark (an image's digest at its first placeholder).
-        With window groups or recurrent state, only as far as each can continue (`_can_end`)."""
+        With window groups or recurrent state, only as far as each can continue (`_can_end`).
+        `keys`: `prompt_keys` of the same, if the caller has them."""
         with self._lock:
             table = self._table(seq_id)
             if not self.prefix_caching:
                 return 0
-            table.reuse_prefix(tokens, salt, marks, partial=self._ends_anywhere)
+            table.reuse_prefix(tokens, salt, marks, self._ends_anywhere, keys)
             if self.disk is not None:
-                self._restore(table, tokens, restore_pays)
+                self._restore(table, tokens, restore_pays, keys)
             return table.num_tokens if self._ends_anywhere else self._settle(seq_id, table)
 
-    def restoring(
-        self, tokens: Sequence[int], salt: str | None = None, marks: Marks = (), restore_pays: RestorePays | None = None
-    ) -> bool:
-        """Whether pages of `tokens`' prefix that the pool lacks and the disk tier holds (and that pay
-        to restore) are still being read: a read ahead starts here if none has, and the request
-        waits for it rather than any step for the disk."""
+    def prompt_keys(self, tokens: Sequence[int], salt: str | None = None, marks: Marks = ()) -> list[bytes]:
+        """The keys of the full pages of `tokens` before its last token: the chain `restoring` and
+        `reuse_prefix` walk, which a caller asking about one prompt step after step computes once."""
+        return chain_keys(root_key(salt), tokens, marks, 0, (len(tokens) - 1) // self.page_size, self.page_size)
+
+    def restoring(self, keys: list[bytes], restore_pays: RestorePays | None = None) -> bool:
+        """Whether pages of the prompt whose `prompt_keys` are `keys` that the pool lacks and the
+        disk tier holds (and that pay to restore) are still being read: a read ahead starts here
+        if none has, and the request waits for it rather than any step for the disk."""
         if self.disk is None:
             return False
         with self._lock:
-            keys = chain_keys(root_key(salt), tokens, marks, 0, (len(tokens) - 1) // self.page_size, self.page_size)
             first = next((i for i, key in enumerate(keys) if self.pool.lookup(key) is None), len(keys))
             count = self._restorable(keys, first)
             size, per_token = self.page_size, self.storage.bytes_per_token
@@ -290,15 +294,18 @@ class KVCacheManager:
             end = first + count
             return not self.disk.prefetch(keys[first:end] + self._window_reads(keys[:end]))
 
-    def _restore(self, table: PageTable, tokens: Sequence[int], restore_pays: RestorePays | None) -> None:
+    def _restore(
+        self, table: PageTable, tokens: Sequence[int], restore_pays: RestorePays | None, keys: list[bytes] | None
+    ) -> None:
         """Continue `table`, which ends on the last page the pool had, with the pages of `tokens`
-        the disk tier holds (never the last token's), read into free pages."""
+        the disk tier holds (never the last token's), read into free pages; `keys`: the prompt's
+        page keys, if computed already."""
         assert self.disk is not None
         first = len(table.keys)
         wanted = (len(tokens) - 1) // self.page_size - first
         if wanted <= 0 or table.num_tokens != first * self.page_size:  # a partial page: the pool had more
             return
-        chain = table.keys + table.next_keys(tokens, wanted)
+        chain = keys if keys is not None else table.keys + table.next_keys(tokens, wanted)
         count = min(self._restorable(chain, first), self.pool.free_count)
         size = self.page_size
         seconds = self.disk.read_seconds(count * size * self.storage.bytes_per_token)

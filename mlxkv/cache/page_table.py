@@ -140,14 +140,20 @@ class PageTable:
         return int(self.physical[position // size]) * size + position % size
 
     def reuse_prefix(
-        self, tokens: Sequence[int], salt: str | None = None, marks: Marks = (), partial: bool = True
+        self,
+        tokens: Sequence[int],
+        salt: str | None = None,
+        marks: Marks = (),
+        partial: bool = True,
+        keys: Sequence[bytes] | None = None,
     ) -> int:
         """Start the empty table from the cache: the pages holding `tokens`' leading full pages,
         up to the first miss, then (with `partial`) the freed, partly filled page that holds the
         tokens after them if there is one (taken over, as this sequence will write into it). The
         last token is never reused, since its logits must be computed: a shared page holding it
         is not taken, a partial one is, and the token is written again. `salt` and `marks`
-        (see `prefix_cache`) key every page the sequence publishes. Returns the tokens now in place."""
+        (see `prefix_cache`) key every page the sequence publishes; `keys`, if given, are its full
+        pages' keys before the last token, computed already. Returns the tokens now in place."""
         if self.num_pages:
             raise ValueError(
                 f"sequence {self.owner} already holds pages; a prefix is reused only before its first step"
@@ -155,7 +161,7 @@ class PageTable:
         self.root, self.marks, size, last = root_key(salt), marks, self.page_size, len(tokens) - 1
         shared = []
         for first in range(0, last // size * size, size):
-            key = self._key(tokens, first, first + size)
+            key = keys[first // size] if keys is not None else self._key(tokens, first, first + size)
             page = self.pool.lookup(key)
             if page is None:
                 break

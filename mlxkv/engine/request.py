@@ -65,6 +65,7 @@ class Request:
     draft: list[int] = field(default_factory=list, init=False)  # tokens proposed to follow, for the next step
     speculation: Speculation = field(default_factory=Speculation, init=False)
     held_steps: int = field(default=0, init=False)  # steps its first token waited for other prompts
+    page_keys: list[bytes] | None = field(default=None, init=False)  # its chain while it waits (Scheduler._restoring)
 
     def __post_init__(self) -> None:
         self.sampler = TokenSampler(self.params)

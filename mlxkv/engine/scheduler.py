@@ -240,20 +240,31 @@ class Scheduler:
         their pages are free; otherwise leave everything as it was."""
         (request.seq_id,) = self.cache.claim(1)
         request.num_computed = self.cache.reuse_prefix(
-            request.seq_id, request.all_token_ids, request.cache_salt, _marks(request), self._restore_pays
+            request.seq_id,
+            request.all_token_ids,
+            request.cache_salt,
+            _marks(request),
+            self._restore_pays,
+            request.page_keys,
         )
         if not self._pick(selection, [request]):
             self.cache.release(request.seq_id)
             request.seq_id, request.num_computed = NO_SEQUENCE, 0
             return False
+        request.page_keys = None  # its tokens grow from here on
         if request.num_cached_tokens is None:
             request.num_cached_tokens = request.num_computed
             self.prefix_stats.record(len(request.prompt_ids), request.num_computed)
         return True
 
     def _restoring(self, request: Request) -> bool:
-        """Whether `request`'s prefix pages are still being read from the disk tier (see `KVCacheManager.restoring`)."""
-        return self.cache.restoring(request.all_token_ids, request.cache_salt, _marks(request), self._restore_pays)
+        """Whether `request`'s prefix pages are still being read from the disk tier (see
+        `KVCacheManager.restoring`); its page keys are computed once while it waits."""
+        if self.cache.disk is None:
+            return False
+        if request.page_keys is None:
+            request.page_keys = self.cache.prompt_keys(request.all_token_ids, request.cache_salt, _marks(request))
+        return self.cache.restoring(request.page_keys, self._restore_pays)
 
     def _restore_pays(self, start: int, count: int, read_seconds: float) -> bool:
         """Whether reading `count` tokens' pages from disk (`read_seconds`) beats computing them after

@@ -54,10 +54,11 @@ def test_pages_are_read_back_only_where_reading_beats_computing(checkpoint, tmp_
 
 def test_a_request_waits_for_its_pages_from_disk_while_the_others_step(checkpoint, tmp_path, monkeypatch):
     """Reading a prompt's pages back runs on the tier's reader thread: the request waits in the
-    queue meanwhile, and every step goes on for the others."""
+    queue meanwhile, and every step goes on for the others. Its page keys are computed once."""
     import threading
 
     import mlxkv.cache.disk.tier as tier
+    from mlxkv import KVCacheManager
 
     path = str(checkpoint("qwen3-fp32-d64"))
     first = LLM(path, disk_cache=str(tmp_path))
@@ -65,6 +66,8 @@ def test_a_request_waits_for_its_pages_from_disk_while_the_others_step(checkpoin
     assert first.engine.cache.disk.flush(10)
     release, read = threading.Event(), tier.read_payload
     monkeypatch.setattr(tier, "read_payload", lambda *args: release.wait(30) and read(*args))
+    hashed, keys = [], KVCacheManager.prompt_keys
+    monkeypatch.setattr(KVCacheManager, "prompt_keys", lambda self, t, *a: hashed.append(len(t)) or keys(self, t, *a))
     engine = LLM(path, disk_cache=str(tmp_path)).engine
     other = engine.add_request(OTHERS[0], SamplingParams(max_tokens=12, ignore_eos=True))
     restoring = engine.add_request(PROMPT, GREEDY)
@@ -75,6 +78,7 @@ def test_a_request_waits_for_its_pages_from_disk_while_the_others_step(checkpoin
     while engine.has_unfinished():
         engine.step()
     assert restoring.num_cached_tokens == 112 and restoring.output_ids == done.token_ids
+    assert hashed == [len(OTHERS[0]), len(PROMPT)]  # once each, however many steps one waited
 
 
 def test_a_hybrid_restores_its_pages_and_its_recurrent_state_from_disk(tmp_path):
