@@ -119,7 +119,8 @@ class EngineConfig:
     )
     disk_cache_size: int | str = setting(
         "16GB",
-        "Most bytes the disk tier keeps, such as 16GB; the least recently used pages go first.",
+        "Most bytes the disk tier keeps (each rank's, under tensor parallel), such as 16GB; the least "
+        "recently used pages go first.",
         convert=lambda value: parse_memory(value, "disk_cache_size"),
         cli_type=str,
         panel="Memory",

@@ -107,6 +107,9 @@ def build_engine(
         itl / 1000 if itl else None,
         config.max_itl_factor or None,
     )
+    zero = rank_zero(config, group)
+    if isinstance(zero, RankZero) and cache.disk is not None:
+        cache.share_disk(zero.ask_disk)
     return EngineParts(
         cache,
         memory,
@@ -115,7 +118,7 @@ def build_engine(
         speculator(config, cache, step_time, vocab_size(model), draft[0] if draft else None, kernels),
         StructuredOutput(tokenizer, vocab_size(model)),
         Scheduler(cache, config.max_num_seqs, config.max_num_batched_tokens, sizer),
-        rank_zero(config, group),
+        zero,
         vision,
     )
 
@@ -124,13 +127,13 @@ def disk_spec(
     config: EngineConfig, model: nn.Module, vision: Vision | None, group: mx.distributed.Group | None
 ) -> DiskSpec | None:
     """The disk tier `config` asks for, its pages named by the model's weights (and its vision
-    tower's, which makes an image's K/V); none across processes, with one line."""
+    tower's, which makes an image's K/V). In a tensor-parallel group each rank keeps its own heads'
+    pages, named by its own share of the weights and its rank, so no rank ever reads another's."""
     if config.disk_cache is None:
         return None
-    if group is not None:
-        logger.warning("the disk cache does not serve across processes yet: it is off")
-        return None
     model_digest = weights_digest(model, vision.model if vision is not None else None)
+    if group is not None:
+        model_digest += f"/rank {group.rank()} of {group.size()}"
     return DiskSpec(Path(config.disk_cache).expanduser(), int(config.disk_cache_size), model_digest)
 
 

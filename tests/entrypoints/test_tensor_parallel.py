@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ again = llm.generate(prompts, params) if sys.argv[4] == "again" else []  # from 
 engine = llm.engine
 print(json.dumps({"tokens": [o.token_ids for o in outputs], "again": [o.token_ids for o in again],
                   "cached": sum(o.num_cached_tokens for o in again), "pages": engine.cache.pool.capacity,
+                  "first_cached": sum(o.num_cached_tokens for o in outputs),
                   "preemptions": engine.scheduler.num_preemptions, "ranks": engine.group_size}))
 """
 
@@ -91,6 +93,26 @@ def test_a_batch_of_16_gives_the_one_process_tokens(checkpoint, tmp_path, monkey
         assert got["preemptions"] > 0 and got["pages"] == alone.engine.cache.pool.capacity
     if "kv_cache_memory" in settings:  # each rank holds half the KV heads: twice the pages
         assert got["pages"] == 2 * alone.engine.cache.pool.capacity
+
+
+def test_each_rank_restores_its_own_heads_pages_from_disk_after_a_restart(checkpoint, tmp_path):
+    """With the disk tier, each rank files its own KV heads' pages in a folder of its own, and after a
+    restart rank 0 restores what every rank holds: the one-process tokens, with prompt tokens cached.
+    Where either rank lost its files, nothing is restored and the tokens are the same."""
+    path = checkpoint("llama-fp32")
+    settings = {**SETTINGS, "disk_cache": str(tmp_path / "disk")}
+    expected = [o.token_ids for o in LLM(str(path), **SETTINGS).generate(PROMPTS, PARAMS)]
+    first = generate_launched(tmp_path, path, settings, "paged")
+    assert first["tokens"] == expected and first["first_cached"] == 0
+    folders = sorted((tmp_path / "disk").iterdir())
+    assert len(folders) == 2 and all(list(folder.glob("*.run")) for folder in folders)  # a namespace a rank
+    again = generate_launched(tmp_path, path, settings, "paged")
+    restored = sum((len(p) - 1) // 16 * 16 for p in PROMPTS)  # every prompt's full pages but the last token's
+    assert again["tokens"] == expected and again["first_cached"] == restored
+    for lost in folders:
+        shutil.rmtree(lost)
+        alone = generate_launched(tmp_path, path, settings, "paged")  # files the lost pages again
+        assert alone["tokens"] == expected and alone["first_cached"] == 0
 
 
 def test_a_draft_model_drafts_on_rank_0_and_the_tokens_are_the_one_process_ones(checkpoint, tmp_path):

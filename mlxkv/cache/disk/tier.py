@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .peers import MISSING, READING, READY
 from .run_file import SUFFIX, RunFileError, RunHeader, read_header, read_payload
 from .writer import RunWriter
 
@@ -140,6 +141,22 @@ class DiskTier:
             else:
                 ready = False
         return ready
+
+    def status(self, keys: Sequence[bytes]) -> list[int]:
+        """Each of `keys` as `prefetch` left it: `READY` (its file read and checked), `READING`, or
+        `MISSING` (not on disk, or its file damaged)."""
+        with self._lock:
+            places = [self._where.get(key) for key in keys]
+        return [
+            MISSING
+            if place is None
+            else READING
+            if place[0] not in self._ready
+            else READY
+            if self._ready[place[0]] is not None
+            else MISSING
+            for place in places
+        ]
 
     def read(self, keys: Sequence[bytes]) -> list[mx.array]:
         """The stored arrays of the pages `keys` (in order), each `[pages, ...]` in its dtype, for

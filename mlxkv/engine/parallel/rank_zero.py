@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -15,7 +16,7 @@ from ...errors import TensorParallelError
 from ..model_runner import ModelRunner
 from .naps import Naps
 from .rank_watchdog import RankWatchdog
-from .step_plan import PlanChannel, StepPlan
+from .step_plan import DiskQuestion, PlanChannel, StepPlan
 
 
 class RankZero:
@@ -40,7 +41,7 @@ class RankZero:
         the step before, which its pending ids name). The forward pass is started at once, so that
         every rank runs the same all-reduces in the same order whatever rank 0 does next."""
         try:
-            self.channel.send(plan)
+            self.channel.send(replace(plan, disk=runner.cache.take_moves()))
             hidden = runner.hidden(plan.inputs(previous), plan.kv, plan.own_kv, plan.media)
             runner.cache.evaluate(hidden, wait=False)
             self.owed = plan.samples
@@ -48,6 +49,15 @@ class RankZero:
             return hidden
         except Exception as exc:
             raise self.failed(exc) from exc
+
+    def ask_disk(self, keys: list[bytes]) -> tuple[list[bytes], bool]:
+        """The disk keys of `keys` some other rank lacks, and whether some other rank is still reading
+        any (see `KVCacheManager.share_disk`). Asked as a step is scheduled, so watched with it."""
+        try:
+            reading, lacking = self.channel.ask(DiskQuestion(keys))
+        except RuntimeError as exc:  # MLX's backends raise it for a lost peer
+            raise self.failed(exc) from exc
+        return [key for key, count in zip(keys, lacking.tolist()) if count], bool(reading.any())
 
     def rest(self) -> float | None:
         """Rank 0 has no step to run: the other ranks nap rather than wait in a collective (see

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...cache.batch import KVBatch
+from ...cache.disk.peers import KEY_WORDS, DiskMoves
 from ..images import StepMedia
 from ..model_kv import ModelKV
 from ..request import PENDING, Request
@@ -32,7 +33,8 @@ class StepPlan:
     """One step's forward pass: `token_ids` packed row after row as `kv` says, the first `own_kv[b]`
     tokens of row b attending their own K/V as computed. The ids at `pending` are not known yet: the
     step before samples them, as its tokens' rows `sources`. The step samples `samples` tokens.
-    `media`: what its images put in (only rank 0 reads it: images are not served across processes)."""
+    `media`: what its images put in (only rank 0 reads it: images are not served across processes).
+    `disk`: what rank 0's disk tier did since the plan before, for the others' to do before the step."""
 
     token_ids: np.ndarray
     kv: KVBatch
@@ -41,6 +43,7 @@ class StepPlan:
     sources: np.ndarray
     samples: int
     media: StepMedia | None = None
+    disk: DiskMoves | None = None
 
     @classmethod
     def of(
@@ -93,6 +96,7 @@ class StepPlan:
         ]
         for window, batch in windows.items():
             parts += [np.array([window]), *_pages(batch)]
+        parts.append(self.disk.encode() if self.disk else np.zeros(0, np.int32))
         return np.concatenate([np.concatenate([[np.size(p)], np.ravel(p)]) for p in parts]).astype(np.int32)
 
     @staticmethod
@@ -111,7 +115,9 @@ class StepPlan:
 
         windows = {int(arrays[i][0]): batch(arrays[i + 1], arrays[i + 2]) for i in range(9, 9 + 3 * num_windows, 3)}
         kv = batch(arrays[7], arrays[8], windows or None)
-        return StepPlan(token_ids, kv, own_kv, pending, sources, int(samples))
+        moves = arrays[9 + 3 * num_windows]
+        disk = DiskMoves.decode(moves) if moves.size else None
+        return StepPlan(token_ids, kv, own_kv, pending, sources, int(samples), disk=disk)
 
 
 def _pages(batch: KVBatch) -> list[np.ndarray]:
@@ -127,11 +133,20 @@ def check_tensor_parallel(model: ModelKV) -> None:
         )
 
 
+@dataclass(frozen=True)
+class DiskQuestion:
+    """Rank 0 asks the other ranks which of the disk keys `keys` they lack or are still reading (each
+    starts reading those it holds): they answer with `PlanChannel.answer`."""
+
+    keys: list[bytes]
+
+
 class PlanChannel:
-    """Rank 0's messages to the other ranks of `group`: a header of two int32 (a step plan's length,
-    a nap's milliseconds; both 0: stop), then the plan if there is one, each as an all-sum (the
-    others add zeros) on the CPU stream (host data). A nap is the header alone: one rendezvous,
-    which an idle group pays at each nap. `sent_bytes`: the last message's size on the wire."""
+    """Rank 0's messages to the other ranks of `group`: a header of three int32 (a step plan's length,
+    a nap's milliseconds, a disk question's length; all 0: stop), then the plan or question if
+    there is one, each as an all-sum (the others add zeros) on the CPU stream (host data). A nap is
+    the header alone: one rendezvous, which an idle group pays at each nap. A question is answered
+    by one more all-sum, where rank 0 adds zeros. `sent_bytes`: the last message's size on the wire."""
 
     def __init__(self, group: mx.distributed.Group) -> None:
         self.group = group
@@ -141,19 +156,34 @@ class PlanChannel:
         """Send `plan` (a `Nap`: the followers sleep; None: they stop)."""
         message = plan.encode() if isinstance(plan, StepPlan) else np.zeros(0, np.int32)
         nap_ms = max(1, round(1000 * plan.seconds)) if isinstance(plan, Nap) else 0
-        self._share(np.array([len(message), nap_ms], np.int32))
+        self._share(np.array([len(message), nap_ms, 0], np.int32))
         if len(message):
             self._share(message)
-        self.sent_bytes = 4 * (2 + len(message))
+        self.sent_bytes = 4 * (3 + len(message))
+
+    def ask(self, question: DiskQuestion) -> np.ndarray:
+        """Rank 0: ask the other ranks `question`; returns how many of them are still reading each key
+        (row 0) and how many lack it (row 1)."""
+        words = np.frombuffer(b"".join(question.keys), "<i4")
+        self._share(np.array([0, 0, len(words)], np.int32))
+        self._share(words.astype(np.int32))
+        return self._share(np.zeros(2 * len(question.keys), np.int32)).reshape(2, -1)
+
+    def answer(self, reading: np.ndarray, lacking: np.ndarray) -> None:
+        """A rank's answer to the question just received: a flag a key for each of the two."""
+        self._share(np.concatenate([reading, lacking]).astype(np.int32))
 
     def share_tokens(self, tokens: mx.array) -> mx.array:
         """Rank 0's sampled `tokens` on every rank, lazily, within the step's graph (the other ranks
         pass zeros of the plan's `samples`), so that the next step may start before they are read."""
         return mx.distributed.all_sum(tokens.astype(mx.int32), group=self.group).astype(mx.uint32)
 
-    def receive(self) -> StepPlan | Nap | None:
-        """The next plan rank 0 sends (a `Nap`: sleep; None: stop)."""
-        size, nap_ms = self._share(np.zeros(2, np.int32)).tolist()
+    def receive(self) -> StepPlan | Nap | DiskQuestion | None:
+        """The next plan rank 0 sends (a `Nap`: sleep; a `DiskQuestion`: answer it; None: stop)."""
+        size, nap_ms, question = self._share(np.zeros(3, np.int32)).tolist()
+        if question:
+            words = self._share(np.zeros(question, np.int32)).astype("<i4")
+            return DiskQuestion([row.tobytes() for row in words.reshape(-1, KEY_WORDS)])
         if size:
             return StepPlan.decode(self._share(np.zeros(size, np.int32)))
         return Nap(nap_ms / 1000) if nap_ms else None

@@ -69,7 +69,7 @@ def test_naps_double_from_the_first_to_the_longest_and_start_short_after_a_step(
 @pytest.mark.parametrize("message", [Nap(0.25), Nap(0.001), None])
 def test_a_nap_and_the_stop_cross_the_wire_unchanged_as_a_header_alone(message):
     wire = Wire(message)
-    assert wire.receive() == message and wire.sent_bytes == 8 and not wire.shared
+    assert wire.receive() == message and wire.sent_bytes == 12 and not wire.shared
 
 
 def rank_zero(longest_nap_s: float) -> RankZero:

@@ -1,11 +1,14 @@
 """`StepPlan`'s wire format (what rank 0 encodes, the other ranks decode unchanged), and what a plan
 cannot carry yet."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlxkv.cache.batch import KVBatch
+from mlxkv.cache.disk import DiskMoves
 from mlxkv.cache.state_pool import StateShape
 from mlxkv.engine.model_kv import ModelKV
 from mlxkv.engine.parallel.step_plan import StepPlan, check_tensor_parallel
@@ -29,7 +32,19 @@ def test_a_plan_with_window_groups_decodes_to_the_same_batch():
         assert theirs.seq_ids == mine.seq_ids and mine.page_size == 16
         for name in ("query_lens", "context_lens", "page_tables", "slot_mapping"):
             assert getattr(mine, name).tolist() == getattr(theirs, name).tolist()
-    assert list(got.kv.by_window) == [512] and plan.encode().nbytes == 4 * 46
+    assert list(got.kv.by_window) == [512] and plan.encode().nbytes == 4 * 47
+
+
+def test_a_plans_disk_moves_decode_as_rank_0_made_them():
+    """What rank 0's disk tier did goes to the other ranks in order: pages filed and restored, each
+    in its page group, under its 32-byte key."""
+    keys = [bytes([i]) * 32 for i in range(4)]
+    moves = DiskMoves([(None, [3, 4], keys[:2]), (512, [1], keys[2:3])], [(None, [7], keys[3:])])
+    kv = KVBatch((1,), np.array([1], np.int32), np.array([9], np.int32), np.array([[2]], np.int32), 16)
+    plan = StepPlan(np.zeros(1, np.int32), kv, np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32), 1)
+    assert StepPlan.decode(plan.encode()).disk is None
+    with_moves = StepPlan.decode(replace(plan, disk=moves).encode())
+    assert with_moves.disk == moves and with_moves.token_ids.tolist() == [0]
 
 
 def test_recurrent_layers_are_refused_by_name_and_attention_alone_passes():
