@@ -8,7 +8,8 @@ does, then loaded and fed the last token, as `mlx_lm.generate --prompt-cache-fil
 counted). The engines take turns, the restored tokens are checked against the cold run's.
 (b) Pressure: `--sessions` agent sessions with prompts of `--session-min` to `--session-max`
 tokens, resent one after another for `--cycles` cycles to an engine whose pool holds about a
-third of them: prompt tokens computed with and without the disk tier.
+third of them: prompt tokens computed with and without the disk tier. What is computed does not
+depend on the model's size, so this part runs a tiny random Llama (`--pressure-model` for another).
 (c) The writer: `--clients` requests decoding while new prompts arrive, so pages are filed all
 the while: their inter-token p99 with the disk tier and without, runs alternating.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from harness import MODEL_HELP, load_bench_model
+from harness import DEFAULT_MODEL, MODEL_HELP, load_bench_model
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 from progress import OPENBLAS, bar, expect
@@ -35,6 +36,8 @@ from tqdm import tqdm
 
 from mlxkv import LLMEngine, SamplingParams
 from mlxkv.config import EngineConfig
+from mlxkv.models.random_model import make_checkpoint
+from mlxkv.models.tiny_configs import tiny_config
 
 DEFAULTS_TAKE = 430  # seconds on progress.MACHINE (docs/benchmarks.md)
 FIRST = SamplingParams(max_tokens=1, temperature=0.0)
@@ -102,10 +105,20 @@ def restart(model, tokenizer, args, progress: tqdm) -> None:
         say(f"vs_mlx_lm_file_{length}={median['restored'] / median['mlx-lm file']:.3f}")
 
 
+def tiny_llama() -> Path:
+    """A random 2-layer Llama 64 wide (built once beside the bench model)."""
+    path = DEFAULT_MODEL.parent / "bench-llama-tiny"
+    if not (path / "config.json").exists():
+        config = {k: v for k, v in tiny_config("llama").items() if k not in ("layer_types", "sliding_window")}
+        make_checkpoint(path, config.pop("model_type"), "float32", shape=config, max_position_embeddings=32768)
+    return path
+
+
 def pressure(model, tokenizer, args, progress: tqdm) -> None:
+    model, tokenizer = load_bench_model(args.pressure_model or tiny_llama())
     rng = np.random.default_rng(1)
     sessions = [
-        rng.integers(10, args.vocab, rng.integers(args.session_min, args.session_max + 1)).tolist()
+        rng.integers(10, tokenizer.vocab_size, rng.integers(args.session_min, args.session_max + 1)).tolist()
         for _ in range(args.sessions)
     ]
     pages = max(sum(len(s) for s in sessions) // 3, args.session_max + 32) // 16  # a third of the working set
@@ -176,9 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, default=None, help=MODEL_HELP)
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192], help="prompt lengths for (a)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of (a) per length")
-    parser.add_argument("--sessions", type=int, default=12, help="agent sessions in (b)")
-    parser.add_argument("--session-min", type=int, default=1024, help="shortest session prompt in (b)")
-    parser.add_argument("--session-max", type=int, default=4096, help="longest session prompt in (b)")
+    parser.add_argument("--pressure-model", type=Path, default=None, help="the model of (b) [default: a tiny Llama]")
+    parser.add_argument("--sessions", type=int, default=20, help="agent sessions in (b)")
+    parser.add_argument("--session-min", type=int, default=4096, help="shortest session prompt in (b)")
+    parser.add_argument("--session-max", type=int, default=16384, help="longest session prompt in (b)")
     parser.add_argument("--cycles", type=int, default=2, help="times each session is resent in (b)")
     parser.add_argument("--clients", type=int, default=16, help="requests decoding in (c)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens each client generates in (c)")

@@ -15,7 +15,8 @@ from ..errors import KVCacheExhausted, MlxkvError, UnknownSequenceError
 from ..settings import BOOLEAN, POSITIVE, integer, require
 from .batch import KVBatch
 from .disk.namespace import DiskSpec, namespace
-from .disk.peers import DiskMoves, Move, PeerCheck
+from .disk.pages import DiskPages
+from .disk.peers import DiskMoves, PeerCheck
 from .disk.tier import DiskTier
 from .layout import KVLayout, resolve_layout
 from .page_group import PageGroup, window_pool_pages
@@ -177,10 +178,7 @@ class KVCacheManager:
         self._lock = threading.RLock()
         self._tensor_thread: int | None = None
         self.disk = self._disk_tier(disk) if disk is not None and self.prefix_caching else None
-        self.moves: DiskMoves | None = None  # what the disk tier did, for a tensor-parallel group's other ranks
-        self._peers: PeerCheck | None = None
-        self._peers_lack: set[bytes] = set()  # disk keys some other rank does not hold
-        self._agreed: set[bytes] | None = None  # the disk keys the other ranks hold read (None: alone)
+        self._on_disk = DiskPages(self.disk) if self.disk is not None else None
         self.peak_usage = self.usage()  # of the step holding the most pages (see `reset_peak_usage`)
 
     def _disk_tier(self, disk: DiskSpec) -> DiskTier | None:
@@ -194,34 +192,26 @@ class KVCacheManager:
 
     def share_disk(self, peers: PeerCheck) -> None:
         """Make this rank 0 of a tensor-parallel group whose other ranks keep disk tiers of their own:
-        its tier's moves are kept for the step plans (`take_moves`), and a page is restored only
-        once `peers` says every other rank holds it read."""
-        self.moves, self._peers = DiskMoves(), peers
+        what its tier files and restores is kept for the step plans (`take_moves`), and a page is
+        restored only once `peers` says every other rank holds it read."""
+        assert self._on_disk is not None, "only a cache with a disk tier shares it"
+        self._on_disk.share(peers)
 
     def take_moves(self) -> DiskMoves | None:
-        """The disk tier's moves since the last call (None unless `share_disk`)."""
+        """What the disk tier filed and restored since the last call (None unless `share_disk`)."""
         with self._lock:
-            moves = self.moves
-            if moves is not None:
-                self.moves = DiskMoves()
-            return moves
+            return self._on_disk.take_moves() if self._on_disk is not None else None
 
     def follow_moves(self, moves: DiskMoves) -> None:
-        """Do with this rank's disk tier what rank 0's did (`moves`, from its step plan): file the
-        same pages, read the same pages back into the same places. MlxkvError if a page rank 0
-        restored is not here: rank 0 asked first, so only a file lost since then does that."""
+        """Do with this rank's disk tier what rank 0's did (`moves`, from its step plan; see
+        `DiskPages.follow`). A rank without one answered that it lacks every page, so was asked to
+        restore none."""
         with self._lock:
-            if self.disk is None:  # its folder could not be made: it answers that it lacks every page
+            if self._on_disk is None:
                 if moves.restored:
                     raise MlxkvError("this rank has no disk cache, yet rank 0 restored pages from disk")
                 return
-            for window, pages, keys in moves.filed:
-                self._file(self.groups[window], pages, keys)
-            for window, pages, keys in moves.restored:
-                arrays = self.disk.read(keys)
-                if not arrays or arrays[0].shape[0] != len(keys):
-                    raise MlxkvError(f"this rank's disk cache lost {len(keys)} pages that rank 0 restored")
-                self.groups[window].storage.put_pages(pages, arrays)
+            self._on_disk.follow(moves, {window: group.storage for window, group in self.groups.items()})
             self._tensor_thread = threading.get_ident()
 
     def _page_group(self, window: int | None, layers: list[int], pool: PagePool, storage: KVStorage) -> PageGroup:
@@ -307,8 +297,8 @@ class KVCacheManager:
             if self.disk is not None:
                 self._restore(table, tokens, restore_pays, keys)
             reused = table.num_tokens if self._ends_anywhere else self._settle(seq_id, table)
-            if self._peers is not None:
-                self._agreed = set()  # an agreement holds for the one admission it was asked for
+            if self._on_disk is not None:
+                self._on_disk.admitted()
             return reused
 
     def prompt_keys(self, tokens: Sequence[int], salt: str | None = None, marks: Marks = ()) -> list[bytes]:
@@ -320,10 +310,10 @@ class KVCacheManager:
         """Whether pages of the prompt whose `prompt_keys` are `keys` that the pool lacks and the
         disk tier holds (and that pay to restore) are still being read: a read ahead starts here
         if none has, and the request waits for it rather than any step for the disk."""
-        if self.disk is None:
+        if self.disk is None or self._on_disk is None:
             return False
         with self._lock:
-            self._agreed = None
+            self._on_disk.weigh()
             first = next((i for i, key in enumerate(keys) if self.pool.lookup(key) is None), len(keys))
             count = self._restorable(keys, first)
             size, per_token = self.page_size, self.storage.bytes_per_token
@@ -334,33 +324,8 @@ class KVCacheManager:
             ):
                 count = 0
             end = first + count
-            wanted = [key for key in keys[first:end] + self._window_reads(keys[:end]) if self._on_disk(key)]
-            if self._peers is not None:
-                self._agreed = set()  # until the other ranks say they hold them
-            if not wanted:
-                return False
-            if not self.disk.prefetch(wanted):
-                return True
-            return self._peers is not None and self._ask_peers(wanted)
-
-    def _ask_peers(self, wanted: list[bytes]) -> bool:
-        """Whether the other ranks are still reading the disk keys `wanted`; those some rank lacks
-        are never restored (the request is weighed again without them)."""
-        assert self._peers is not None
-        lacking, reading = self._peers(wanted)
-        self._peers_lack.update(lacking)
-        if lacking or reading:
-            return True
-        self._agreed = set(wanted)
-        return False
-
-    def _on_disk(self, key: bytes) -> bool:
-        """Whether the disk key `key` may be restored: this tier holds it, and in a tensor-parallel
-        group the other ranks have said they hold it read."""
-        assert self.disk is not None
-        if self._agreed is None:
-            return key in self.disk and key not in self._peers_lack
-        return key in self._agreed
+            wanted = keys[first:end] + self._window_reads(keys[:end])
+            return not self._on_disk.ready([key for key in wanted if self._on_disk.may_restore(key)])
 
     def _restore(
         self, table: PageTable, tokens: Sequence[int], restore_pays: RestorePays | None, keys: list[bytes] | None
@@ -368,7 +333,7 @@ class KVCacheManager:
         """Continue `table`, which ends on the last page the pool had, with the pages of `tokens`
         the disk tier holds (never the last token's), read into free pages; `keys`: the prompt's
         page keys, if computed already."""
-        assert self.disk is not None
+        assert self.disk is not None and self._on_disk is not None
         first = len(table.keys)
         wanted = (len(tokens) - 1) // self.page_size - first
         if wanted <= 0 or table.num_tokens != first * self.page_size:  # a partial page: the pool had more
@@ -384,17 +349,14 @@ class KVCacheManager:
             pages = self.pool.alloc(table.owner, arrays[0].shape[0])
             self.storage.put_pages(pages, arrays)
             table.adopt(pages, chain[first : first + len(pages)])
-            self._moved(self.moves.restored if self.moves is not None else None, (None, pages, table.keys[first:]))
+            self._on_disk.restored(None, pages, table.keys[first:])
             self._tensor_thread = threading.get_ident()
 
     def _restorable(self, chain: list[bytes], first: int) -> int:
         """How many of the pages of `chain` after its first `first` (those in place) to restore from
         disk: as many as it holds in a row, cut back to the deepest end `_can_end` allows."""
-        assert self.disk is not None
-        if self._agreed is None and not self._peers_lack:
-            count = self.disk.found(chain[first:])
-        else:
-            count = next((i for i, key in enumerate(chain[first:]) if not self._on_disk(key)), len(chain) - first)
+        assert self._on_disk is not None
+        count = self._on_disk.found(chain[first:])
         if self._ends_anywhere:
             return count
         return next((c for c in range(count, 0, -1) if self._can_end(chain, first + c)), 0)
@@ -412,11 +374,13 @@ class KVCacheManager:
         )
 
     def _has_page(self, group: PageGroup, key: bytes) -> bool:
-        return group.pool.lookup(key) is not None or (self.disk is not None and self._on_disk(group.disk_key(key)))
+        return group.pool.lookup(key) is not None or (
+            self._on_disk is not None and self._on_disk.may_restore(group.disk_key(key))
+        )
 
     def _has_state(self, key: bytes) -> bool:
         assert self.snapshots is not None
-        return key in self.snapshots or (self.disk is not None and self._on_disk(state_key(key)))
+        return key in self.snapshots or (self._on_disk is not None and self._on_disk.may_restore(state_key(key)))
 
     def _window_reads(self, chain: list[bytes]) -> list[bytes]:
         """The disk keys of the window groups' pages that continuing from the prefix `chain` needs
@@ -462,7 +426,8 @@ class KVCacheManager:
                 for i, page in zip(missing, fresh):
                     pages[i] = page
                     group.pool.publish(page, wanted[i])
-                self._moved(self.moves.restored if self.moves is not None else None, (group.window, fresh, keys))
+                if self._on_disk is not None:
+                    self._on_disk.restored(group.window, fresh, keys)
                 self._tensor_thread = threading.get_ident()
             group.tables[seq_id].start_window(chain, first, [int(page) for page in pages if page is not None])
         return True
@@ -548,9 +513,9 @@ class KVCacheManager:
                     fresh.append(
                         (group, [(f, f.follow(t.keys, n)) for f, t, n in zip(followers, tables, num_computed)])
                     )
-                if self.disk is not None:
+                if self._on_disk is not None:
                     for group, published in fresh:
-                        self._persist(group, published)
+                        self._persist(self._on_disk, group, published)
             for seq_id, table in zip(seq_ids, tables):
                 captured = self._captured.get(seq_id)
                 if captured is not None and self.snapshots is not None and table.num_computed >= captured[0]:
@@ -560,27 +525,13 @@ class KVCacheManager:
                         self.disk.put([state_key(key)], [array[None] for layer in captured[1] for array in layer])
                     del self._captured[seq_id]
 
-    def _persist(self, group: PageGroup, published: list[tuple[PageTable, list[int]]]) -> None:
-        """Hand the disk tier the pages of `group` just published that it does not hold (their
-        copies are taken in the graph the step left, so the step's next writes still go in place)."""
+    @staticmethod
+    def _persist(on_disk: DiskPages, group: PageGroup, published: list[tuple[PageTable, list[int]]]) -> None:
+        """File the pages of `group` just published (their copies are taken in the graph the step
+        left, so the step's next writes still go in place)."""
         pages = [int(table.physical[i]) for table, indices in published for i in indices]
         keys = [group.disk_key(table.keys[i]) for table, indices in published for i in indices]
-        self._file(group, pages, keys)
-        self._moved(self.moves.filed if self.moves is not None else None, (group.window, pages, keys))
-
-    def _file(self, group: PageGroup, pages: list[int], keys: list[bytes]) -> None:
-        """Hand the disk tier copies of `group`'s `pages`, as the last step left them, to file under
-        the disk keys `keys` (those it does not hold)."""
-        assert self.disk is not None
-        missing = self.disk.missing(keys)
-        if missing:
-            self.disk.put([keys[i] for i in missing], group.storage.page_arrays([pages[i] for i in missing]))
-
-    @staticmethod
-    def _moved(into: list[Move] | None, move: Move) -> None:
-        """Keep `move` for the other ranks (`into` None: there are none)."""
-        if into is not None and move[1]:
-            into.append(move)
+        on_disk.file(group.storage, group.window, pages, keys)
 
     def append(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> KVBatch:
         """Append new tokens to sequences (all or nothing); returns where to write their K/V."""

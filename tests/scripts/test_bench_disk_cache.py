@@ -12,7 +12,7 @@ def test_a_small_run_prints_each_parts_ratio(capsys, checkpoint):
         [
             "--model", str(checkpoint("llama-fp32")), "--lengths", "100", "--sessions", "3",
             "--session-min", "40", "--session-max", "80", "--cycles", "2", "--clients", "2",
-            "--tokens", "6", "--runs", "1",
+            "--tokens", "6", "--runs", "1", "--pressure-model", str(checkpoint("llama-fp32")),
         ]
     )  # fmt: skip
     out = capsys.readouterr().out
