@@ -41,6 +41,7 @@ from .scheduler import ScheduledBatch
 from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
+DISK_WAIT_S = 0.01  # the longest a step with nothing to run waits for a read ahead (a new request waits as long)
 
 
 @dataclass
@@ -286,6 +287,8 @@ class LLMEngine:
         with self._lock:
             batch = self.scheduler.schedule()
         failed, read = self._launch(batch, previous, started) if batch is not None else ([], None)
+        if batch is None and previous is None and self.cache.disk is not None:
+            self.cache.disk.wait(DISK_WAIT_S)  # requests wait for their pages from disk: no step to spin on
         if outputs is None:
             outputs = read if read is not None else self._resolve(previous).outputs if previous is not None else []
         with self._lock:

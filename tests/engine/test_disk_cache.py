@@ -74,6 +74,12 @@ def test_a_request_waits_for_its_pages_from_disk_while_the_others_step(checkpoin
     for _ in range(8):
         engine.step()
     assert other.num_outputs >= 6 and restoring.num_computed == 0 and restoring in engine.scheduler.waiting
+    while other.finish_reason is None:
+        engine.step()
+    waits, wait = [], engine.cache.disk.wait
+    monkeypatch.setattr(engine.cache.disk, "wait", lambda timeout: waits.append(timeout) or wait(timeout))
+    engine.step()  # nothing to run but the read: the step waits for it instead of spinning
+    assert waits == [0.01] and restoring.num_computed == 0
     release.set()
     while engine.has_unfinished():
         engine.step()

@@ -12,6 +12,7 @@ of its own (`RunWriter`), and so does reading ahead (`prefetch`), so that no ste
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import shutil
 import threading
@@ -141,6 +142,12 @@ class DiskTier:
             else:
                 ready = False
         return ready
+
+    def wait(self, timeout: float) -> None:
+        """Wait until a read ahead finishes, at most `timeout` seconds (none running: return at once)."""
+        reading = list(self._reading.values())
+        if reading:
+            concurrent.futures.wait(reading, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def status(self, keys: Sequence[bytes]) -> list[int]:
         """Each of `keys` as `prefetch` left it: `READY` (its file read and checked), `READING`, or
