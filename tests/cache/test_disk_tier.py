@@ -72,7 +72,9 @@ def only_file(folder):
     return path
 
 
-@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "another namespace", "not a run file"])
+@pytest.mark.parametrize(
+    "damage", ["flipped byte", "truncated", "another model", "another page size", "not a run file"]
+)
 def test_a_damaged_or_foreign_file_is_ignored_with_one_line_and_nothing_is_read(tmp_path, caplog, damage):
     first, disk = cache_on(tmp_path)
     computed(first)
@@ -86,8 +88,9 @@ def test_a_damaged_or_foreign_file_is_ignored_with_one_line_and_nothing_is_read(
     elif damage == "not a run file":
         data = b"hello" + data
     path.write_bytes(bytes(data))
-    if damage == "another namespace":  # a file of another model (or page size) in this one's folder
-        other, other_disk = cache_on(tmp_path / "other", model="model-b")
+    if damage.startswith("another"):  # a file of another model or page size, in this one's folder
+        kind = dict(model="model-b") if damage == "another model" else dict(page_size=8)
+        other, other_disk = cache_on(tmp_path / "other", **kind)
         computed(other)
         assert other_disk.flush(10)
         path.unlink()
