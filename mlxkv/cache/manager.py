@@ -310,18 +310,15 @@ class KVCacheManager:
         """Whether pages of the prompt whose `prompt_keys` are `keys` that the pool lacks and the
         disk tier holds (and that pay to restore) are still being read: a read ahead starts here
         if none has, and the request waits for it rather than any step for the disk."""
-        if self.disk is None or self._on_disk is None:
+        if self._on_disk is None:
             return False
         with self._lock:
             self._on_disk.weigh()
             first = next((i for i, key in enumerate(keys) if self.pool.lookup(key) is None), len(keys))
             count = self._restorable(keys, first)
-            size, per_token = self.page_size, self.storage.bytes_per_token
-            if (
-                count
-                and restore_pays is not None
-                and not restore_pays(first * size, count * size, self.disk.read_seconds(count * size * per_token))
-            ):
+            size = self.page_size
+            seconds = self._on_disk.tier.read_seconds(count * size * self.storage.bytes_per_token)
+            if count and restore_pays is not None and not restore_pays(first * size, count * size, seconds):
                 count = 0
             end = first + count
             wanted = keys[first:end] + self._window_reads(keys[:end])

@@ -67,6 +67,31 @@ def test_pages_come_back_from_disk_in_another_manager_as_they_were(tmp_path, bit
     assert "; disk: 4 pages restored" in str(second.usage())
 
 
+def test_a_prompt_over_more_files_than_are_kept_read_ahead_still_comes_back(tmp_path, monkeypatch):
+    """A prompt's own read-ahead files are never let go for room, however many: they are all in
+    memory when it is admitted (before, a prompt over more files than the cap waited for ever)."""
+    first, disk = cache_on(tmp_path)
+    (seq,) = first.claim(1)
+    for page in range(4):  # a page a step: four files
+        batch = first.append([seq], [4])
+        for layer in range(2):
+            first.write(layer, batch, *(mx.ones((4, 2, 32), mx.float16) * (page + 1) for _ in "kv"))
+        first.evaluate()
+        first.publish([seq], [TOKENS], [4 * page + 4])
+    assert disk.flush(10) and len(list(tmp_path.rglob("*.run"))) == 4
+    monkeypatch.setattr("mlxkv.cache.disk.tier.READY_BYTES", 0)
+    second, again = cache_on(tmp_path)
+    keys = second.prompt_keys(TOKENS)
+    waits = 0
+    while second.restoring(keys):
+        again.wait(1.0)
+        waits += 1
+        assert waits < 100
+    reused, read = restored(second)
+    assert reused == 16 and again.stats.pages_restored == 4
+    assert [float(read[0][0][4 * page, 0, 0]) for page in range(4)] == [1.0, 2.0, 3.0, 4.0]
+
+
 def only_file(folder):
     (path,) = [p for p in folder.rglob("*.run")]
     return path

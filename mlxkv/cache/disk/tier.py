@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 FREE_FLOOR = 2**30  # bytes the disk keeps free: below them nothing more is written
 ASSUMED_READ_RATE = 1e9  # bytes a second, until reads have measured it (an SSD reads several times that)
 MEASURED_FROM = 2**20  # bytes read before the measured rate replaces the assumed one
-READY_FILES = 64  # files read ahead and kept for the request that asked for them
+READY_BYTES = 2**30  # of files read ahead and kept for requests that asked for them before the last
 
 
 @dataclass
@@ -123,29 +123,38 @@ class DiskTier:
 
     def prefetch(self, keys: Sequence[bytes]) -> bool:
         """Whether the files holding the pages `keys` are read and checked, in memory for `read`;
-        those that are not are read on the reader thread from now on."""
+        those that are not are read on the reader thread from now on. Files read for other calls
+        are let go beyond `READY_BYTES`, the longest unasked first; this call's never are."""
         with self._lock:
             paths = list(dict.fromkeys(self._where[key][0] for key in keys if key in self._where))
-        ready = True
+        self._harvest()
         for path in paths:
             if path in self._ready:
-                continue
-            reading = self._reading.get(path)
-            if reading is None:
+                self._ready.move_to_end(path)
+            elif path not in self._reading:
                 self._reading[path] = self._reader.submit(self._load, path)
-                ready = False
-            elif reading.done():
+        asked = set(paths)
+        held = sum(self._held(arrays) for arrays in self._ready.values())
+        for path in [p for p in self._ready if p not in asked]:  # the longest unasked first
+            if held <= READY_BYTES:
+                break
+            held -= self._held(self._ready.pop(path))
+        return all(path in self._ready for path in paths)
+
+    def _harvest(self) -> None:
+        """Move the files the reader has finished into `_ready`, whoever asked for them."""
+        for path, reading in list(self._reading.items()):
+            if reading.done():
                 self._ready[path] = reading.result()
                 del self._reading[path]
-                while len(self._ready) > READY_FILES:  # a request that never came back for them
-                    self._ready.popitem(last=False)
-            else:
-                ready = False
-        return ready
+
+    @staticmethod
+    def _held(arrays: list[np.ndarray] | None) -> int:
+        return sum(a.nbytes for a in arrays) if arrays is not None else 0
 
     def wait(self, timeout: float) -> None:
         """Wait until a read ahead finishes, at most `timeout` seconds (none running: return at once)."""
-        reading = list(self._reading.values())
+        reading = [future for future in self._reading.values() if not future.done()]
         if reading:
             concurrent.futures.wait(reading, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
@@ -154,16 +163,14 @@ class DiskTier:
         `MISSING` (not on disk, or its file damaged)."""
         with self._lock:
             places = [self._where.get(key) for key in keys]
-        return [
-            MISSING
-            if place is None
-            else READING
-            if place[0] not in self._ready
-            else READY
-            if self._ready[place[0]] is not None
-            else MISSING
-            for place in places
-        ]
+        return [self._status(place) for place in places]
+
+    def _status(self, place: tuple[Path, int] | None) -> int:
+        if place is None:
+            return MISSING
+        if place[0] not in self._ready:
+            return READING
+        return READY if self._ready[place[0]] is not None else MISSING
 
     def read(self, keys: Sequence[bytes]) -> list[mx.array]:
         """The stored arrays of the pages `keys` (in order), each `[pages, ...]` in its dtype, for
