@@ -39,6 +39,11 @@ class ModelLoadError(MlxkvError):
     """A model that cannot be loaded: missing path, no config.json, unsupported architecture."""
 
 
+class MemoryBudgetError(MlxkvError, ValueError):
+    """The memory budget cannot hold what the settings ask beside the weights (the KV cache, the
+    smallest step): more memory would make it fit, other settings need not change."""
+
+
 class RequestTooLong(MlxkvError, ValueError):
     """A request whose prompt plus max_tokens can never fit the KV cache."""
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import mlx.core as mx
 import typer
@@ -22,7 +22,6 @@ from tqdm import tqdm
 
 from ..cache.layout import KVLayout
 from ..config import EngineConfig
-from ..engine.async_llm import AsyncLLM
 from ..engine.llm_engine import LLMEngine
 from ..engine.memory.kv_budget import context_length
 from ..engine.parallel.rank_watchdog import GRACE_S
@@ -37,6 +36,9 @@ from .images import ImageRef, from_file, template_content
 from .llm import LLM, Stream
 from .prompts import prompt_ids, template_kwargs_of
 from .sampling_defaults import CONVERSATION, conversation_sampling
+
+if TYPE_CHECKING:  # the server's modules load when a server is asked for
+    from .hosting import ModelHost
 
 logger = logging.getLogger(__name__)
 
@@ -393,7 +395,27 @@ def chat_turn(
     sampling=("thinking_token_budget",),
 )
 def serve(
-    model: Optional[str] = MODEL,  # noqa: UP045
+    model: list[str] = typer.Option(
+        [],
+        "--model",
+        help="mlx-lm checkpoint directory or Hugging Face repo id, repeatable: each is served under the name "
+        "given; a folder of checkpoint folders serves each under its folder's name [default: the shipped "
+        "demo model]",
+        show_default=False,
+        rich_help_panel="Model",
+    ),
+    models_file: Optional[Path] = typer.Option(  # noqa: UP045
+        None,
+        help="A TOML file of models to serve ([models.<name>] tables: path, aliases, keep_alive, engine "
+        "settings); with --model, both are served.",
+        rich_help_panel="Model",
+    ),
+    keep_alive: str = typer.Option(
+        "5m",
+        help="How long a model stays loaded once idle (seconds or a duration such as '5m'; negative: for "
+        "ever); a request's keep_alive (Ollama) or ttl (OpenAI) says otherwise for its model.",
+        rich_help_panel="Model",
+    ),
     host: str = typer.Option(
         "127.0.0.1", help="Address to listen on; the default answers this machine only.", rich_help_panel=SERVING
     ),
@@ -434,11 +456,12 @@ def serve(
     config: EngineConfig,
     params: SamplingParams,
 ) -> None:
-    """Serve the model over HTTP: OpenAI's Chat Completions, Completions and Responses APIs
+    """Serve models over HTTP: OpenAI's Chat Completions, Completions and Responses APIs
     (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models), Anthropic's Messages API
-    (/v1/messages) and Ollama's API (/api/chat, /api/generate, /api/tags), with /health, /metrics
-    and a chat page at /. --thinking-token-budget bounds the requests that set no budget (nor a
-    reasoning effort) of their own."""
+    (/v1/messages) and Ollama's API (/api/chat, /api/generate, /api/tags, /api/ps), with /health,
+    /metrics and a chat page at /. The first model is loaded at start; the others when a request
+    names them, within --memory-limit (idle ones are let go first). --thinking-token-budget bounds
+    the requests that set no budget (nor a reasoning effort) of their own."""
     import uvicorn  # the server's imports wait until a server is asked for
 
     from .server import build_app
@@ -446,45 +469,64 @@ def serve(
 
     group = world()
     if group.rank() != 0:  # rank 0 serves; the others run the steps it plans
-        follow_rank_0(model, config, group)
+        follow_rank_0(model[0] if model else None, config, group)
         return
     logging.getLogger("mlxkv").setLevel(logging.INFO)  # the package's loggers: what the server does
     listener = listen(host, port)  # first: a port in use is one line, before a model is loaded
     try:
+        host_ = model_host(model, models_file, served_model_name, keep_alive, config, params, group)
         kwargs = template_kwargs_of(chat_template_kwargs)
-        logger.info("loading %s ...", model or "the demo model")
+        first = host_.catalogue.default
+        logger.info("loading %s ...", first.name)
         started = time.perf_counter()
-        engine = LLMEngine(*load(model, group), config, group=group)
+        loaded = host_.build(first, host_.budget)
     except (MlxkvError, ValueError, TypeError) as exc:
         fail(exc)
     logger.info("loaded in %.1f s", time.perf_counter() - started)
-    llm = AsyncLLM(engine)
-    names = served_model_name or [model or "mlxkv-demo"]
-    sampling = conversation_sampling(resolve_model_path(model or DEMO_MODEL))
-    if params.thinking_token_budget is not None:
-        sampling["thinking_token_budget"] = params.thinking_token_budget
-    logger.info("requests that do not say sample with %s", ", ".join(f"{k}={v}" for k, v in sampling.items()))
     app_ = build_app(
-        llm,
-        names[0],
+        host_,
         api_key=api_key,
         allowed_origins=allowed_origins,
         max_queue=max_queue,
         max_request_bytes=max_request_bytes,
-        aliases=names[1:],
-        sampling=sampling,
         template_kwargs=kwargs,
         fetch_image_urls=image_urls,
     )
-    logger.info("serving on http://%s:%d (chat page at /)", host, listener.getsockname()[1])
-    server = Server(uvicorn.Config(app_, log_level="warning"), llm)
-    threading.Thread(target=end_when_lost, args=(engine, server), daemon=True).start()
+    host_.adopt(first, loaded)
+    names = ", ".join(m.name for m in host_.catalogue)
+    logger.info("serving %s on http://%s:%d (chat page at /)", names, host, listener.getsockname()[1])
+    server = Server(uvicorn.Config(app_, log_level="warning"), host_)
+    threading.Thread(target=end_when_lost, args=(host_, server), daemon=True).start()
     try:
         server.run(sockets=[listener])
     finally:
-        llm.shutdown()
-    if engine.lost is not None:
-        fail(engine.lost)
+        host_.shutdown()
+    if host_.lost is not None:
+        fail(host_.lost)
+
+
+def model_host(
+    models: list[str],
+    models_file: Path | None,
+    names: list[str],
+    keep_alive: str,
+    config: EngineConfig,
+    params: SamplingParams,
+    group: mx.distributed.Group,
+) -> ModelHost:
+    """The model host of `serve`: its catalogue, loader and memory budget (ValueError for bad options)."""
+    from ..engine.memory.memory_budget import device_memory, memory_limit
+    from .durations import seconds
+    from .hosting import ModelHost, catalogue_of, facts_of
+    from .hosting.loading import Loader
+
+    catalogue = catalogue_of(models, models_file, names, config)
+    if group.size() > 1 and len(catalogue) > 1:
+        raise ValueError("a tensor-parallel group serves one model; give one --model")
+    budget = memory_limit(config, device_memory())
+    catalogue = catalogue.shared(budget, {m.name: facts_of(m).weight_bytes for m in catalogue})
+    build = Loader(config, params.thinking_token_budget, group if group.size() > 1 else None)
+    return ModelHost(catalogue, build, budget, seconds(keep_alive, "--keep-alive"), fixed=group.size() > 1)
 
 
 def follow_rank_0(model: str | None, config: EngineConfig, group: mx.distributed.Group) -> None:
@@ -495,11 +537,11 @@ def follow_rank_0(model: str | None, config: EngineConfig, group: mx.distributed
         fail(exc)
 
 
-def end_when_lost(engine: LLMEngine, server: Any) -> None:
-    """End `server` soon after the engine's tensor-parallel group fails (a rank died or stopped answering)."""
+def end_when_lost(host: ModelHost, server: Any) -> None:
+    """End `server` soon after a model's tensor-parallel group fails (a rank died or stopped answering)."""
     while not server.should_exit:
-        if engine.lost is not None:
-            logger.error("%s; the server is ending", engine.lost)
+        if host.lost is not None:
+            logger.error("%s; the server is ending", host.lost)
             time.sleep(GRACE_S)
             server.should_exit = True
         time.sleep(0.1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,7 +20,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.sampling.params import CONSTRAINTS, SamplingParams
 from ..errors import counted
 from .errors import ServingError, UnreadableImage, UnsupportedContent, refused_as
-from .metrics import Metrics
+from .metrics import ModelMetrics
 from .prompts import prompt_ids
 from .replies import Event, Run
 from .sampling_defaults import CONVERSATION
@@ -109,16 +109,16 @@ def seeded_choices(runs: list[Choice], n: int) -> list[Choice]:
 
 
 class ServingCore:
-    """One model behind every API: its prompts, sampling, constraints and running choices."""
+    """One model behind every API: its prompts, sampling, constraints and running choices (the
+    model host has already found it by the request's `model`)."""
 
     def __init__(
         self,
         llm: AsyncLLM,
         model_id: str,
-        metrics: Metrics,
+        metrics: ModelMetrics,
         max_queue: int,
         keepalive_s: float,
-        aliases: Sequence[str] = (),
         sampling: Mapping[str, Any] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         fetch_image_urls: bool = True,
@@ -130,19 +130,8 @@ class ServingCore:
         self.llm, self.model_id, self.metrics = llm, model_id, metrics
         self.defaults = dict(CONVERSATION if sampling is None else sampling)
         self.template_kwargs = dict(template_kwargs or {})
-        self.names = {model_id, *aliases}  # what a request's `model` may say
         self.max_queue, self.keepalive_s = max_queue, keepalive_s
         self.tokenizer = llm.engine.tokenizer
-
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names:
-            raise ServingError(
-                404,
-                f"model {model!r} does not exist; this server runs {self.model_id!r}",
-                "model",
-                "model_not_found",
-                "not_found_error",
-            )
 
     @contextmanager
     def reading(self, field: str) -> Iterator[None]:

@@ -1,15 +1,17 @@
 """`mlxkv serve`'s HTTP app: the routes of OpenAI's API (`openai/`), Anthropic's Messages API
-(`anthropic/`) and Ollama's API (`ollama/`), each API's own router over one serving core (`core.py`),
-and `/metrics`, `/health` and a chat page; the API key, CORS, and every error in the shape of the
-API it answers.
+(`anthropic/`) and Ollama's API (`ollama/`), each API's own router over the model host
+(`hosting/`), which finds each request's model and its serving core (`core.py`); and `/metrics`,
+`/health` and a chat page; the API key, CORS, and every error in the shape of the API it answers.
 
-Concurrent clients share one `AsyncLLM`, so their requests are batched by the scheduler.
+Concurrent clients of one model share its `AsyncLLM`, so their requests are batched by its scheduler.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from importlib.metadata import version
 from importlib.resources import files
 from typing import Any
@@ -20,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_llm import AsyncLLM
@@ -29,7 +31,9 @@ from .anthropic import protocol as anthropic_protocol
 from .anthropic import router as anthropic_router
 from .body_limit import BodyLimit
 from .core import ServingCore
+from .durations import seconds
 from .errors import ServingError
+from .hosting import Catalogue, ListedModel, Loaded, ModelHost, facts_of
 from .metrics import Metrics
 from .ollama import protocol as ollama_protocol
 from .ollama import router as ollama_router
@@ -42,11 +46,12 @@ OPEN_PATHS = ("/health", "/")  # what answers without the API key
 SLACK_BYTES = 4 * 2**20  # of a request body beyond its prompt's text: messages' fields, tools, schemas
 BYTES_PER_TOKEN = 32  # of prompt text, as JSON, at most (a token is 4 characters on average)
 IMAGE_BYTES = 64 * 2**20  # of images as base64, for a model that reads them: a few phone photos
+DEFAULT_CONTEXT = 131072  # tokens of a listed model whose context neither its settings nor its files say
 
 
 def build_app(
-    llm: AsyncLLM,
-    model_id: str,
+    served: AsyncLLM | ModelHost,
+    model_id: str = "mlxkv-demo",
     *,
     api_key: str | None = None,
     allowed_origins: Sequence[str] = (),
@@ -58,31 +63,84 @@ def build_app(
     template_kwargs: Mapping[str, Any] | None = None,
     fetch_image_urls: bool = True,
 ) -> FastAPI:
-    """The FastAPI app serving `llm` as `model_id` (requests may also name it by `aliases`), sampling
-    with `sampling`'s fields where a request gives none (default: `sampling_defaults.CONVERSATION`),
-    its chat template reading `template_kwargs` where a request does not say, images at http(s) URLs
-    fetched if `fetch_image_urls`;
-    bodies over `max_request_bytes` (default: a few MiB above the longest prompt the context holds,
-    `request_bytes_for`) are refused."""
-    app = FastAPI(title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorizer(api_key))])
-    if max_request_bytes is not None:
-        limit = max_request_bytes
-    else:
-        limit = request_bytes_for(llm.engine.max_request_tokens, llm.engine.vision is not None)
+    """The FastAPI app serving the models of a model host, or one engine (`served`) as `model_id`
+    (requests may also name it by `aliases`), sampling with `sampling`'s fields where a request
+    gives none (default: `sampling_defaults.CONVERSATION`; a host's models: as each was loaded
+    with); the chat template reading `template_kwargs` where a request does not say, images at
+    http(s) URLs fetched if `fetch_image_urls`; bodies over `max_request_bytes` (default: a few MiB
+    above the longest prompt a model's context holds, `request_bytes_for`) are refused."""
+    host = served if isinstance(served, ModelHost) else holding(served, ListedModel(model_id, None, tuple(aliases)))
+    metrics = Metrics(lambda: {name: resident.llm.engine for name, resident in host.residents.items()})
+
+    def make_core(listed: ListedModel, loaded: Loaded) -> ServingCore:
+        return ServingCore(
+            loaded.llm,
+            listed.name,
+            metrics.of(listed.name),
+            max_queue,
+            keepalive_s,
+            loaded.sampling,
+            template_kwargs,
+            fetch_image_urls,
+        )
+
+    host.serve_with(make_core)
+    if not isinstance(served, ModelHost):
+        host.adopt(host.catalogue.default, Loaded(served, sampling))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        reaping = asyncio.create_task(host.reaping())  # idle models go when their keep-alive runs out
+        try:
+            yield
+        finally:
+            reaping.cancel()
+
+    app = FastAPI(
+        title="mlxkv", docs_url=None, redoc_url=None, dependencies=[Depends(authorizer(api_key))], lifespan=lifespan
+    )
+    limit = max_request_bytes if max_request_bytes is not None else body_limit(host)
     app.add_middleware(BodyLimit, limit=limit, refuse=lambda path, error: shape_of(path)(error))
     if allowed_origins:  # outermost, so that refusals carry the CORS headers too
         app.add_middleware(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
         )
     handle_errors(app)
-    metrics = Metrics(llm.engine)
-    serve_own_paths(app, llm, metrics)
-    core = ServingCore(
-        llm, model_id, metrics, max_queue, keepalive_s, aliases, sampling, template_kwargs, fetch_image_urls
-    )
+    serve_own_paths(app, host, metrics)
     for api in (openai_router, anthropic_router, ollama_router):
-        app.include_router(api.router(core))
+        app.include_router(api.router(host))
     return app
+
+
+def holding(llm: AsyncLLM, listed: ListedModel) -> ModelHost:
+    """A model host of the one engine `llm`, listed as `listed`: it stays, and nothing else loads."""
+    return ModelHost(Catalogue([listed]), Fixed(), llm.engine.memory.limit, -1, fixed=True)
+
+
+class Fixed:
+    """The `build` of a host that loads nothing (`holding`)."""
+
+    def __call__(self, listed: ListedModel, room: int) -> Loaded:
+        raise AssertionError("a fixed host loads nothing")
+
+    def wants(self, listed: ListedModel) -> int:
+        return 0
+
+
+def body_limit(host: ModelHost) -> int:
+    """The default body limit: room for the longest prompt any listed model takes (as loaded, else
+    as its settings or checkpoint say, else `DEFAULT_CONTEXT`), and for images if any reads them."""
+    sizes = []
+    for listed in host.catalogue:
+        resident = host.residents.get(listed.name)
+        if resident is not None:
+            engine = resident.llm.engine
+            sizes.append(request_bytes_for(engine.max_request_tokens, engine.vision is not None))
+        else:
+            facts = facts_of(listed)
+            tokens = listed.settings.get("max_model_len") or facts.context or DEFAULT_CONTEXT
+            sizes.append(request_bytes_for(tokens, facts.images))
+    return max(sizes)
 
 
 def authorizer(api_key: str | None) -> Callable[[HTTPRequest], None]:
@@ -187,16 +245,42 @@ def refusal(errors: Sequence[Any]) -> ServingError:
     return ServingError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param)
 
 
-def serve_own_paths(app: FastAPI, llm: AsyncLLM, metrics: Metrics) -> None:
-    """The server's own paths: `/health`, Prometheus' `/metrics` and the chat page at `/`."""
+class ModelBody(BaseModel):
+    """The body of `/models/load` and `/models/unload`: a listed model's name (None: the default),
+    and how long it stays loaded idle (seconds or a duration; the server's unless given)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    keep_alive: float | None = None
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> Any:
+        return seconds(value) if isinstance(value, str) else value
+
+
+def serve_own_paths(app: FastAPI, host: ModelHost, metrics: Metrics) -> None:
+    """The server's own paths: `/health`, `/models/load` and `/models/unload`, Prometheus'
+    `/metrics` and the chat page at `/`."""
     chat_page = files("mlxkv.entrypoints").joinpath("chat.html").read_text(encoding="utf-8")
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:
-        lost = llm.engine.lost  # a tensor-parallel group that failed: the server is ending
+        lost = host.lost  # a tensor-parallel group that failed: the server is ending
         if lost is not None:
             return JSONResponse({"status": "error", "error": str(lost), "version": VERSION}, 503)
         return {"status": "ok", "version": VERSION}
+
+    @app.post("/models/load")
+    async def load(body: ModelBody) -> dict[str, Any]:
+        """Load a listed model now (as llama.cpp's router does), kept `keep_alive` seconds idle."""
+        resident = await host.load(body.model, body.keep_alive)
+        return {"success": True, "model": resident.name}
+
+    @app.post("/models/unload")
+    async def unload(body: ModelBody) -> dict[str, Any]:
+        """Unload a listed model once its requests are done; `loaded`: whether it was."""
+        return {"success": True, "model": host.listed(body.model).name, "loaded": await host.unload(body.model)}
 
     @app.get("/metrics")
     def prometheus() -> Response:  # a plain def: FastAPI runs it off the event loop, as stats() takes the engine lock

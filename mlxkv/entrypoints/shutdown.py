@@ -15,17 +15,18 @@ from types import FrameType
 
 import uvicorn
 
-from ..engine.async_llm import AsyncLLM
+from .hosting import ModelHost
 
 logger = logging.getLogger(__name__)
 
 
 class Server(uvicorn.Server):
-    """Uvicorn's server, ending `llm`'s requests on the first signal and the process on the second."""
+    """Uvicorn's server, ending the requests of `host`'s models on the first signal and the process
+    on the second."""
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM) -> None:
+    def __init__(self, config: uvicorn.Config, host: ModelHost) -> None:
         super().__init__(config)
-        self.llm = llm
+        self.host = host
         self.stopping = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -36,6 +37,6 @@ class Server(uvicorn.Server):
             sys.stderr.flush()
             os._exit(130)
         self.stopping = True
-        aborted = self.llm.abort_all()
+        aborted = self.host.abort_all()
         logger.info("stopping: no new connections; %d running requests aborted", aborted)
         super().handle_exit(sig, frame)

@@ -175,7 +175,7 @@ def test_cache_control_pins_the_prompt_up_to_the_marked_block_and_says_what_it_w
     second = create(client, system=system, messages=[{"role": "user", "content": "Second?"}], max_tokens=2)
     assert second.usage.cache_read_input_tokens >= written and second.usage.cache_creation_input_tokens == 0
     metrics = httpx.get(f"{server}/metrics", headers={"x-api-key": KEY}).text
-    assert int(float(re.search(r"^mlxkv_kv_pages_pinned (\S+)$", metrics, re.M).group(1))) > 0
+    assert int(float(re.search(r"^mlxkv_kv_pages_pinned\{model=\"[^\"]+\"\} (\S+)$", metrics, re.M).group(1))) > 0
     with pytest.raises(anthropic.BadRequestError) as refused:
         create(
             client,

@@ -48,7 +48,7 @@ def page(served):
 
 def metric(url: str, name: str, headers: dict | None = None) -> float:
     text = httpx.get(f"{url}/metrics", headers=headers).text
-    return float(re.search(rf"^mlxkv_{name} (\S+)$", text, re.MULTILINE).group(1))
+    return float(re.search(rf"^mlxkv_{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE).group(1))
 
 
 def set_field(browser, field: str, value: str) -> None:
@@ -347,6 +347,32 @@ def test_an_attached_image_goes_with_the_message_and_the_reply_streams_in(tmp_pa
         assert not browser.find_elements(By.CSS_SELECTOR, "#attached img")  # sent: the next message has none
         if os.environ.get("MLXKV_SCREENSHOT"):
             browser.save_screenshot(os.environ["MLXKV_SCREENSHOT"])
+    finally:
+        browser.quit()
+        stop_server(proc)
+
+
+def test_a_server_of_several_models_offers_a_picker_and_the_figures_are_the_picked_models(tmp_path):
+    for seed, name in enumerate(("chat-a", "chat-b")):
+        make_checkpoint(tmp_path / name, seed=seed, chat_template=TOOLS_CHAT_TEMPLATE, max_position_embeddings=1024)
+    proc, url = start_server("--model", str(tmp_path), "--num-pages", "48", "--max-model-len", "512")
+    browser = chromium()
+    try:
+        browser.get(url + "/")
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "chat-a")
+        picker = Select(browser.find_element(By.ID, "model-picker"))
+        assert [o.text for o in picker.options] == [
+            "chat-a",
+            "chat-b",
+        ] and picker.first_selected_option.text == "chat-a"
+        record_requests(browser)
+        picker.select_by_visible_text("chat-b")
+        WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "model").text == "chat-b")
+        send(browser, "Hello there")
+        WebDriverWait(browser, 60).until(lambda b: "tokens/s" in b.find_element(By.ID, "figures").text)
+        assert [body["model"] for body in browser.execute_script("return window.sent")] == ["chat-b"]
+        assert "/48 pages in use" in browser.find_element(By.ID, "figures").text  # chat-b's pool, not NaN
+        assert sorted(m["name"] for m in httpx.get(f"{url}/api/ps").json()["models"]) == ["chat-a", "chat-b"]
     finally:
         browser.quit()
         stop_server(proc)

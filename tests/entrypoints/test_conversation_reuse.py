@@ -56,7 +56,11 @@ def server(request, tmp_path_factory):
 
 def hit_tokens(url: str) -> int:
     text = httpx.get(f"{url}/metrics").text
-    return int(float(re.search(r"^mlxkv_prefix_cache_hit_tokens_total (\S+)$", text, re.MULTILINE).group(1)))
+    return int(
+        float(
+            re.search(r"^mlxkv_prefix_cache_hit_tokens_total\{model=\"[^\"]+\"\} (\S+)$", text, re.MULTILINE).group(1)
+        )
+    )
 
 
 def openai_chat(url: str, model: str) -> list[Turn]:

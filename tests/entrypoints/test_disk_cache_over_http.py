@@ -2,6 +2,8 @@
 tokens reported as cached by each API (`cached_tokens`, `cache_read_input_tokens`), and /metrics
 counts what was restored."""
 
+import re
+
 import anthropic
 import httpx
 import openai
@@ -45,4 +47,5 @@ def test_a_prompt_served_before_a_restart_is_read_back_from_disk(tmp_path):
     assert restored.usage.cache_read_input_tokens == 16 * full_pages > 0
     assert restored.usage.input_tokens + restored.usage.cache_read_input_tokens == first.usage.prompt_tokens
     assert restored.content[0].text == again.choices[0].message.content == first.choices[0].message.content
-    assert f"mlxkv_disk_cache_restored_pages_total {float(full_pages)}" in metrics
+    restored_pages = re.search(r'^mlxkv_disk_cache_restored_pages_total\{model="[^"]+"\} (\S+)$', metrics, re.M)
+    assert float(restored_pages.group(1)) == full_pages

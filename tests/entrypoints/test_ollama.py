@@ -1,6 +1,7 @@
 """Ollama's API over real HTTP: its documented requests as plain JSON, and the `ollama` package."""
 
 import json
+from datetime import datetime, timezone
 
 import httpx
 import jsonschema
@@ -92,7 +93,7 @@ def test_tags_show_and_version_describe_the_one_model(server):
 def test_errors_have_ollamas_shape(server):
     unknown = httpx.post(f"{server}/api/chat", json={"model": "llama3", "messages": HI})
     assert unknown.status_code == 404 and unknown.json() == {
-        "error": f"model 'llama3' does not exist; this server runs '{MODEL}'"
+        "error": f"model 'llama3' does not exist here; this server serves '{MODEL}'"
     }
     bad = httpx.post(f"{server}/api/generate", json={"model": MODEL, "prompt": "x", "options": {"temperature": -1}})
     assert bad.status_code == 400 and bad.json() == {"error": "temperature must be a number >= 0, got -1.0"}
@@ -122,12 +123,21 @@ def test_load_unload_and_warm_up_answer_at_once_as_ollama_does(server):
     assert [(part.done, part.done_reason) for part in streamed] == [(True, "load")]
 
 
-def test_ps_lists_the_one_model_loaded_for_good(server):
+def test_load_unload_and_ps_follow_keep_alive(server):
+    """`keep_alive` 0 unloads (`/api/ps` is empty), a warm-up loads again, -1 keeps the model for
+    good (Ollama's far-off expiry), a duration until then."""
     ollama = pytest.importorskip("ollama", reason="the ollama package could not be installed")
-    [running] = ollama.Client(host=server).ps().models
-    assert (running.name, running.model, running.context_length) == (MODEL, MODEL, 512)
+    client = ollama.Client(host=server)
+    client.generate(model=MODEL, prompt="", keep_alive=0)
+    gone = client.ps().models
+    client.generate(model=MODEL, keep_alive=-1)
+    [running] = client.ps().models
+    assert gone == [] and (running.name, running.model, running.context_length) == (MODEL, MODEL, 512)
     assert running.size == running.size_vram > 0 and running.expires_at.year == 2318
     assert len(running.digest) == 64 and running.details.family == "llama"
+    client.generate(model=MODEL, keep_alive="10h")
+    [running] = client.ps().models
+    assert 9 < (running.expires_at - datetime.now(timezone.utc)).total_seconds() / 3600 <= 10
 
 
 def test_keep_alive_must_be_seconds_or_a_duration(server):

@@ -68,7 +68,10 @@ def test_openai_chat_keeps_the_reasoning_apart_streamed_and_whole(client):
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == choice.message.reasoning
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
     counted = httpx.get(f"{client[2]}/metrics").text  # this module's first test: its two replies
-    assert float(re.search(r"^mlxkv_reasoning_tokens_total (\S+)$", counted, re.MULTILINE).group(1)) == 24
+    assert (
+        float(re.search(r"^mlxkv_reasoning_tokens_total\{model=\"[^\"]+\"\} (\S+)$", counted, re.MULTILINE).group(1))
+        == 24
+    )
 
 
 def test_thinking_turned_off_gives_no_reasoning_on_each_api(client):

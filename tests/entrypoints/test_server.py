@@ -50,7 +50,8 @@ def reference():
 
 
 def metric(url: str, name: str) -> float:
-    return float(re.search(rf"^{name} (\S+)$", httpx.get(f"{url}/metrics").text, re.MULTILINE).group(1))
+    """`name`'s value on /metrics (its first line: the one model's, whatever its labels)."""
+    return float(re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", httpx.get(f"{url}/metrics").text, re.MULTILINE).group(1))
 
 
 def test_models_lists_the_one_model(client):
@@ -589,7 +590,9 @@ def test_served_model_names_name_the_model_and_the_first_is_reported():
         for name in ("qwen", "local"):
             reply = client.completions.create(model=name, prompt="The import statement", max_tokens=2)
             assert reply.model == "qwen"
-        with pytest.raises(openai.NotFoundError, match="model 'mlxkv-demo' does not exist; this server runs 'qwen'"):
+        with pytest.raises(
+            openai.NotFoundError, match="model 'mlxkv-demo' does not exist here; this server serves 'qwen'"
+        ):
             client.completions.create(model="mlxkv-demo", prompt="The import statement", max_tokens=2)
         assert [m["name"] for m in httpx.get(f"{url}/api/tags").json()["models"]] == ["qwen"]
     finally:

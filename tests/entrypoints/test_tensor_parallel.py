@@ -217,7 +217,8 @@ def test_serve_answers_16_concurrent_openai_streams_as_one_process(tmp_path):
         expected = [c.text for c in alone.generate(prompts, SamplingParams(max_tokens=20))]
         assert asyncio.run(streams(url, path, prompts)) == expected
         metrics = httpx.get(f"{url}/metrics").text
-        assert "mlxkv_kv_pages_used 0.0" in metrics and "mlxkv_running_requests 0.0" in metrics
+        assert f'mlxkv_kv_pages_used{{model="{path}"}} 0.0' in metrics
+        assert f'mlxkv_running_requests{{model="{path}"}} 0.0' in metrics
     finally:
         stop_server(proc)
 

@@ -13,7 +13,7 @@ from ...cache.manager import KVCacheManager, prefix_cached
 from ...cache.page_group import window_pool_pages
 from ...cache.storage import check_quantization, kv_bytes_per_token, per_layer
 from ...config import EngineConfig
-from ...errors import counted
+from ...errors import MemoryBudgetError, counted
 from ..model_kv import ModelKV
 
 
@@ -90,7 +90,7 @@ def size_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelK
     else:
         asked, what = budget, f"kv_cache_memory={_gb(budget)}"
     if asked > available:
-        raise ValueError(
+        raise MemoryBudgetError(
             f"{what} asks for {_gb(asked)} of KV cache, but at most {_gb(available)} fits "
             f"in the memory budget (memory_limit) beside the weights and a step's temporaries"
         )
@@ -99,7 +99,7 @@ def size_kv_cache(config: EngineConfig, model: ModelKV, room: int, draft: ModelK
     pages = config.num_pages or budget // (config.page_size * costs.bytes_per_token)
     if pages <= 0:
         source = "kv_cache_memory" if asked_memory else f"kv_cache_fraction={config.kv_cache_fraction}"
-        raise ValueError(
+        raise MemoryBudgetError(
             f"the KV budget ({source}) leaves {max(budget, 0)} bytes for the full-attention layers, "
             f"less than one page of {counted(config.page_size, 'token')}{_beside(costs)}"
         )
@@ -134,7 +134,7 @@ def _contiguous(config: EngineConfig, costs: _KVCosts, max_len: int, budget: int
     """The contiguous layout's cache: as many whole `max_len` pages as `budget` buys."""
     sequences = min(config.max_num_seqs, budget // (max_len * costs.bytes_per_token))
     if sequences == 0:
-        raise ValueError(
+        raise MemoryBudgetError(
             f"the contiguous layout needs {max_len * costs.bytes_per_token / 2**20:.1f} MiB per sequence "
             f"(max_model_len={max_len}) but the KV budget is {budget / 2**20:.1f} MiB; "
             "raise kv_cache_memory or lower max_model_len"
@@ -148,7 +148,7 @@ def _states_only(config: EngineConfig, costs: _KVCosts, max_len: int, room: int)
     bytes and only count each sequence's tokens, so every sequence gets its whole context; the
     recurrent states alone take memory, and must fit `room`."""
     if costs.state_bytes > room:
-        raise ValueError(
+        raise MemoryBudgetError(
             f"the recurrent state of max_num_seqs={config.max_num_seqs} sequences (and the prefix cache's) takes "
             f"{_gb(costs.state_bytes)}, more than the {_gb(room)} the memory budget (memory_limit) leaves "
             "beside the weights and a step's temporaries; lower max_num_seqs or prefix_states"

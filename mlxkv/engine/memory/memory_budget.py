@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ...config import EngineConfig
+from ...errors import MemoryBudgetError
 from ..model_kv import ModelKV
 from .chunk_sizing import LEAST_CHUNK
 from .kv_budget import KVCacheSizing, context_length, size_kv_cache
@@ -45,13 +46,13 @@ def memory_limit(config: EngineConfig, device: int) -> int:
         return int(asked * device)
     if asked > device:
         raise ValueError(
-            f"memory_limit={_gb(asked)} is more than the {_gb(device)} this device can use; "
+            f"memory_limit={gb(asked)} is more than the {gb(device)} this device can use; "
             "give at most that, or a share such as 0.8"
         )
     return asked
 
 
-def _gb(size: int) -> str:
+def gb(size: int) -> str:
     """A size for people: GB from one GB up, MB from one MB up, else kB."""
     for unit, scale, digits in (("GB", 1e9, 2), ("MB", 1e6, 1)):
         if abs(size) >= scale:
@@ -91,11 +92,11 @@ class MemoryBudget:
         }
 
     def __str__(self) -> str:
-        draft = f", draft model {_gb(self.draft_weights)}" if self.draft_weights else ""
-        draft += f", vision {_gb(self.vision)}" if self.vision else ""
+        draft = f", draft model {gb(self.draft_weights)}" if self.draft_weights else ""
+        draft += f", vision {gb(self.vision)}" if self.vision else ""
         return (
-            f"{_gb(self.planned)} of a {_gb(self.limit)} budget: weights {_gb(self.weights)}{draft}, "
-            f"KV {_gb(self.kv)}, step reserve {_gb(self.reserve)}, buffer cache {_gb(self.cache)}"
+            f"{gb(self.planned)} of a {gb(self.limit)} budget: weights {gb(self.weights)}{draft}, "
+            f"KV {gb(self.kv)}, step reserve {gb(self.reserve)}, buffer cache {gb(self.cache)}"
         )
 
     def apply(self) -> None:
@@ -108,12 +109,12 @@ class MemoryBudget:
         mx.set_cache_limit(self.cache)
         if mx.metal.is_available():
             mx.set_wired_limit(self.limit)
-            logger.info("MLX wired limit set to the memory budget, %s", _gb(self.limit))
+            logger.info("MLX wired limit set to the memory budget, %s", gb(self.limit))
             if self.weights + self.draft_weights > 0.9 * self.device:
                 logger.warning(
                     "the weights take %s of the %s the GPU can use: generation may be slow",
-                    _gb(self.weights + self.draft_weights),
-                    _gb(self.device),
+                    gb(self.weights + self.draft_weights),
+                    gb(self.device),
                 )
 
 
@@ -133,9 +134,9 @@ class Reserve:
         cap = (room - kv_fixed if kv_fixed is not None else int(room * (1 - kv_share))) // 2
         reserve = min(self.wanted, cap)
         if reserve < self.least:
-            raise ValueError(
-                f"the memory budget leaves {_gb(max(cap, 0))} for a step's temporaries beside the weights "
-                f"and the KV cache; the smallest step needs {_gb(self.least)}: raise memory_limit, "
+            raise MemoryBudgetError(
+                f"the memory budget leaves {gb(max(cap, 0))} for a step's temporaries beside the weights "
+                f"and the KV cache; the smallest step needs {gb(self.least)}: raise memory_limit, "
                 "or lower max_num_seqs or the KV cache's size"
             )
         return reserve
@@ -156,9 +157,9 @@ def split_memory(
     draft_weights = draft.weights_bytes if draft is not None else 0
     room = limit - model.weights_bytes - draft_weights - vision
     if room <= 0:
-        raise ValueError(
-            f"the weights take {_gb(model.weights_bytes + draft_weights + vision)}, more than the memory budget "
-            f"of {_gb(limit)} (memory_limit); raise it"
+        raise MemoryBudgetError(
+            f"the weights take {gb(model.weights_bytes + draft_weights + vision)}, more than the memory budget "
+            f"of {gb(limit)} (memory_limit); raise it"
         )
     context = context_length(config.max_model_len, model.context)
     seqs = config.max_num_seqs

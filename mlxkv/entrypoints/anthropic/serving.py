@@ -85,7 +85,6 @@ class AnthropicServing:
         return TokenCount(input_tokens=len((await self._prompt(body))[0]))
 
     async def _prompt(self, body: CountTokensBody) -> tuple[list[int], Tools]:
-        self.core.check_model(body.model)
         parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
         field = "tool_choice" if body.tool_choice else "tools"
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), parallel, field)

@@ -11,21 +11,18 @@ serves text models.
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from ..durations import seconds
 from ..errors import ServingError
 from ..images import from_base64, template_content
 from ..sampling_defaults import effort_fields, effort_kwargs
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama release whose API these routes follow, for apps that check it
-PART = re.compile(r"(\d+(\.\d+)?)(ns|us|µs|ms|s|m|h)")
-DURATION = re.compile(rf"-?({PART.pattern})+")  # Go's durations, as Ollama reads keep_alive
-UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 class Options(BaseModel):
@@ -131,18 +128,6 @@ class Body(BaseModel):
         if self.format is None:
             return {}
         return {"json_schema": {"type": "object"} if self.format == "json" else self.format}
-
-
-def seconds(duration: str) -> float:
-    """A `keep_alive` given as text in seconds: a number, or a Go duration ("5m", "1h30m", "-1s")."""
-    try:
-        return float(duration)
-    except ValueError:
-        pass
-    if not DURATION.fullmatch(duration):
-        raise ValueError(f"keep_alive must be seconds or a duration such as '5m' or '1h', got {duration!r}")
-    total = sum(float(count) * UNITS[unit] for count, _, unit in PART.findall(duration))
-    return -total if duration.startswith("-") else total
 
 
 class ChatBody(Body):

@@ -2,10 +2,10 @@
 streams by default, one object with `"stream": false`), and `/api/tags`, `/api/show`, `/api/ps` and
 `/api/version`, so that apps set up for Ollama work against `mlxkv serve --port 11434`. A chat
 without messages or a generate without a prompt is Ollama's idiom to load a model (or, with
-`keep_alive` 0, unload it): it is answered at once, as the one model stays loaded.
+`keep_alive` 0, unload it): the router answers it once the model host has done so.
 
-Model names: the server's model id, with or without Ollama's `:latest` tag. While a stream has
-nothing to send (a long prefill) it sends an empty piece of reply, which clients append as nothing.
+Model names: the catalogue's, with or without Ollama's `:latest` tag. While a stream has nothing
+to send (a long prefill) it sends an empty piece of reply, which clients append as nothing.
 """
 
 from __future__ import annotations
@@ -40,10 +40,7 @@ from .protocol import (
     ModelInfo,
     OllamaToolCall,
     ResponseMessage,
-    Running,
     RunningModel,
-    ShowBody,
-    Tags,
     Version,
     with_images,
 )
@@ -62,13 +59,7 @@ class OllamaServing:
         self.parameters = sum(array.size for _, array in weights)
         self.size = sum(array.nbytes for _, array in weights)
 
-    def _check_model(self, name: str | None) -> None:
-        self.core.check_model(None if name is None else name.removesuffix(":latest"))
-
     async def chat(self, body: ChatBody, request: HTTPRequest) -> Any:
-        self._check_model(body.model)
-        if body.loads_only:
-            return _loaded(body, self.core.model_id, "message")
         tools = self.core.tools(body.tools or [], [], True, "tools")
         with self.core.reading("messages"):
             messages = body.template_inputs()
@@ -76,9 +67,6 @@ class OllamaServing:
         return await self._respond(body, prompt, request, "message", tools)
 
     async def generate(self, body: GenerateBody, request: HTTPRequest) -> Any:
-        self._check_model(body.model)
-        if body.loads_only:
-            return _loaded(body, self.core.model_id, "response")
         completing = body.raw or not self.core.tokenizer.has_chat_template  # the text continues the prompt
         if completing and body.images:
             with self.core.reading("images"):
@@ -117,22 +105,18 @@ class OllamaServing:
         replies = await run.collect(request)
         return lines.whole(replies[0]) if isinstance(replies, list) else replies
 
-    def tags(self) -> Tags:
-        return Tags(models=[self._entry()])
-
-    def running(self) -> Running:
-        """The one model, loaded while the server runs (Ollama's `/api/ps`)."""
-        entry = self._entry().model_dump()
+    def running(self, expires_at: datetime, size: int) -> RunningModel:
+        """This model as `/api/ps` lists it: loaded until `expires_at`, holding `size` bytes."""
+        entry = self.entry().model_dump()
         context = self.core.llm.engine.max_request_tokens
-        return Running(models=[RunningModel(**entry, expires_at=FOREVER, size_vram=self.size, context_length=context)])
+        return RunningModel(**entry | {"size": size}, expires_at=expires_at, size_vram=size, context_length=context)
 
-    def show(self, body: ShowBody) -> ModelInfo:
-        self._check_model(body.model or body.name)
+    def show(self) -> ModelInfo:
         tokenizer = self.core.tokenizer
         architecture = model_args(self.model).model_type
         return ModelInfo(
             template=(tokenizer.chat_template or "") if tokenizer.has_chat_template else "",
-            details=self._entry().details,
+            details=self.entry().details,
             model_info={
                 "general.architecture": architecture,
                 "general.parameter_count": self.parameters,
@@ -145,17 +129,11 @@ class OllamaServing:
             parameters="\n".join(f"{name} {value:g}" for name, value in self.core.defaults.items()),
         )
 
-    def _entry(self) -> ModelEntry:
+    def entry(self) -> ModelEntry:
+        """This model as `/api/tags` lists it, from its loaded weights."""
         count, family = self.parameters, model_args(self.model).model_type
         size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
-        return ModelEntry(
-            name=self.core.model_id,
-            model=self.core.model_id,
-            modified_at=self.created.isoformat(),
-            size=self.size,
-            digest=sha256(self.core.model_id.encode()).hexdigest(),
-            details=ModelDetails(family=family, families=[family], parameter_size=size),
-        )
+        return model_entry(self.core.model_id, family, self.size, self.created, size)
 
     @staticmethod
     def version() -> Version:
@@ -226,11 +204,20 @@ class _Lines:
         )
 
 
-def _loaded(body: Body, model: str, key: str) -> Any:
-    """The answer to Ollama's load or unload idiom, at once: the model stays loaded whatever
-    `keep_alive` says (the server runs one), and nothing is generated."""
+def model_entry(name: str, family: str | None, size: int, modified: datetime, parameters: str = "") -> ModelEntry:
+    """A model as `/api/tags` lists it (`parameters`: its count as Ollama writes it, "8.0B")."""
+    details = ModelDetails(family=family or "", families=[family] if family else [], parameter_size=parameters)
+    digest = sha256(name.encode()).hexdigest()
+    when = modified.isoformat()
+    return ModelEntry(name=name, model=name, modified_at=when, size=size, digest=digest, details=details)
+
+
+def loaded(body: Body, key: str) -> Any:
+    """The answer to Ollama's load or unload idiom (`key`: "message" for chat, "response" for
+    generate): done, with "load" or "unload" as the reason, and nothing generated."""
     empty: dict[str, Any] = {"response": ""} if key == "response" else {"message": ResponseMessage()}
-    chunk = Chunk(model=model, created_at=_now(), done=True, done_reason="unload" if body.unloads else "load", **empty)
+    reason = "unload" if body.unloads else "load"
+    chunk = Chunk(model=body.model, created_at=_now(), done=True, done_reason=reason, **empty)
     if body.stream:
         return StreamingResponse(iter([chunk.line()]), media_type="application/x-ndjson")
     return chunk.model_dump(exclude_none=True)

@@ -86,6 +86,7 @@ class Body(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    ttl: float | None = None  # LM Studio's: seconds the model stays loaded idle after this request
 
     def sampling(
         self,

@@ -93,12 +93,12 @@ def _not_kept(ident: str) -> ServingError:
 class ResponsesServing:
     """Turns Responses bodies into engine requests and their outputs into response objects and events."""
 
-    def __init__(self, core: ServingCore) -> None:
-        self.core = core
-        self.store = ResponseStore()
+    def __init__(self, core: ServingCore, store: ResponseStore) -> None:
+        """`store`: the responses kept, which every model's serving shares (a conversation may
+        go on with another model)."""
+        self.core, self.store = core, store
 
     async def create(self, body: ResponsesBody, request: HTTPRequest) -> Any:
-        self.core.check_model(body.model)
         history = self.store.conversation(body.previous_response_id) if body.previous_response_id else []
         with self.core.reading("input"):
             messages = history + template_inputs(body.input)

@@ -72,6 +72,7 @@ class ResponsesBody(BaseModel):
     stream: StrictBool = False
     store: StrictBool = True
     previous_response_id: str | None = None
+    ttl: float | None = None  # LM Studio's: seconds the model stays loaded idle after this request
     top_logprobs: int | None = None
     include: list[str] | None = None
     reasoning: ReasoningConfig | None = None

@@ -10,40 +10,46 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
 from ..core import ServingCore
+from ..hosting import ModelHost
 from .protocol import ChatBody, CompletionBody, ModelCard, ModelList
-from .responses import ResponsesServing
+from .responses import ResponsesServing, ResponseStore
 from .responses_protocol import ResponsesBody
 from .serving import OpenAIServing
 
 
-def router(core: ServingCore) -> APIRouter:
-    """OpenAI's endpoints over `core`."""
-    openai, responses = OpenAIServing(core), ResponsesServing(core)
+def router(host: ModelHost) -> APIRouter:
+    """OpenAI's endpoints over the models of `host` (a request's `ttl`: LM Studio's, the seconds its
+    model stays loaded idle after it)."""
+    store = ResponseStore()  # every model's: a conversation may go on with another model
     created = int(time.time())
     api = APIRouter()
 
+    def responses(core: ServingCore) -> ResponsesServing:
+        return ResponsesServing(core, store)
+
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return ModelList(data=[ModelCard(id=core.model_id, created=created)]).model_dump()
+        return ModelList(data=[ModelCard(id=model.name, created=created) for model in host.catalogue]).model_dump()
 
     @api.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: HTTPRequest) -> Any:
-        return await openai.chat(body, request)
+        return await host.serve(body.model, "openai", OpenAIServing, lambda api: api.chat(body, request), body.ttl)
 
     @api.post("/v1/completions")
     async def completions(body: CompletionBody, request: HTTPRequest) -> Any:
-        return await openai.completions(body, request)
+        call = lambda api: api.completions(body, request)  # noqa: E731
+        return await host.serve(body.model, "openai", OpenAIServing, call, body.ttl)
 
     @api.post("/v1/responses")
     async def create_response(body: ResponsesBody, request: HTTPRequest) -> Any:
-        return await responses.create(body, request)
+        return await host.serve(body.model, "responses", responses, lambda api: api.create(body, request), body.ttl)
 
     @api.get("/v1/responses/{ident}")
     async def get_response(ident: str) -> dict[str, Any]:
-        return responses.store.response(ident).model_dump(exclude_unset=True)
+        return store.response(ident).model_dump(exclude_unset=True)
 
     @api.delete("/v1/responses/{ident}")
     async def delete_response(ident: str) -> dict[str, Any]:
-        return responses.store.delete(ident).model_dump()
+        return store.delete(ident).model_dump()
 
     return api

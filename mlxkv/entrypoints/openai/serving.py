@@ -56,7 +56,6 @@ class OpenAIServing:
         self.tokenizer = core.tokenizer
 
     async def chat(self, body: ChatBody, request: HTTPRequest) -> Any:
-        self.core.check_model(body.model)
         field = "tool_choice" if body.tool_choice else "tools"
         tools = self.core.tools(body.shown_tools(), body.forced_tools(), body.parallel_tool_calls, field)
         with self.core.reading("messages"):
@@ -75,7 +74,6 @@ class OpenAIServing:
     async def completions(self, body: CompletionBody, request: HTTPRequest) -> Any:
         """One prompt, or a batch of them (OpenAI's list of strings or of token-id lists): choices
         come prompt after prompt, `n` each."""
-        self.core.check_model(body.model)
         field = body.unsupported()
         if field is not None:
             raise ServingError(400, f"{field} is not supported by mlxkv's completions", field)

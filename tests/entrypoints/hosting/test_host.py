@@ -1,0 +1,163 @@
+"""The model host, in process over real tiny engines: a listed model loads when a request names it,
+idle ones go least recently used first when the budget needs their room, never one a request holds;
+keep-alive runs on an injected clock, and an unloaded model's memory is given back."""
+
+import asyncio
+import gc
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from helpers import mlx_lm_greedy
+
+from mlxkv import SamplingParams
+from mlxkv.config import EngineConfig
+from mlxkv.entrypoints.errors import ServingError
+from mlxkv.entrypoints.hosting import ModelHost, catalogue_of
+from mlxkv.entrypoints.hosting.loading import Loader
+from mlxkv.entrypoints.server import build_app
+from mlxkv.models.random_model import make_checkpoint
+
+CONFIG = EngineConfig(num_pages=32, max_num_seqs=2, max_model_len=128, max_num_batched_tokens=64, disk_cache=None)
+PROMPT = [1, 17, 42, 99, 7, 64, 3]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models")
+    return [make_checkpoint(folder / name, seed=seed) for seed, name in enumerate(("a", "b", "c"))]
+
+
+def host_of(paths, budget, limit=None, keep_alive=300.0, clock=None, pages=32):
+    """A host of `paths` within `budget` bytes, each model within `limit` (None: the budget) and
+    with `pages` KV pages."""
+    config = replace(CONFIG, num_pages=pages, memory_limit=limit)
+    host = ModelHost(catalogue_of([str(p) for p in paths]), Loader(config), budget, keep_alive, clock or Clock())
+    build_app(host)  # each model's serving core, as the server makes it
+    return host
+
+
+async def tokens(host, path):
+    """Greedy tokens of PROMPT from the model at `path`, through a lease as a request holds one."""
+
+    async def generate(core):
+        out = []
+        async for output in core.llm.outputs(PROMPT, GREEDY):
+            out.extend(output.token_ids)
+        return out
+
+    return await host.serve(str(path), "test", lambda core: core, generate)
+
+
+def planned(paths):
+    """The bytes one of these models' budget plans (the three have one shape and the same settings)."""
+
+    async def load():
+        host = host_of(paths[:1], 2**40)
+        resident = await host.resident(str(paths[0]))
+        await host.unload(str(paths[0]))
+        return resident.planned
+
+    return asyncio.run(load())
+
+
+def test_requests_cycling_over_three_models_evict_the_least_recently_used_and_stay_within_the_budget(paths):
+    one = planned(paths)
+    expected = {str(p): mlx_lm_greedy(p, PROMPT, 6) for p in paths}
+
+    async def cycle():
+        host = host_of(paths, 2 * one + one // 2, one)  # room for two
+        mx.reset_peak_memory()
+        seen = []
+        for path in [paths[0], paths[1], paths[2], paths[0], paths[1], paths[1], paths[2]]:
+            assert await tokens(host, path) == expected[str(path)]
+            seen.append([name.split("/")[-1] for name in host.residents])
+            assert host.used <= host.budget
+        await host.unload(str(paths[2]))
+        return seen
+
+    seen = asyncio.run(cycle())
+    assert seen == [["a"], ["a", "b"], ["b", "c"], ["c", "a"], ["a", "b"], ["a", "b"], ["b", "c"]]
+    assert mx.get_peak_memory() <= 2 * one + one // 2
+
+
+def test_a_model_a_request_holds_is_never_let_go_and_a_load_that_cannot_fit_is_a_503_naming_the_holders(paths):
+    one = planned(paths)
+
+    async def run():
+        host = host_of(paths, 2 * one + one // 2, one)
+        release = asyncio.Event()
+
+        async def held(core):
+            await release.wait()
+            return "done"
+
+        holding_a = asyncio.create_task(host.serve(str(paths[0]), "test", lambda core: core, held))
+        while str(paths[0]) not in host.residents or not host.residents[str(paths[0])].leases:
+            await asyncio.sleep(0.01)
+        await tokens(host, paths[1])
+        await tokens(host, paths[2])  # b goes, not a
+        after_c = list(host.residents)
+        holding_c = asyncio.create_task(host.serve(str(paths[2]), "test", lambda core: core, held))
+        while not host.residents[str(paths[2])].leases:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ServingError) as refused:
+            await tokens(host, paths[1])
+        release.set()
+        assert await holding_a == await holding_c == "done"
+        await tokens(host, paths[1])  # now an idle one goes
+        return after_c, refused.value, list(host.residents)
+
+    after_c, refused, finally_ = asyncio.run(run())
+    assert [p.split("/")[-1] for p in after_c] == ["a", "c"]
+    assert refused.status == 503 and refused.headers == {"Retry-After": "5"} and refused.param == "model"
+    assert f"model {str(paths[1])!r} does not fit in the memory budget" in str(refused)
+    assert f"{paths[0]!s} (" in str(refused) and "1 requests" in str(refused)
+    assert [p.split("/")[-1] for p in finally_] == ["c", "b"]
+
+
+def test_keep_alive_zero_unloads_at_once_an_idle_model_goes_when_its_time_runs_out_and_its_memory_comes_back(paths):
+    async def run():
+        clock = Clock()
+        host = host_of(paths, 2**40, keep_alive=300.0, clock=clock, pages=1024)  # 8 MiB of KV
+        gc.collect()
+        before = mx.get_active_memory()
+        await host.serve(str(paths[0]), "test", lambda core: core, lambda core: asyncio.sleep(0), keep_alive=0)
+        for _ in range(500):
+            if not host.residents:
+                break
+            await asyncio.sleep(0.01)
+        gone_at_once = not host.residents
+        await tokens(host, paths[1])
+        loaded = mx.get_active_memory()
+        clock.now += 299
+        await host.reap()
+        kept = list(host.residents)
+        clock.now += 2
+        await host.reap()
+        return gone_at_once, kept, before, loaded, mx.get_active_memory(), list(host.residents)
+
+    gone_at_once, kept, before, loaded, after, residents = asyncio.run(run())
+    assert gone_at_once and [p.split("/")[-1] for p in kept] == ["b"] and residents == []
+    assert loaded - before > 8 * 2**20 and after - before < 2**20  # what it held is given back
+
+
+def test_a_model_not_listed_is_a_404_and_loads_nothing(paths):
+    async def run():
+        host = host_of(paths[:1], 2**40)
+        with pytest.raises(ServingError) as refused:
+            await host.resident("another/model")
+        return refused.value, list(host.residents)
+
+    refused, residents = asyncio.run(run())
+    assert (refused.status, refused.code, refused.param) == (404, "model_not_found", "model") and residents == []
+    assert str(refused) == f"model 'another/model' does not exist here; this server serves {str(paths[0])!r}"
