@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -23,7 +23,7 @@ from fastapi.responses import Response
 
 from ..engine.outputs import RequestOutput, Usage
 from ..engine.sampling.sampler import TokenLogprob
-from ..errors import RequestFailed
+from ..errors import RequestFailed, RequestTooLong
 from .errors import ServingError
 from .tool_calls import Piece, ToolCall, ToolCallStream
 
@@ -42,6 +42,17 @@ class Framer(Protocol):
     def failed(self, error: ServingError) -> Iterable[str]: ...
 
     def closing(self) -> Iterable[str]: ...
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """How an API's stream reads before its request has started (while its model loads): the
+    stream's media type, the API's keepalive, and its error event for a request refused after the
+    status line has gone."""
+
+    media_type: str
+    keepalive: Callable[[], str]
+    failed: Callable[[ServingError], Iterable[str]]
 
 
 @dataclass
@@ -124,10 +135,13 @@ class Run:
 
 
 def failure(exc: Exception) -> ServingError:
-    """What a client is told of a request that failed once started: a refusal as it is, a failed
-    request (`RequestFailed`) as a 500 with its reason, anything else as a 500 naming it."""
+    """What a client is told of a request that failed once started: a refusal as it is, a prompt
+    too long for the context as a 400, a failed request (`RequestFailed`) as a 500 with its
+    reason, anything else as a 500 naming it."""
     if isinstance(exc, ServingError):
         return exc
+    if isinstance(exc, RequestTooLong):
+        return ServingError(400, str(exc), None, "context_length_exceeded")
     return ServingError(
         500, str(exc) if isinstance(exc, RequestFailed) else f"the server failed: {exc!r}", kind="server_error"
     )

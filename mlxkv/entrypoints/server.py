@@ -84,7 +84,7 @@ def build_app(
             fetch_image_urls,
         )
 
-    host.serve_with(make_core)
+    host.serve_with(make_core, keepalive_s)
     if not isinstance(served, ModelHost):
         host.adopt(host.catalogue.default, Loaded(served, sampling))
 

@@ -10,7 +10,7 @@ from fastapi import Request as HTTPRequest
 from ..core import ServingCore
 from ..hosting import ModelHost
 from .protocol import CountTokensBody, MessagesBody
-from .serving import AnthropicServing
+from .serving import WAITING, AnthropicServing
 from .signatures import ThinkingSignatures
 
 PATHS = ("/v1/messages",)  # where errors take Anthropic's shape
@@ -26,7 +26,8 @@ def router(host: ModelHost) -> APIRouter:
 
     @api.post("/v1/messages")
     async def messages(body: MessagesBody, request: HTTPRequest) -> Any:
-        return await host.serve(body.model, "anthropic", anthropic, lambda api: api.messages(body, request))
+        call = lambda api: api.messages(body, request)  # noqa: E731
+        return await host.serve(body.model, "anthropic", anthropic, call, waiting=WAITING if body.stream else None)
 
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensBody) -> Any:

@@ -25,6 +25,7 @@ from ...engine import outputs
 from ...engine.outputs import RequestOutput
 from ..core import ServingCore, Tools, pin_of
 from ..errors import ServingError
+from ..replies import Waiting
 from ..tool_calls import Piece, ToolCall
 from .protocol import (
     Content,
@@ -55,6 +56,9 @@ from .protocol import (
 from .signatures import ThinkingSignatures
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+
+
+WAITING = Waiting("text/event-stream", lambda: event(Ping()), lambda error: [event(error_body(error))])
 
 
 class AnthropicServing:

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -38,6 +38,7 @@ from ...engine.memory.memory_budget import gb
 from ...errors import MemoryBudgetError
 from ..core import ServingCore
 from ..errors import ServingError
+from ..replies import Waiting, failure
 from .catalogue import Catalogue, ListedModel
 from .checkpoints import facts_of
 
@@ -124,12 +125,13 @@ class ModelHost:
         self.fixed = fixed
         self.build = build
         self._make_core: MakeCore | None = None
+        self.keepalive_s = 2.0  # how often a stream waiting for its model sends the API's keepalive
         self.residents: OrderedDict[str, Resident] = OrderedDict()  # least recently used first
         self._leaving = 0  # bytes of residents being unloaded
         self._load_lock = asyncio.Lock()
 
-    def serve_with(self, make_core: MakeCore) -> None:
-        self._make_core = make_core
+    def serve_with(self, make_core: MakeCore, keepalive_s: float) -> None:
+        self._make_core, self.keepalive_s = make_core, keepalive_s
 
     def adopt(self, listed: ListedModel, loaded: Loaded) -> Resident:
         """Hold `loaded` (a model the caller loaded) as `listed`."""
@@ -179,11 +181,52 @@ class ModelHost:
         make: Callable[[ServingCore], Serving],
         call: Callable[[Serving], Awaitable[Any]],
         keep_alive: float | None = None,
+        waiting: Waiting | None = None,
     ) -> Any:
         """`call` the named model's serving object of `api` (made by `make`), holding a lease on
         the model until its response has been sent; then it stays loaded `keep_alive` seconds
-        idle (None: as its listing or the server says)."""
-        resident = await self.resident(name)
+        idle (None: as its listing or the server says). A stream (`waiting` says how it reads)
+        whose model must load first starts at once, with the API's keepalives while it loads."""
+        listed = self.listed(name)
+        if waiting is not None and listed.name not in self.residents:
+            body = self._after_load(listed.name, api, make, call, keep_alive, waiting)
+            return StreamingResponse(body, media_type=waiting.media_type)
+        return await self._call(await self.resident(name), api, make, call, keep_alive)
+
+    async def _after_load(
+        self,
+        name: str,
+        api: str,
+        make: Callable[[ServingCore], Serving],
+        call: Callable[[Serving], Awaitable[Any]],
+        keep_alive: float | None,
+        waiting: Waiting,
+    ) -> AsyncIterator[str]:
+        """A stream's body: `waiting`'s keepalive every `keepalive_s` while `name` loads, then the
+        body of the stream `call` answers with, or the API's error event if it cannot start."""
+        loading = asyncio.ensure_future(self.resident(name))  # loads on, should the client leave
+        while not loading.done():
+            await asyncio.wait({loading}, timeout=self.keepalive_s)
+            if not loading.done():
+                yield waiting.keepalive()
+        try:
+            response = await self._call(loading.result(), api, make, call, keep_alive)
+        except Exception as exc:
+            for part in waiting.failed(failure(exc)):
+                yield part
+            return
+        assert isinstance(response, StreamingResponse), "a streamed request is answered by a stream"
+        async for chunk in response.body_iterator:
+            yield chunk if isinstance(chunk, str) else bytes(chunk).decode()
+
+    async def _call(
+        self,
+        resident: Resident,
+        api: str,
+        make: Callable[[ServingCore], Serving],
+        call: Callable[[Serving], Awaitable[Any]],
+        keep_alive: float | None,
+    ) -> Any:
         resident.leases += 1
         try:
             response = await call(resident.serving(api, make))

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from ..hosting import ModelHost, facts_of
 from .protocol import ChatBody, GenerateBody, Running, ShowBody, Tags
-from .serving import FOREVER, OllamaServing, loaded, model_entry
+from .serving import FOREVER, OllamaServing, loaded, model_entry, waiting
 
 PATHS = ("/api/",)  # where errors take Ollama's shape
 Model = TypeVar("Model", bound=BaseModel)
@@ -38,7 +38,8 @@ def router(host: ModelHost) -> APIRouter:
             else:
                 await host.load(body.model, body.keep_alive)
             return loaded(body, key)
-        return await host.serve(body.model, "ollama", OllamaServing, call, body.keep_alive)
+        streaming = waiting(body.model, key) if body.stream else None
+        return await host.serve(body.model, "ollama", OllamaServing, call, body.keep_alive, streaming)
 
     @api.post("/api/chat")
     async def chat(request: HTTPRequest) -> Any:

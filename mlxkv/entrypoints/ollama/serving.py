@@ -26,7 +26,7 @@ from ...engine.outputs import RequestOutput
 from ...models.structure import model_args, text_model
 from ..core import ServingCore, Tools
 from ..errors import ServingError, UnsupportedContent
-from ..replies import Collected
+from ..replies import Collected, Waiting
 from ..tool_calls import Piece, ToolCall
 from .protocol import (
     OLLAMA_VERSION,
@@ -162,7 +162,7 @@ class _Lines:
         return thought + [self._chunk(piece).line() for piece in _grouped(pieces)]
 
     def failed(self, error: ServingError) -> Iterable[str]:
-        return [json.dumps({"error": str(error)}) + "\n"]
+        return stream_failed(error)
 
     def closing(self) -> Iterable[str]:
         return [self._done(self._chunk("")).line()]
@@ -221,6 +221,17 @@ def loaded(body: Body, key: str) -> Any:
     if body.stream:
         return StreamingResponse(iter([chunk.line()]), media_type="application/x-ndjson")
     return chunk.model_dump(exclude_none=True)
+
+
+def stream_failed(error: ServingError) -> list[str]:
+    """How an Ollama stream ends on an error: a line with the error."""
+    return [json.dumps({"error": str(error)}) + "\n"]
+
+
+def waiting(model: str, key: str) -> Waiting:
+    """How a stream of `model` (`key`: "message" for chat, "response" for generate) reads while
+    its model loads: an empty piece of reply as keepalive, Ollama's error line for a failure."""
+    return Waiting("application/x-ndjson", lambda: _Lines(model, key, 0).keepalive(), stream_failed)
 
 
 def _now() -> str:

@@ -23,6 +23,7 @@ from ...engine.outputs import RequestOutput
 from ...engine.sampling.sampler import TokenLogprob as TokenScore
 from ..core import ServingCore
 from ..errors import ServingError
+from ..replies import Waiting
 from ..tool_calls import Piece
 from .protocol import TokenLogprob, token_logprobs
 from .responses_protocol import (
@@ -88,6 +89,15 @@ class ResponseStore:
 
 def _not_kept(ident: str) -> ServingError:
     return ServingError(404, f"response {ident!r} is not kept here", None, "not_found", "not_found_error")
+
+
+def stream_failed(error: ServingError, sequence: int = 0) -> list[str]:
+    """How a Responses stream ends on an error: its `error` event, numbered `sequence`."""
+    event = Event(type="error", sequence_number=sequence, code=error.code or error.kind, message=str(error))
+    return [event.model_copy(update={"param": error.param}).sse()]
+
+
+WAITING = Waiting("text/event-stream", lambda: ": keepalive\n\n", stream_failed)  # a stream whose model loads first
 
 
 class ResponsesServing:
@@ -168,7 +178,8 @@ class _Reply:
         return thought + [event for piece in pieces for event in self.add(piece)]
 
     def failed(self, error: ServingError) -> Iterable[str]:
-        return [self._event("error", code=error.code or error.kind, message=str(error), param=error.param)]
+        self.sequence += 1
+        return stream_failed(error, self.sequence - 1)
 
     def closing(self) -> Iterable[str]:
         events = self.close_reasoning() + self.close_message()

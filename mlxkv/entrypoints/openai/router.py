@@ -12,9 +12,10 @@ from fastapi import Request as HTTPRequest
 from ..core import ServingCore
 from ..hosting import ModelHost
 from .protocol import ChatBody, CompletionBody, ModelCard, ModelList
+from .responses import WAITING as RESPONSES_WAITING
 from .responses import ResponsesServing, ResponseStore
 from .responses_protocol import ResponsesBody
-from .serving import OpenAIServing
+from .serving import WAITING, OpenAIServing
 
 
 def router(host: ModelHost) -> APIRouter:
@@ -33,16 +34,19 @@ def router(host: ModelHost) -> APIRouter:
 
     @api.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: HTTPRequest) -> Any:
-        return await host.serve(body.model, "openai", OpenAIServing, lambda api: api.chat(body, request), body.ttl)
+        call = lambda api: api.chat(body, request)  # noqa: E731
+        return await host.serve(body.model, "openai", OpenAIServing, call, body.ttl, WAITING if body.stream else None)
 
     @api.post("/v1/completions")
     async def completions(body: CompletionBody, request: HTTPRequest) -> Any:
         call = lambda api: api.completions(body, request)  # noqa: E731
-        return await host.serve(body.model, "openai", OpenAIServing, call, body.ttl)
+        return await host.serve(body.model, "openai", OpenAIServing, call, body.ttl, WAITING if body.stream else None)
 
     @api.post("/v1/responses")
     async def create_response(body: ResponsesBody, request: HTTPRequest) -> Any:
-        return await host.serve(body.model, "responses", responses, lambda api: api.create(body, request), body.ttl)
+        call = lambda api: api.create(body, request)  # noqa: E731
+        waiting = RESPONSES_WAITING if body.stream else None
+        return await host.serve(body.model, "responses", responses, call, body.ttl, waiting)
 
     @api.get("/v1/responses/{ident}")
     async def get_response(ident: str) -> dict[str, Any]:

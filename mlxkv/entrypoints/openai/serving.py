@@ -18,7 +18,7 @@ from ...engine.sampling import sampler
 from ...engine.sampling.params import MAX_LOGPROBS, SamplingParams
 from ..core import Choice, ServingCore, Tools, pin_of, seeded_choices
 from ..errors import ServingError, refused_as
-from ..replies import Run, text_of
+from ..replies import Run, Waiting, text_of
 from ..tool_calls import Piece, ToolCall
 from .protocol import (
     AssistantMessage,
@@ -46,6 +46,17 @@ from .protocol import (
 Kind = Literal["chat.completion", "text_completion"]
 CHAT: Kind = "chat.completion"
 COMPLETION: Kind = "text_completion"
+
+
+KEEPALIVE = ": keepalive\n\n"  # an SSE comment, which clients skip
+
+
+def stream_failed(error: ServingError) -> list[str]:
+    """How a chat or completions stream ends on an error: OpenAI's error object, then `[DONE]`."""
+    return [sse(error_body(error).model_dump()), sse("[DONE]")]
+
+
+WAITING = Waiting("text/event-stream", lambda: KEEPALIVE, stream_failed)  # a stream whose model loads first
 
 
 class OpenAIServing:
@@ -237,7 +248,7 @@ class _Chunks:
         return [self.reply.body([start], chunk=True).sse() for start in starts]
 
     def keepalive(self) -> str:
-        return ": keepalive\n\n"
+        return KEEPALIVE
 
     def output(self, index: int, output: RequestOutput, pieces: list[Piece]) -> Iterable[str]:
         self.usages[index] = output.usage
@@ -257,7 +268,7 @@ class _Chunks:
         return chunks
 
     def failed(self, error: ServingError) -> Iterable[str]:
-        return [sse(error_body(error).model_dump()), sse("[DONE]")]
+        return stream_failed(error)
 
     def closing(self) -> Iterable[str]:
         usage = [self.reply.body([], usage_of(self.usages, self.reply.per_prompt), chunk=True).sse()]

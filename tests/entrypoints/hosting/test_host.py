@@ -4,8 +4,11 @@ keep-alive runs on an injected clock, and an unloaded model's memory is given ba
 
 import asyncio
 import gc
+import json
+import threading
 from dataclasses import replace
 
+import httpx
 import mlx.core as mx
 import pytest
 from helpers import mlx_lm_greedy
@@ -37,13 +40,13 @@ def paths(tmp_path_factory):
     return [make_checkpoint(folder / name, seed=seed) for seed, name in enumerate(("a", "b", "c"))]
 
 
-def host_of(paths, budget, limit=None, keep_alive=300.0, clock=None, pages=32):
+def host_of(paths, budget, limit=None, keep_alive=300.0, clock=None, pages=32, loader=Loader, app=False):
     """A host of `paths` within `budget` bytes, each model within `limit` (None: the budget) and
-    with `pages` KV pages."""
+    with `pages` KV pages (and, with `app`, its app, whose streams send keepalives every 1 ms)."""
     config = replace(CONFIG, num_pages=pages, memory_limit=limit)
-    host = ModelHost(catalogue_of([str(p) for p in paths]), Loader(config), budget, keep_alive, clock or Clock())
-    build_app(host)  # each model's serving core, as the server makes it
-    return host
+    host = ModelHost(catalogue_of([str(p) for p in paths]), loader(config), budget, keep_alive, clock or Clock())
+    served = build_app(host, keepalive_s=0.001)  # each model's serving core, as the server makes it
+    return (host, served) if app else host
 
 
 async def tokens(host, path):
@@ -161,3 +164,42 @@ def test_a_model_not_listed_is_a_404_and_loads_nothing(paths):
     refused, residents = asyncio.run(run())
     assert (refused.status, refused.code, refused.param) == (404, "model_not_found", "model") and residents == []
     assert str(refused) == f"model 'another/model' does not exist here; this server serves {str(paths[0])!r}"
+
+
+def test_a_stream_whose_model_must_load_gets_keepalives_until_it_has_loaded_and_load_failures_as_error_events(
+    paths, tmp_path, monkeypatch
+):
+    """In process: the loader holds until the stream has sent a keepalive, so the stream opens with
+    one whatever the machine's speed; then comes the reply. A model that cannot load ends its
+    stream with the API's error event."""
+    from mlxkv.entrypoints.openai import router, serving
+
+    kept = threading.Event()
+    waiting = serving.WAITING
+    monkeypatch.setattr(router, "WAITING", replace(waiting, keepalive=lambda: kept.set() or waiting.keepalive()))
+
+    class Held(Loader):
+        def __call__(self, listed, room):
+            assert kept.wait(60)
+            return super().__call__(listed, room)
+
+    (tmp_path / "broken").mkdir()
+    host, app = host_of([paths[0], tmp_path / "broken"], 2**40, loader=Held, app=True)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "stream": True}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as api:
+            loaded = await api.post("/v1/chat/completions", json=chat | {"model": str(paths[0])})
+            broken = await api.post("/v1/chat/completions", json=chat | {"model": str(tmp_path / "broken")})
+            await host.unload(str(paths[0]))
+            return loaded, broken
+
+    loaded, broken = asyncio.run(run())
+    events = [e for e in loaded.text.split("\n\n") if e]
+    assert loaded.status_code == 200 and events[0] == ": keepalive" and events[-1] == "data: [DONE]"
+    assert any('"content"' in e for e in events if e.startswith("data: {"))
+    failed = [e for e in broken.text.split("\n\n") if e and e != ": keepalive"]
+    assert broken.status_code == 200 and failed[-1] == "data: [DONE]"
+    assert json.loads(failed[0].removeprefix("data: "))["error"]["message"].startswith(
+        f"model {str(tmp_path / 'broken')!r} could not be loaded: "
+    )
