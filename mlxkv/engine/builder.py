@@ -62,9 +62,10 @@ def build_engine(
     config: EngineConfig,
     kernels: PagedAttentionKernels | None,
     group: mx.distributed.Group | None,
+    apply_memory: bool = True,
 ) -> EngineParts:
     """The parts of an engine running `model` (see `LLMEngine`); `group`: a tensor-parallel group of
-    more than one process, or None."""
+    more than one process, or None; MLX's memory limits set to its budget if `apply_memory`."""
     vision = attached(model)
     if vision is not None and group is not None:
         logger.warning("images are not served across processes: this model runs on text only here")
@@ -88,7 +89,8 @@ def build_engine(
         sizing = agreed(sizing, group)
     cache = build_kv_cache(config, shape, sizing, disk_spec(config, model, vision, group))
     attention = attention_for(model, cache, config.attention, kernels)
-    memory.apply()
+    if apply_memory:
+        memory.apply()
     logger.info(
         "KV cache: %s; attention: %s; memory: %s",
         cache.usage(),

@@ -100,16 +100,18 @@ class LLMEngine:
         config: EngineConfig | None = None,
         kernels: PagedAttentionKernels | None = None,
         group: mx.distributed.Group | None = None,
+        shares_memory: bool = False,
     ) -> None:
         """`kernels` replaces MLX's Metal kernels, whatever `config.attention` says (the tests pass
         the kernels running in the CPU simulator). `group`: the tensor-parallel group `model` was
         sharded over (see `models.sharding`); on its rank 0 this engine schedules and sends each
-        step's plan, on the others `follow` runs the plans."""
+        step's plan, on the others `follow` runs the plans. `shares_memory`: other engines run in
+        this process, so MLX's memory limits are left to their host (see `MemoryBudget.apply`)."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.think_markers = ThinkMarkers.of(tokenizer)  # once: reading a 200k vocabulary takes 0.1 s
         self.group = group if group is not None and group.size() > 1 else None
-        parts = build_engine(model, tokenizer, self.config, kernels, self.group)
+        parts = build_engine(model, tokenizer, self.config, kernels, self.group, apply_memory=not shares_memory)
         self.cache, self.memory, self.runner, self.vision = parts.cache, parts.memory, parts.runner, parts.vision
         self.step_time, self.speculator, self.structured = parts.step_time, parts.speculator, parts.structured
         self.scheduler, self.rank_zero = parts.scheduler, parts.rank_zero

@@ -37,7 +37,7 @@ class Loader:
     def __call__(self, listed: ListedModel, room: int) -> Loaded:
         config = listed.config(self.server)
         config = replace(config, memory_limit=min(self.wants(listed), room))
-        engine = LLMEngine(*load(listed.path, self.group), config, group=self.group)
+        engine = LLMEngine(*load(listed.path, self.group), config, group=self.group, shares_memory=True)
         sampling = conversation_sampling(resolve_model_path(listed.path or DEMO_MODEL))
         if self.thinking_token_budget is not None:
             sampling["thinking_token_budget"] = self.thinking_token_budget

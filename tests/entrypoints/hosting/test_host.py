@@ -61,21 +61,28 @@ async def tokens(host, path):
     return await host.serve(str(path), "test", lambda core: core, generate)
 
 
-def planned(paths):
-    """The bytes one of these models' budget plans (the three have one shape and the same settings)."""
+def planned(paths, part="planned"):
+    """The bytes one of these models' budget plans (the three have one shape and the same
+    settings), or of them its buffer cache (`part` "cache")."""
 
     async def load():
         host = host_of(paths[:1], 2**40)
         resident = await host.resident(str(paths[0]))
         await host.unload(str(paths[0]))
-        return resident.planned
+        return getattr(resident, part)
 
     return asyncio.run(load())
 
 
-def test_requests_cycling_over_three_models_evict_the_least_recently_used_and_stay_within_the_budget(paths):
-    one = planned(paths)
+def test_requests_cycling_over_three_models_evict_the_least_recently_used_and_stay_within_the_budget(
+    paths, monkeypatch
+):
+    one, cache = planned(paths), planned(paths, "cache")
     expected = {str(p): mlx_lm_greedy(p, PROMPT, 6) for p in paths}
+    limits = []  # every memory limit MLX is given meanwhile: the host's, never one engine's own plan
+    monkeypatch.setattr(
+        mx, "set_memory_limit", lambda limit, original=mx.set_memory_limit: limits.append(limit) or original(limit)
+    )
 
     async def cycle():
         host = host_of(paths, 2 * one + one // 2, one)  # room for two
@@ -91,6 +98,7 @@ def test_requests_cycling_over_three_models_evict_the_least_recently_used_and_st
     seen = asyncio.run(cycle())
     assert seen == [["a"], ["a", "b"], ["b", "c"], ["c", "a"], ["a", "b"], ["a", "b"], ["b", "c"]]
     assert mx.get_peak_memory() <= 2 * one + one // 2
+    assert limits and all(limit >= 2 * one + one // 2 - 2 * cache for limit in limits)  # the budget less caches
 
 
 def test_a_model_a_request_holds_is_never_let_go_and_a_load_that_cannot_fit_is_a_503_naming_the_holders(paths):
