@@ -71,7 +71,6 @@ class Resident:
     cache: int
     leases: int = 0
     expires: float | None = None
-    loaded_at: float = field(default_factory=time.time)
     servings: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -308,12 +307,7 @@ class ModelHost:
         logger.info("loading %s within %s ...", listed.name, gb(self.budget - self.used))
         started = time.perf_counter()
         try:
-            try:
-                loaded = await _on_thread(self.build, listed, min(wants, self.budget - self.used))
-            except MemoryBudgetError as exc:
-                if not await self._unload_one():
-                    raise self._no_room(listed, str(exc)) from None
-                loaded = await self._load_again(listed)
+            loaded = await self._fit(listed, wants)
         except ServingError:
             raise
         except Exception as exc:
@@ -324,11 +318,12 @@ class ModelHost:
         logger.info("loaded %s in %.1f s: %s", listed.name, time.perf_counter() - started, gb(resident.planned))
         return resident
 
-    async def _load_again(self, listed: ListedModel) -> Loaded:
-        """Build `listed` again after each idle resident let go, until it fits or none is left."""
+    async def _fit(self, listed: ListedModel, wants: int) -> Loaded:
+        """Build `listed` within what it `wants` of what is free, letting one more idle resident
+        go after each try its budget cannot hold, until it fits or none is left (a 503)."""
         while True:
             try:
-                return await _on_thread(self.build, listed, min(self.build.wants(listed), self.budget - self.used))
+                return await _on_thread(self.build, listed, min(wants, self.budget - self.used))
             except MemoryBudgetError as exc:
                 if not await self._unload_one():
                     raise self._no_room(listed, str(exc)) from None
