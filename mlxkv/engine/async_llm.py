@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import threading
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
+from functools import partial
 
 import mlx.core as mx
 
@@ -63,13 +64,35 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield every `RequestOutput` of one request (text, tokens, log-probabilities, usage),
         the last one with `finished` set (`continuation`: see `LLMEngine.add_request`)."""
+        added = partial(
+            self.engine.add_request, prompt, params, cache_salt=cache_salt, pin=pin, continuation=continuation
+        )
+        async with aclosing(self._run(request_id, added)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def embed(
+        self, prompt: str | Sequence[int], request_id: str | int | None = None, cache_salt: str | None = None
+    ) -> RequestOutput:
+        """The last output of an embedding request (see `LLMEngine.add_embedding`): its vector
+        (`embedding`) and usage."""
+        added = partial(self.engine.add_embedding, prompt, cache_salt=cache_salt)
+        async with aclosing(self._run(request_id, added)) as outputs:
+            async for output in outputs:
+                last = output
+        return last
+
+    async def _run(
+        self, request_id: str | int | None, add: Callable[..., object]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the outputs of the request `add(request_id=...)` queues in the engine; leaving early aborts it."""
         request_id = self.engine.new_request_id() if request_id is None else request_key(request_id)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         try:
-            self.engine.add_request(prompt, params, request_id, cache_salt, pin, continuation)
+            add(request_id=request_id)
         except Exception:
             del self._queues[request_id]
             raise

@@ -118,3 +118,19 @@ def new_request(
     request.stream = TextStream(detokenizer, params.stop)
     request.constraint = structured.constraint(params)
     return request
+
+
+def embedding_request(
+    request_id: str, prompt_ids: list[int], cache_salt: str | None, most_tokens: int, tokenizer: TokenizerWrapper
+) -> Request:
+    """An embedding request of `prompt_ids` (see `LLMEngine.add_embedding`); refused
+    (`RequestTooLong`) if its prompt has more than `most_tokens`, ValueError if it has none."""
+    if not prompt_ids:
+        raise ValueError("input is empty")
+    if len(prompt_ids) > most_tokens:
+        raise RequestTooLong(
+            f"input of {counted(len(prompt_ids), 'token')}; one embedding input can have at most {most_tokens}"
+        )
+    request = Request(request_id, prompt_ids, SamplingParams(max_tokens=1), check_salt(cache_salt), embeds=True)
+    request.stream = TextStream(tokenizer.detokenizer, ())
+    return request

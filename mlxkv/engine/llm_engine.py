@@ -21,10 +21,11 @@ from ..cache.prefix_cache import PrefixCacheStats
 from ..config import EngineConfig
 from ..deprecation import warn
 from ..errors import TensorParallelError, UnknownSequenceError, counted
+from ..models.pooling import Pooling
 from ..models.structure import vocab_size
 from .builder import build_engine
 from .images import ImagePrompt, PlacedPrompt, PromptImages, place_images, step_media
-from .inputs import encode_prompt, new_request, request_key
+from .inputs import embedding_request, encode_prompt, new_request, request_key
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .parallel.follower import follow
@@ -54,6 +55,8 @@ class InFlight:
     drafts: list[list[int]]  # each row's draft tokens: it draws `1 + len(draft)` tokens, one row of `tokens` each
     tokens: mx.array  # the draws (lazy until read)
     scored: tuple[mx.array, ...]  # the log-probabilities asked for: chosen, top ids, top values (or none)
+    embedding: list[Request]  # the embedding requests whose prompts it ends
+    vectors: mx.array | None  # their vectors, a row each (lazy until read); None without any
     launched: float  # seconds from the step's start (drafting included) until its evaluation was started
 
 
@@ -101,12 +104,21 @@ class LLMEngine:
         kernels: PagedAttentionKernels | None = None,
         group: mx.distributed.Group | None = None,
         shares_memory: bool = False,
+        pooling: Pooling | None = None,
     ) -> None:
         """`kernels` replaces MLX's Metal kernels, whatever `config.attention` says (the tests pass
         the kernels running in the CPU simulator). `group`: the tensor-parallel group `model` was
         sharded over (see `models.sharding`); on its rank 0 this engine schedules and sends each
         step's plan, on the others `follow` runs the plans. `shares_memory`: other engines run in
-        this process, so MLX's memory limits are left to their host (see `MemoryBudget.apply`)."""
+        this process, so MLX's memory limits are left to their host (see `MemoryBudget.apply`).
+        `pooling`: the model is an embedding model that pools so (`models.pooling.pooling_of` reads
+        a checkpoint's); its embedding requests run beside the others (`add_embedding`)."""
+        if pooling is not None and pooling.mode != "last":
+            raise ValueError(
+                f"pooling: a decoder embedding model runs in the engine with last-token pooling "
+                f"(Qwen3-Embedding's), not {pooling.mode!r}"
+            )
+        self.pooling = pooling
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.think_markers = ThinkMarkers.of(tokenizer)  # once: reading a 200k vocabulary takes 0.1 s
@@ -232,6 +244,26 @@ class LLMEngine:
             self._check_images(request.images)
         if not continuation and self.think_markers is not None:
             request.reasoning = reasoning_for(self.think_markers, request, self.tokenizer.detokenizer)
+        return self._queue(request)
+
+    def add_embedding(
+        self, prompt: str | Sequence[int], request_id: str | int | None = None, cache_salt: str | None = None
+    ) -> Request:
+        """Queue an embedding request: its prompt (text, tokenized as sentence-transformers does, with
+        the tokenizer's special tokens; or ids) is computed in chunks beside other requests, and its
+        last output carries the vector `pooling` makes of its last token's final hidden state.
+        ValueError for a model without pooling, `RequestTooLong` for a prompt the cache cannot hold."""
+        if self.lost is not None:
+            raise self.lost
+        if self.pooling is None:
+            raise ValueError("input: this model is not an embedding model (its checkpoint declares no pooling)")
+        request_id = self.new_request_id() if request_id is None else request_key(request_id)
+        ids = self.tokenizer.encode(prompt, verbose=False) if isinstance(prompt, str) else self.encode(prompt)
+        request = embedding_request(request_id, ids, cache_salt, self.max_request_tokens, self.tokenizer)
+        return self._queue(request)
+
+    def _queue(self, request: Request) -> Request:
+        """Hand `request` to the scheduler, under an id no live request has."""
         with self._lock:
             if request.request_id in self.requests:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -310,6 +342,7 @@ class LLMEngine:
         started at `started`, drafting included); returns the outputs of the requests that failed
         to (none when it started), and `previous`' outputs when it had to be read first (else None)."""
         sampling = [r for r, s in zip(batch.requests, batch.samples) if s]
+        embedding = [r for r, p in zip(batch.requests, batch.pools) if p]
         drafts = [d for d, s in zip(batch.drafts, batch.samples) if s]
         indices = [len(r.output_ids) for r in sampling]  # the output number each row samples first
         read: list[RequestOutput] | None = None
@@ -319,6 +352,7 @@ class LLMEngine:
             plan = StepPlan.of(batch, previous.sampling if previous else [], samples, media)
             hidden = self.rank_zero.forward(self.runner, plan, previous.tokens if previous else None)
             logits = self.runner.logits(batch, hidden)  # None when no row samples
+            vectors = self._vectors(batch, hidden)
             if batch.snapshots:
                 self.cache.capture(batch.snapshots)
             resolved = self._read_for_masks(logits, batch, sampling, previous)
@@ -332,7 +366,8 @@ class LLMEngine:
             if logits is not None:
                 tokens = self.rank_zero.share(tokens)
             waiting = time.perf_counter()
-            self.cache.evaluate(tokens, *scored, wait=False)  # on a CPU build this runs most of the graph
+            pooled = () if vectors is None else (vectors,)
+            self.cache.evaluate(tokens, *scored, *pooled, wait=False)  # on a CPU build this runs most of the graph
             self.last_step_wait += time.perf_counter() - waiting
         except SamplingFailed as exc:
             self.rank_zero.settle()
@@ -351,8 +386,16 @@ class LLMEngine:
                 if request.status is not Status.FINISHED:  # not aborted since it was scheduled
                     request.append_output(PENDING)
             launched = time.perf_counter() - started
-            self._inflight = InFlight(batch, sampling, indices, drafts, tokens, scored, launched)
+            self._inflight = InFlight(batch, sampling, indices, drafts, tokens, scored, embedding, vectors, launched)
         return [], read
+
+    def _vectors(self, batch: ScheduledBatch, hidden: mx.array) -> mx.array | None:
+        """The vectors of the embedding requests whose prompts `batch` ends (lazy); None without any."""
+        rows = self.runner.pooled_rows(batch, hidden)
+        if rows is None:
+            return None
+        assert self.pooling is not None
+        return self.pooling.finish(rows)
 
     def _read_for_masks(
         self, logits: mx.array | None, batch: ScheduledBatch, sampling: list[Request], previous: InFlight | None
@@ -372,11 +415,13 @@ class LLMEngine:
         are undone too."""
         try:
             started = time.perf_counter()
-            mx.eval(step.tokens, *step.scored)
+            pooled = () if step.vectors is None else (step.vectors,)
+            mx.eval(step.tokens, *step.scored, *pooled)
             waited = time.perf_counter() - started
             self.last_step_wait += waited
             sampled = cast("list[int]", step.tokens.tolist())
             scored = [cast("list[list[Any]]", a.tolist()) for a in step.scored]
+            vectors = cast("list[list[float]]", step.vectors.tolist()) if step.vectors is not None else []
         except Exception as exc:
             if isinstance(self.rank_zero, RankZero):  # the other ranks ran this step: it cannot be undone alone
                 raise self.rank_zero.failed(exc) from exc
@@ -391,7 +436,8 @@ class LLMEngine:
             self.step_time.record(kv.num_tokens, attended, step.launched + waited)  # why: see `StepTime`
             self.recovery.out_of_memory = 0
             rows = list(zip(step.sampling, step.indices, step.drafts))
-            return Resolved(self.outputs.accept_step(rows, sampled, scored, now), True)
+            outputs = self.outputs.accept_step(rows, sampled, scored, now)
+            return Resolved(outputs + self.outputs.accept_vectors(step.embedding, vectors, now), True)
 
     def _undo(
         self, batch: list[Request], culprits: list[Request] | None, error: Exception | None

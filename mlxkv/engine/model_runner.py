@@ -98,6 +98,13 @@ class ModelRunner:
         rows = [np.arange(end - len(draft) - 1, end) for end, draft, s in zip(ends, step.drafts, step.samples) if s]
         return self.head(hidden[mx.array(np.concatenate(rows).astype(np.int32))]) if rows else None
 
+    def pooled_rows(self, step: ScheduledBatch, hidden: mx.array) -> mx.array | None:
+        """The last hidden state of each row that ends an embedding request's prompt (`[rows,
+        hidden]`, lazy); None if no row does."""
+        ends = np.cumsum(step.counts) - 1
+        rows = [end for end, pools in zip(ends, step.pools) if pools]
+        return hidden[mx.array(np.asarray(rows, np.int32))] if rows else None
+
     def hidden(
         self,
         token_ids: np.ndarray | mx.array,

@@ -56,6 +56,16 @@ class OutputProcessor:
                 outputs.append(self._verify(request, index, draft, sampled[row], scores[row], now))
         return outputs
 
+    def accept_vectors(self, requests: list[Request], vectors: list[list[float]], now: float) -> list[RequestOutput]:
+        """The last outputs of embedding requests whose vectors a step made, read at time `now`
+        (those finished meanwhile, aborted, are skipped)."""
+        outputs = []
+        for request, vector in zip(requests, vectors):
+            if request.status is not Status.FINISHED:
+                request.first_token_time, request.embedding = now, vector
+                outputs.append(self.finish(request, "stop"))
+        return outputs
+
     def _verify(
         self, request: Request, index: int, draft: list[int], sampled: list[int], scores: list[Any], now: float
     ) -> RequestOutput:
@@ -135,7 +145,7 @@ class OutputProcessor:
             if not request.reasoning.stream.finished:
                 request.reasoning.stream.finish()
         request.stream.finish()
-        if self.recent is not None and request.error is None:
+        if self.recent is not None and request.error is None and not request.embeds:
             self.recent.remember(request, whole=not request.stream.stopped)  # a stop string cuts the text
         request.finish_time = time.perf_counter()
         self.scheduler.finish(request, reason)
@@ -167,6 +177,7 @@ def output_of(
         usage,
         request.stream.stop_string,
         reasoning.stream.take_delta() if reasoning is not None else "",
+        request.embedding,
     )
 
 

@@ -22,8 +22,8 @@ class Usage:
 @dataclass(slots=True)
 class RequestOutput:
     """What one step did for one request: new text (a thinking model's answer, its reasoning apart)
-    and tokens (with their log-probabilities when asked for), whether it is done, and its token
-    counts."""
+    and tokens (with their log-probabilities when asked for), or an embedding request's vector,
+    whether it is done, and its token counts."""
 
     # why: plain slotted records, not frozen ones, as the engine makes one per running request per step
     request_id: str
@@ -36,3 +36,4 @@ class RequestOutput:
     usage: Usage | None = None
     stop_string: str | None = None  # the stop string that ended the text, when one did
     reasoning: str = ""  # new reasoning text of a thinking model (`delta` is its answer's)
+    embedding: list[float] | None = None  # an embedding request's vector, in its last output

@@ -36,7 +36,8 @@ class Request:
     rest (the prompt's remainder, or the token sampled last) is what the next step computes.
     `num_cached_tokens` is how many prompt tokens its first admission found in the prefix
     cache (None until admitted); requests share cached pages only when their
-    `cache_salt`s are equal.
+    `cache_salt`s are equal. An embedding request (`embeds`) computes its prompt and ends with
+    the vector its model's pooling makes of it (see `LLMEngine.add_embedding`).
     """
 
     request_id: str
@@ -44,6 +45,7 @@ class Request:
     params: SamplingParams
     cache_salt: str | None = None
     pin: Pin | None = None  # keep the prompt's first tokens cached for a while, once computed
+    embeds: bool = False  # an embedding request: its prompt's last hidden state is pooled, nothing sampled
     images: PromptImages | None = None  # where its images sit in its prompt (see `images`)
     output_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)  # prompt then outputs, for slicing and hashing
@@ -66,6 +68,7 @@ class Request:
     speculation: Speculation = field(default_factory=Speculation, init=False)
     held_steps: int = field(default=0, init=False)  # steps its first token waited for other prompts
     page_keys: list[bytes] | None = field(default=None, init=False)  # its chain while it waits (Scheduler._restoring)
+    embedding: list[float] | None = field(default=None, init=False)  # an embedding request's vector, once made
 
     def __post_init__(self) -> None:
         self.sampler = TokenSampler(self.params)
@@ -99,7 +102,10 @@ class Request:
 
     @property
     def done_sampling(self) -> bool:
-        """All `max_tokens` outputs are sampled (some maybe not read yet): nothing more to run."""
+        """All `max_tokens` outputs are sampled (some maybe not read yet), or an embedding request's
+        prompt is computed: nothing more to run."""
+        if self.embeds:
+            return self.num_computed >= len(self.prompt_ids)
         return len(self.output_ids) >= self.params.max_tokens
 
     def pending(self, count: int) -> list[int]:
@@ -134,4 +140,4 @@ class Request:
     @property
     def max_length(self) -> int:
         """Most tokens this request will ever have: its prompt and all `max_tokens` of output."""
-        return len(self.prompt_ids) + self.params.max_tokens
+        return len(self.prompt_ids) + (0 if self.embeds else self.params.max_tokens)

@@ -21,6 +21,7 @@ HOLD_STEPS = 8  # steps a prompt's first token may wait for the prompts beside i
 class ScheduledBatch:
     """One engine step: `counts[i]` tokens of `requests[i]`, K/V slots already reserved.
     `samples[i]`: row i reaches the end of its tokens this step and so needs a next token.
+    `pools[i]`: row i ends an embedding request's prompt, whose last hidden state is pooled.
     `own_kv[i]`: how many of row i's first tokens attend their own K/V unquantized (see
     `Scheduler.own_kv_span`). `snapshots`: the sequences of a hybrid model whose row ends at their
     snapshot point, whose recurrent state the step keeps for the prefix cache. `drafts[i]`: the
@@ -30,6 +31,7 @@ class ScheduledBatch:
     counts: list[int]
     kv: KVBatch
     samples: list[bool]
+    pools: list[bool]
     own_kv: list[int]
     snapshots: list[int]
     drafts: list[list[int]]
@@ -151,13 +153,14 @@ class Scheduler:
             request.draft = []
         if not selection.counts:
             return None
-        samples = [n == r.num_remaining + len(d) for r, n, d in zip(requests, counts, drafts)]
+        ends = [n == r.num_remaining + len(d) for r, n, d in zip(requests, counts, drafts)]
         snapshots = [r.seq_id for r, n in zip(requests, counts) if 0 < self._snapshot_point(r) == r.num_computed + n]
         return ScheduledBatch(
             requests,
             counts,
             self.cache.append([r.seq_id for r in requests], counts),
-            samples,
+            [end and not r.embeds for r, end in zip(requests, ends)],
+            [end and r.embeds for r, end in zip(requests, ends)],
             self._own_kv_spans(requests),
             snapshots,
             drafts,

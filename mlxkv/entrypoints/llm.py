@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,7 +22,8 @@ from ..engine.request import Request
 from ..engine.sampling.params import SamplingParams
 from ..engine.stats import EngineStats
 from ..errors import RequestFailed, counted
-from ..models.loading import load
+from ..models.loading import DEMO_MODEL, load, resolve_model_path
+from ..models.pooling import pooling_of
 from ..models.sharding import world
 from ..settings import keywords_of
 
@@ -125,7 +127,8 @@ class LLM:
         if not isinstance(model, tuple):
             group = group or world()
         self.model, self.tokenizer = model if isinstance(model, tuple) else load(model, group)
-        self.engine = LLMEngine(self.model, self.tokenizer, config, group=group)
+        pooling = None if isinstance(model, tuple) else pooling_of(resolve_model_path(model or DEMO_MODEL))
+        self.engine = LLMEngine(self.model, self.tokenizer, config, group=group, pooling=pooling)
         if self.engine.rank != 0:
             self.engine.follow()
             raise SystemExit(0)
@@ -152,7 +155,29 @@ class LLM:
             each = [params or SamplingParams()] * len(batch)
         if len(each) != len(batch):
             raise ValueError(f"got {counted(len(batch), 'prompt')} but {len(each)} SamplingParams")
-        requests = self._submit(batch, each, cache_salt, continuation)
+        added = [
+            partial(self.engine.add_request, p, sp, cache_salt=cache_salt, continuation=continuation)
+            for p, sp in zip(batch, each)
+        ]
+        return [_completion(r) for r in self._run(added)]
+
+    def embed(
+        self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], cache_salt: str | None = None
+    ) -> list[list[float]]:
+        """The vector of each prompt (text, or token ids), batched, in prompt order: for an embedding
+        model, whose checkpoint says how it pools (see `LLMEngine.add_embedding`).
+
+        Raises `RequestFailed` if a prompt's request fails (the others are aborted)."""
+        batch = _prompts(prompts)
+        texts = [p for p in batch if not isinstance(p, ImagePrompt)]
+        if len(texts) != len(batch):
+            raise TypeError("prompts: embed takes text or token ids, not images")
+        added = [partial(self.engine.add_embedding, p, cache_salt=cache_salt) for p in texts]
+        return [cast("list[float]", r.embedding) for r in self._run(added)]
+
+    def _run(self, added: Sequence[Callable[[], Request]]) -> list[Request]:
+        """Queue a request by each of `added` and step until all are finished."""
+        requests = self._submit(added)
         try:
             while any(r.finish_reason is None for r in requests):
                 self._step()
@@ -162,7 +187,7 @@ class LLM:
         for request in requests:
             if request.error is not None:
                 raise RequestFailed(request.request_id, request.error) from request.error
-        return [_completion(r) for r in requests]
+        return requests
 
     def stats(self) -> EngineStats:
         """The engine's requests, KV cache and prefix cache, as a snapshot."""
@@ -184,7 +209,14 @@ class LLM:
     ) -> Stream:
         """Iterate over the returned `Stream` for the text as it is produced (`continuation`: see
         `generate`)."""
-        (request,) = self._submit([prompt], [params or SamplingParams()], cache_salt, continuation)
+        add = partial(
+            self.engine.add_request,
+            prompt,
+            params or SamplingParams(),
+            cache_salt=cache_salt,
+            continuation=continuation,
+        )
+        (request,) = self._submit([add])
         return Stream(self, request)
 
     def _step(self) -> None:
@@ -195,14 +227,12 @@ class LLM:
                 new = ((output.reasoning, True), (output.delta, False))  # a step's reasoning comes first
                 deltas.extend((text, reasoning) for text, reasoning in new if text)
 
-    def _submit(
-        self, prompts: Sequence[Prompt], params: Sequence[SamplingParams], cache_salt: str | None, continuation: bool
-    ) -> list[Request]:
-        """Queue every prompt, or none: a bad one aborts those already queued."""
+    def _submit(self, added: Sequence[Callable[[], Request]]) -> list[Request]:
+        """Queue a request by each of `added`, or none: a bad one aborts those already queued."""
         requests: list[Request] = []
         try:
-            for prompt, p in zip(prompts, params):
-                requests.append(self.engine.add_request(prompt, p, cache_salt=cache_salt, continuation=continuation))
+            for add in added:
+                requests.append(add())
                 self._deltas[requests[-1].request_id] = deque()
         except Exception:
             for request in requests:

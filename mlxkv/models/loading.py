@@ -19,6 +19,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from ..errors import ModelLoadError
 from .adapters import FAMILIES, adapter_for
+from .pooling import pooling_of
 from .sharding import shard
 from .structure import (
     attention_module,
@@ -137,6 +138,31 @@ def rope_overrides(config: dict[str, Any]) -> dict[str, Any]:
     return lifted
 
 
+def head_overrides(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """An embedding checkpoint whose weights hold no `lm_head` (Qwen3-Embedding's 4B and 8B) loads
+    with tied embeddings: its head is never used. Weights named without the decoder's `model.`
+    prefix (transformers' base model, as the original repos have them) are refused, naming a fix."""
+    if pooling_of(path) is None:
+        return {}
+    names = weight_names(path)
+    if names and not any(name.startswith("model.") for name in names):
+        raise ModelLoadError(
+            f"the weights in {str(path)!r} are named as transformers' base model (no 'model.' prefix); "
+            "convert the checkpoint first (python -m mlx_embeddings.convert, or an mlx-community conversion)"
+        )
+    return {} if "lm_head.weight" in names or config.get("tie_word_embeddings") else {"tie_word_embeddings": True}
+
+
+def weight_names(path: Path) -> set[str]:
+    """The names of the tensors in a checkpoint's safetensors files, read from their headers."""
+    names: set[str] = set()
+    for file in path.glob("model*.safetensors"):
+        with file.open("rb") as stream:
+            size = int.from_bytes(stream.read(8), "little")
+            names.update(name for name in json.loads(stream.read(size)) if name != "__metadata__")
+    return names
+
+
 def load(
     path_or_repo: str | Path | None = None, group: mx.distributed.Group | None = None
 ) -> tuple[nn.Module, TokenizerWrapper]:
@@ -149,8 +175,9 @@ def load(
     path = resolve_model_path(DEMO_MODEL if path_or_repo is None else path_or_repo)
     config = check_config(path)
     sharded = group is not None and group.size() > 1
+    overrides = rope_overrides(config) | head_overrides(path, config)
     try:
-        model, tokenizer = mlx_lm_load(str(path), model_config=rope_overrides(config), lazy=sharded)[:2]
+        model, tokenizer = mlx_lm_load(str(path), model_config=overrides, lazy=sharded)[:2]
     except Exception as exc:
         raise ModelLoadError(f"could not load the checkpoint in {str(path)!r}: {exc}") from None
     text = text_model(model)

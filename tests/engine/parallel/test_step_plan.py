@@ -62,7 +62,7 @@ def test_a_row_whose_request_was_aborted_after_scheduling_keeps_its_length():
     decoding.num_computed = 2
     decoding.append_output(PENDING)
     kv = KVBatch((0, 1), np.array([1, 3], np.int32), np.array([3, 3], np.int32), np.zeros((2, 1), np.int32), 16)
-    batch = ScheduledBatch([decoding, prompt], [1, 3], kv, [True, True], [0, 0], [], [[], []])
+    batch = ScheduledBatch([decoding, prompt], [1, 3], kv, [True, True], [False, False], [0, 0], [], [[], []])
     decoding.drop_pending()  # the abort
     plan = StepPlan.of(batch, [decoding], 2)
     assert plan.token_ids.tolist() == [0, 3, 4, 5] and plan.pending.tolist() == []
