@@ -8,7 +8,8 @@ the step loop, put together by `builder`: the `output_processor` accepts each st
 its requests, reported as `outputs` and `stats`, and a failed step is undone by `recovery`;
 `recent_outputs` keeps the ids of the text it produced lately, so that a prompt quoting it (a
 chat's next turn) is encoded as it was generated; `async_llm` runs the loop on a thread of its own
-for asyncio code. What the engine may spend is `memory/`'s; `speculative/` proposes draft tokens;
+for asyncio code, and `async_encoder` an encoder embedding model (which needs no KV cache)
+likewise. What the engine may spend is `memory/`'s; `speculative/` proposes draft tokens;
 `parallel/` runs the steps across the processes of a tensor-parallel group.
 """
 

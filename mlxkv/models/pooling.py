@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+import numpy as np
 
 POOLING_MODULE = "sentence_transformers.models.Pooling"
 NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
@@ -29,11 +30,28 @@ EPS = 1e-12  # below this norm a vector is left as it is (all zeros), as torch's
 @dataclass(frozen=True)
 class Pooling:
     """A checkpoint's pooling: its `mode` (one of `MODES`' values), whether the vector is then
-    L2-normalised, and its size (`dimensions`, the Pooling module's word embedding dimension)."""
+    L2-normalised, and its size (`dimensions`, the Pooling module's word embedding dimension).
+    `sizes`: what a vector may be cut to (Matryoshka), as vLLM reads a checkpoint's `config.json`:
+    its `matryoshka_dimensions`, else any size if `is_matryoshka`; none if it says neither."""
 
     mode: str
     normalize: bool
     dimensions: int | None = None
+    sizes: tuple[int, ...] | range = ()
+
+    def cut(self, vectors: list[list[float]], size: int) -> list[list[float]]:
+        """`vectors` cut to their first `size` numbers, normalised again if the checkpoint normalises;
+        ValueError naming `dimensions` for a size the checkpoint does not allow."""
+        full = len(vectors[0]) if vectors else self.dimensions
+        if size == full:
+            return vectors
+        if size not in self.sizes:
+            allowed = "" if not self.sizes else f"; it may be cut to {_sizes(self.sizes)}"
+            raise ValueError(f"dimensions: this model makes vectors of {full} numbers{allowed}, not {size}")
+        cut = np.asarray(vectors, np.float32)[:, :size]
+        if self.normalize:
+            cut /= np.maximum(np.linalg.norm(cut, axis=-1, keepdims=True), EPS)
+        return cast("list[list[float]]", cut.tolist())
 
     def __call__(self, hidden: mx.array, lengths: mx.array) -> mx.array:
         """One vector per row of `hidden` (`[rows, tokens, dim]`, each row's first `lengths[row]`
@@ -51,6 +69,11 @@ class Pooling:
             total = (hidden * mask).sum(axis=1)
             count = lengths[:, None].astype(mx.float32)
             pooled = total / (mx.sqrt(count) if self.mode == "mean_sqrt_len" else count)
+        return self.finish(pooled)
+
+    def finish(self, pooled: mx.array) -> mx.array:
+        """Pooled vectors (`[rows, dim]`) as the checkpoint hands them out: float32, L2-normalised if it says."""
+        pooled = pooled.astype(mx.float32)
         return normalized(pooled) if self.normalize else pooled
 
 
@@ -82,7 +105,23 @@ def pooling_of(folder: Path) -> Pooling | None:
         chosen = ", ".join(unsupported + [flag for flag in MODES if config.get(flag)]) or "none"
         raise ValueError(f"{str(path)!r} asks for pooling {chosen}; mlxkv computes exactly one of {', '.join(MODES)}")
     size = config.get("word_embedding_dimension")
-    return Pooling(modes[0], NORMALIZE_MODULE in types, size if isinstance(size, int) else None)
+    size = size if isinstance(size, int) else None
+    return Pooling(modes[0], NORMALIZE_MODULE in types, size, _matryoshka(folder, size))
+
+
+def _matryoshka(folder: Path, size: int | None) -> tuple[int, ...] | range:
+    """The sizes the checkpoint's `config.json` lets a vector be cut to (see `Pooling.sizes`)."""
+    config = _json(folder / "config.json")
+    if not isinstance(config, dict):
+        return ()
+    listed = config.get("matryoshka_dimensions")
+    if isinstance(listed, list) and all(isinstance(n, int) and n > 0 for n in listed):
+        return tuple(listed)
+    return range(1, size + 1) if config.get("is_matryoshka") is True and size is not None else ()
+
+
+def _sizes(sizes: tuple[int, ...] | range) -> str:
+    return f"1 to {sizes.stop - 1}" if isinstance(sizes, range) else ", ".join(map(str, sizes))
 
 
 def _json(path: Path) -> Any:

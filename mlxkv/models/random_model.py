@@ -9,7 +9,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 # The tokenizers' training text: changing it changes every test checkpoint's tokens.
 TEXT = (
@@ -98,10 +98,12 @@ def write_tokenizer(
     markers: tuple[str, ...] = MARKERS,
     config: dict[str, Any] | None = None,
     special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    around: tuple[str, str] | None = None,
 ) -> None:
     """A byte-level BPE tokenizer of at most `vocab_size` tokens (EOS `<eos>`): `special_tokens`
     (ids 0, 1, …), the learned ones, then `markers` as added tokens that are not special;
-    `chat_template` and `config` (more tokenizer_config.json fields, such as `tool_parser_type`) if given."""
+    `chat_template` and `config` (more tokenizer_config.json fields, such as `tool_parser_type`) if given;
+    `around`: two of the special tokens it puts around every text (BERT's `[CLS]` and `[SEP]`)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -113,6 +115,10 @@ def write_tokenizer(
     )
     tokenizer.train_from_iterator([TEXT], trainer)
     tokenizer.add_tokens([AddedToken(marker, special=False, normalized=False) for marker in markers])
+    if around is not None:
+        first, last = around
+        ids = [(token, special_tokens.index(token)) for token in around]
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{first} $A {last}", special_tokens=ids)
     tokenizer.save(str(path / "tokenizer.json"))
     settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "bos_token": None}
     if chat_template is not None:
@@ -181,3 +187,77 @@ def make_checkpoint(
     save_config(config, path / "config.json")
     write_tokenizer(path, min(config["vocab_size"], 1000), chat_template, markers, tokenizer_config)
     return path
+
+
+def write_pooling(path: Path, flag: str = "pooling_mode_lasttoken", normalize: bool = True) -> Path:
+    """Give the checkpoint at `path` sentence-transformers' files for a Pooling module that pools by
+    `flag` (one of `pooling.MODES`' keys), L2-normalised if `normalize`: what embedding checkpoints carry."""
+    config = json.loads((path / "config.json").read_text())
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": config["hidden_size"], flag: True}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    return path
+
+
+def make_embedder(path: Path, seed: int = 0, shape: dict[str, Any] | None = None) -> Path:
+    """A random decoder embedding model at `path`, as Qwen3-Embedding is made: a Qwen3 decoder whose
+    normalised last-token hidden state is the vector, which may be cut to any size (`is_matryoshka`)."""
+    make_checkpoint(path, "qwen3", seed=seed, shape=shape)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"is_matryoshka": True}, indent=2))
+    return write_pooling(path)
+
+
+ENCODER_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def make_encoder(
+    path: Path,
+    model_type: str = "bert",
+    flag: str = "pooling_mode_mean_tokens",
+    normalize: bool = True,
+    seed: int = 0,
+    shape: dict[str, Any] | None = None,
+) -> Path:
+    """A random encoder embedding model (`model_type` one of mlx-embeddings' BERT-style families) at
+    `path`, with BERT's special tokens and sentence-transformers files pooling by `flag`; `shape`
+    changes its sizes (`TINY`'s keys)."""
+    from mlx_embeddings.utils import _get_classes as encoder_classes  # the embeddings extra
+
+    config: dict[str, Any] = dict(
+        model_type=model_type,
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=514,
+        type_vocab_size=1 if model_type == "xlm-roberta" else 2,
+        layer_norm_eps=1e-12,
+        pad_token_id=0,
+    )
+    config.update({key: value for key, value in (shape or {}).items() if key != "num_key_value_heads"})
+    model_class, args_class, _, _ = encoder_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    path.mkdir(parents=True, exist_ok=True)
+    weights = dict(cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters())))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tokens = dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    write_tokenizer(
+        path,
+        320,
+        markers=(),
+        config=tokens | {"eos_token": None},
+        special_tokens=ENCODER_SPECIAL_TOKENS,
+        around=("[CLS]", "[SEP]"),
+    )
+    return write_pooling(path, flag, normalize)

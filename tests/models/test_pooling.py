@@ -96,3 +96,30 @@ def test_files_that_are_not_json_are_refused_naming_them(tmp_path):
     (tmp_path / "modules.json").write_text('{"a": 1}')
     with pytest.raises(ValueError, match=r"modules\.json' must hold a list of modules"):
         pooling_of(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "config, sizes",
+    [({}, ()), ({"is_matryoshka": True}, range(1, 5)), ({"matryoshka_dimensions": [4, 2]}, (4, 2))],
+)
+def test_what_a_vector_may_be_cut_to_comes_from_the_checkpoints_config(tmp_path, config, sizes):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert pooling_of(write(tmp_path, ["pooling_mode_lasttoken"])).sizes == sizes
+
+
+def test_cutting_keeps_the_first_numbers_and_normalises_again_where_the_model_does():
+    vectors = [[3.0, 4.0, 12.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    normalising, plain = Pooling("last", True, 4, (2, 4)), Pooling("mean", False, 4, range(1, 5))
+    assert normalising.cut(vectors, 2) == [[0.6000000238418579, 0.800000011920929], [1.0, 0.0]]
+    assert plain.cut(vectors, 3) == [[3.0, 4.0, 12.0], [1.0, 0.0, 0.0]]
+    assert normalising.cut(vectors, 4) is vectors
+    with pytest.raises(
+        ValueError, match=r"^dimensions: this model makes vectors of 4 numbers; it may be cut to 2, 4, not 3$"
+    ):
+        normalising.cut(vectors, 3)
+    with pytest.raises(
+        ValueError, match=r"^dimensions: this model makes vectors of 4 numbers; it may be cut to 1 to 4, not 9$"
+    ):
+        plain.cut(vectors, 9)
+    with pytest.raises(ValueError, match=r"^dimensions: this model makes vectors of 4 numbers, not 2$"):
+        Pooling("cls", True, 4).cut(vectors, 2)
