@@ -7,8 +7,8 @@ report a Mac user pastes into an issue. `server` builds the HTTP app: each API's
 `anthropic/`, `ollama/`) owns its routes, request and response bodies and serving, over the model
 host of `hosting/` (the models a server may serve, loaded on demand within one memory budget,
 idle ones let go after their keep-alive, read by `durations`), which gives each request its
-model's serving `core` that starts requests (their images read by `images`) and `replies` that frames them (a stream
-skeleton shared by every API),
+model's serving `core` that starts requests (their images read by `images`) and `replies` that
+frames them (a stream skeleton shared by every API), or an embedding model's `embedder`,
 refusing with `errors`' `ServingError` (bodies over the limit, before they are read: `body_limit`);
 `tool_calls/` splits and forces tool calls, `shutdown` ends the server on Ctrl-C, `metrics` feeds
 `/metrics`, and `chat.html` is the chat page.

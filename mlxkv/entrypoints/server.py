@@ -70,9 +70,10 @@ def build_app(
     http(s) URLs fetched if `fetch_image_urls`; bodies over `max_request_bytes` (default: a few MiB
     above the longest prompt a model's context holds, `request_bytes_for`) are refused."""
     host = served if isinstance(served, ModelHost) else holding(served, ListedModel(model_id, None, tuple(aliases)))
-    metrics = Metrics(lambda: {name: resident.llm.engine for name, resident in host.residents.items()})
+    metrics = Metrics(lambda: {name: llm.engine for name, llm in host.engines.items()})
 
     def make_core(listed: ListedModel, loaded: Loaded) -> ServingCore:
+        assert loaded.llm is not None, "a chat model has an engine"
         return ServingCore(
             loaded.llm,
             listed.name,
@@ -132,9 +133,9 @@ def body_limit(host: ModelHost) -> int:
     as its settings or checkpoint say, else `DEFAULT_CONTEXT`), and for images if any reads them."""
     sizes = []
     for listed in host.catalogue:
-        resident = host.residents.get(listed.name)
-        if resident is not None:
-            engine = resident.llm.engine
+        llm = host.engines.get(listed.name)
+        if llm is not None:
+            engine = llm.engine
             sizes.append(request_bytes_for(engine.max_request_tokens, engine.vision is not None))
         else:
             facts = facts_of(listed)

@@ -33,10 +33,12 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 from fastapi.responses import StreamingResponse
 
+from ...engine.async_encoder import AsyncEncoder
 from ...engine.async_llm import AsyncLLM
 from ...engine.memory.memory_budget import gb
 from ...errors import MemoryBudgetError
 from ..core import ServingCore
+from ..embedder import Embedder, EngineEmbeddings
 from ..errors import ServingError
 from ..replies import Waiting, failure
 from .catalogue import Catalogue, ListedModel
@@ -52,21 +54,25 @@ Serving = TypeVar("Serving")
 @dataclass(frozen=True)
 class Loaded:
     """A model loaded: its engine, and the sampling fields its requests use where they give none
-    (None: `sampling_defaults.CONVERSATION`)."""
+    (None: `sampling_defaults.CONVERSATION`); or an encoder embedding model, which has no engine."""
 
-    llm: AsyncLLM
+    llm: AsyncLLM | None
     sampling: Mapping[str, Any] | None = None
+    encoder: AsyncEncoder | None = None
 
 
 @dataclass
 class Resident:
-    """A loaded model: its engine (`llm`), the serving core every API uses, the bytes its memory
-    budget plans to hold (`planned`, of which `cache` is MLX's buffer cache), its leases (requests
-    whose responses are being sent), and when it unloads if idle (`expires`; None: never)."""
+    """A loaded model: its engine (`llm`; an encoder embedding model's `encoder` instead), the serving
+    core every chat API uses (a chat model's) or its `embedder` (an embedding model's), the bytes its
+    memory budget plans to hold (`planned`, of which `cache` is MLX's buffer cache), its leases
+    (requests whose responses are being sent), and when it unloads if idle (`expires`; None: never)."""
 
     listed: ListedModel
-    llm: AsyncLLM
-    core: ServingCore
+    llm: AsyncLLM | None
+    encoder: AsyncEncoder | None
+    core: ServingCore | None
+    embedder: Embedder | None
     planned: int
     cache: int
     leases: int = 0
@@ -79,14 +85,32 @@ class Resident:
 
     @property
     def idle(self) -> bool:
-        return self.leases == 0 and not self.llm.engine.has_unfinished()
+        return self.leases == 0 and (self.llm is None or not self.llm.engine.has_unfinished())
 
     def serving(self, api: str, make: Callable[[ServingCore], Serving]) -> Serving:
-        """This model's serving object of one API (made once)."""
+        """This model's serving object of one chat API (made once); a 400 for an embedding model."""
+        if self.core is None:
+            raise ServingError(
+                400,
+                f"model {self.name!r} is an embedding model: it writes no text; ask it for embeddings "
+                "(/v1/embeddings, /api/embed)",
+                "model",
+            )
         if api not in self.servings:
             self.servings[api] = make(self.core)
         serving: Serving = self.servings[api]
         return serving
+
+    def embedding(self) -> Embedder:
+        """This model's embedding path; a 400 for a model that is no embedding model."""
+        if self.embedder is None:
+            raise ServingError(
+                400,
+                f"model {self.name!r} is not an embedding model (its checkpoint declares no sentence-transformers "
+                "pooling); ask an embedding model",
+                "model",
+            )
+        return self.embedder
 
 
 class Build(Protocol):
@@ -135,9 +159,18 @@ class ModelHost:
     def adopt(self, listed: ListedModel, loaded: Loaded) -> Resident:
         """Hold `loaded` (a model the caller loaded) as `listed`."""
         assert self._make_core is not None, "serve_with first"
-        memory = loaded.llm.engine.memory
+        llm, encoder, core, embedder = loaded.llm, loaded.encoder, None, None
+        if llm is not None and llm.engine.pooling is not None:
+            embedder = Embedder(listed.name, EngineEmbeddings(llm))
+        elif llm is not None:
+            core = self._make_core(listed, loaded)
+        if encoder is not None:
+            embedder = Embedder(listed.name, encoder)
+        memory = llm.engine.memory if llm is not None else None
         planned, cache = (memory.planned, memory.cache) if memory is not None else (0, 0)
-        resident = Resident(listed, loaded.llm, self._make_core(listed, loaded), planned, cache)
+        if encoder is not None:
+            planned = encoder.encoder.weight_bytes
+        resident = Resident(listed, llm, encoder, core, embedder, planned, cache)
         resident.expires = self._expiry(resident, None)  # idle from now
         self.residents[listed.name] = resident
         self.residents.move_to_end(listed.name)
@@ -191,6 +224,17 @@ class ModelHost:
             body = self._after_load(listed.name, api, make, call, keep_alive, waiting)
             return StreamingResponse(body, media_type=waiting.media_type)
         return await self._call(await self.resident(name), api, make, call, keep_alive)
+
+    async def embed(
+        self, name: str | None, call: Callable[[Embedder], Awaitable[Any]], keep_alive: float | None = None
+    ) -> Any:
+        """`call` the named model's embedding path, holding a lease on the model meanwhile (as `serve`)."""
+        resident = await self.resident(name)
+        resident.leases += 1
+        try:
+            return await call(resident.embedding())
+        finally:
+            self._release(resident, keep_alive)
 
     async def _after_load(
         self,
@@ -373,25 +417,33 @@ class ModelHost:
 
     def abort_all(self) -> int:
         """Abort every running request of every model (see `AsyncLLM.abort_all`); how many."""
-        return sum(resident.llm.abort_all() for resident in self.residents.values())
+        return sum(llm.abort_all() for llm in self.engines.values())
+
+    @property
+    def engines(self) -> dict[str, AsyncLLM]:
+        """The residents' engines, by name (an encoder has none)."""
+        return {name: r.llm for name, r in self.residents.items() if r.llm is not None}
 
     @property
     def lost(self) -> BaseException | None:
         """Why a resident's tensor-parallel group failed, if one did (the server then ends)."""
-        return next((r.llm.engine.lost for r in self.residents.values() if r.llm.engine.lost is not None), None)
+        return next((llm.engine.lost for llm in self.engines.values() if llm.engine.lost is not None), None)
 
     def shutdown(self) -> None:
-        """Stop every resident's engine (at the server's end)."""
+        """Stop every resident's engine or encoder (at the server's end)."""
         for resident in list(self.residents.values()):
-            resident.llm.shutdown()
+            _stop(resident)
 
 
 def _stop(resident: Resident) -> None:
-    """Stop a resident's engine and its disk tier (writing what is queued)."""
-    resident.llm.shutdown()
-    disk = resident.llm.engine.cache.disk
-    if disk is not None:
-        disk.close()
+    """Stop a resident's engine and its disk tier (writing what is queued), or its encoder."""
+    if resident.encoder is not None:
+        resident.encoder.shutdown()
+    if resident.llm is not None:
+        resident.llm.shutdown()
+        disk = resident.llm.engine.cache.disk
+        if disk is not None:
+            disk.close()
     resident.servings.clear()
 
 

@@ -1,2 +1,3 @@
-"""Ollama's API: `router` (its routes), `protocol` (request and response bodies, error shape) and
-`serving` (requests into engine requests, outputs into JSON lines and model descriptions)."""
+"""Ollama's API: `router` (its routes), `protocol` (request and response bodies, error shape),
+`serving` (requests into engine requests, outputs into JSON lines and model descriptions) and
+`embed` (vectors as Ollama answers them)."""

@@ -4,9 +4,8 @@
 `num_predict`); the options that tune Ollama's own runner (`num_ctx`, `num_gpu`, `repeat_penalty`,
 ...) are accepted and ignored. `think` (true, false or a level) turns a thinking model's thinking
 on or off through its template's `enable_thinking`; the reasoning comes back as `thinking`.
-`keep_alive` is checked (a duration such as "5m", or seconds; negative: forever; 0: unload) but
-the one model stays loaded while the server runs. `images` are refused with a 400, as mlxkv
-serves text models.
+`keep_alive` (a duration such as "5m", or seconds; negative: forever; 0: unload) is how long the
+model stays loaded idle after the request. `/api/embed` and `/api/embeddings` take embedding models.
 """
 
 from __future__ import annotations
@@ -88,15 +87,25 @@ def with_images(text: str, images: list[str] | None) -> str | list[dict[str, Any
     return template_content([*(from_base64(image, "images") for image in images or []), text])
 
 
-class Body(BaseModel):
+class Named(BaseModel):
+    """The fields of every body that names a model: the model, and how long it stays loaded idle after."""
+
+    model_config = ConfigDict(extra="allow")  # `options` and the like, where a body does not read them
+    model: str
+    keep_alive: float | None = None  # seconds; negative: forever
+
+    @field_validator("keep_alive", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> Any:
+        return seconds(value) if isinstance(value, str) else value
+
+
+class Body(Named):
     """The fields `/api/chat` and `/api/generate` share."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str
     format: Literal["json"] | dict[str, Any] | None = None
     options: Options | None = None
     stream: StrictBool = True
-    keep_alive: float | None = None  # seconds; negative: forever
     think: StrictBool | Literal["low", "medium", "high"] | None = None
 
     def _effort(self) -> str | None:
@@ -114,11 +123,6 @@ class Body(BaseModel):
         for false, for a template that thinks regardless (gpt-oss's)."""
         return effort_fields(self._effort())
 
-    @field_validator("keep_alive", mode="before")
-    @classmethod
-    def _seconds(cls, value: Any) -> Any:
-        return seconds(value) if isinstance(value, str) else value
-
     @property
     def unloads(self) -> bool:
         """Whether `keep_alive` asks for the model to be unloaded now (0)."""
@@ -128,6 +132,20 @@ class Body(BaseModel):
         if self.format is None:
             return {}
         return {"json_schema": {"type": "object"} if self.format == "json" else self.format}
+
+
+class EmbedBody(Named):
+    """`/api/embed`'s: `truncate` (true unless said) cuts an input to what the model takes instead of refusing it."""
+
+    input: str | list[str]
+    truncate: StrictBool = True
+    dimensions: int | None = Field(None, ge=1)
+
+
+class EmbeddingsBody(Named):
+    """The older `/api/embeddings`' body: one `prompt`."""
+
+    prompt: str
 
 
 class ChatBody(Body):

@@ -107,9 +107,7 @@ class OllamaServing:
 
     def running(self, expires_at: datetime, size: int) -> RunningModel:
         """This model as `/api/ps` lists it: loaded until `expires_at`, holding `size` bytes."""
-        entry = self.entry().model_dump()
-        context = self.core.llm.engine.max_request_tokens
-        return RunningModel(**entry | {"size": size}, expires_at=expires_at, size_vram=size, context_length=context)
+        return running_model(self.entry(), expires_at, size, self.core.llm.engine.max_request_tokens)
 
     def show(self) -> ModelInfo:
         tokenizer = self.core.tokenizer
@@ -202,6 +200,14 @@ class _Lines:
                 "eval_duration": now - first,
             }
         )
+
+
+def running_model(entry: ModelEntry, expires_at: datetime, size: int, context: int) -> RunningModel:
+    """A model as `/api/ps` lists it: `entry`, loaded until `expires_at`, holding `size` bytes,
+    taking `context` tokens."""
+    return RunningModel(
+        **entry.model_dump() | {"size": size}, expires_at=expires_at, size_vram=size, context_length=context
+    )
 
 
 def model_entry(name: str, family: str | None, size: int, modified: datetime, parameters: str = "") -> ModelEntry:

@@ -1,5 +1,5 @@
-"""OpenAI's routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions` and `/v1/responses` (created,
-fetched and deleted)."""
+"""OpenAI's routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions`, `/v1/responses` (created,
+fetched and deleted) and `/v1/embeddings`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from fastapi import Request as HTTPRequest
 
 from ..core import ServingCore
 from ..hosting import ModelHost
+from ..replies import until_done
+from .embeddings import EmbeddingsBody, embeddings
 from .protocol import ChatBody, CompletionBody, ModelCard, ModelList
 from .responses import WAITING as RESPONSES_WAITING
 from .responses import ResponsesServing, ResponseStore
@@ -47,6 +49,10 @@ def router(host: ModelHost) -> APIRouter:
         call = lambda api: api.create(body, request)  # noqa: E731
         waiting = RESPONSES_WAITING if body.stream else None
         return await host.serve(body.model, "responses", responses, call, body.ttl, waiting)
+
+    @api.post("/v1/embeddings")
+    async def embed(body: EmbeddingsBody, request: HTTPRequest) -> Any:
+        return await host.embed(body.model, lambda embedder: until_done(embeddings(embedder, body), request), body.ttl)
 
     @api.get("/v1/responses/{ident}")
     async def get_response(ident: str) -> dict[str, Any]:
