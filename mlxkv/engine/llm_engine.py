@@ -123,6 +123,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.think_markers = ThinkMarkers.of(tokenizer)  # once: reading a 200k vocabulary takes 0.1 s
         self.group = group if group is not None and group.size() > 1 else None
+        if pooling is not None and self.group is not None:
+            raise ValueError("pooling: tensor parallel runs no embedding models yet; serve it on one process")
         parts = build_engine(model, tokenizer, self.config, kernels, self.group, apply_memory=not shares_memory)
         self.cache, self.memory, self.runner, self.vision = parts.cache, parts.memory, parts.runner, parts.vision
         self.step_time, self.speculator, self.structured = parts.step_time, parts.speculator, parts.structured

@@ -16,7 +16,8 @@ from mlx.utils import tree_flatten
 from .pooling import Pooling, pooling_of
 
 ENCODERS = ("bert", "xlm-roberta", "xlm_roberta", "modernbert")  # the config model_types run here
-BATCH_TOKENS = 8192  # padded tokens an encoder batch holds at most: its activations stay small beside a chat model's
+BATCH_TOKENS = 512  # padded tokens an encoder batch holds at most: as many as an engine step, so a chat
+# model's steps beside it wait for one short batch, not a long one (docs/benchmarks.md#embeddings)
 
 
 def is_encoder(model_type: str | None) -> bool:

@@ -18,7 +18,6 @@ from .catalogue import ListedModel
 class CheckpointFacts:
     """A checkpoint's facts; None (and 0 bytes) where its files are not on this machine yet."""
 
-    folder: Path | None
     model_type: str | None = None
     context: int | None = None
     weight_bytes: int = 0
@@ -29,14 +28,13 @@ class CheckpointFacts:
 def facts_of(listed: ListedModel) -> CheckpointFacts:
     folder = local_folder(listed)
     if folder is None:
-        return CheckpointFacts(None)
+        return CheckpointFacts()
     config = _config(folder)
     text = config.get("text_config")
     text = text if isinstance(text, dict) else {}
     context = config.get("max_position_embeddings") or text.get("max_position_embeddings")
     weights = sorted(folder.glob("*.safetensors"))
     return CheckpointFacts(
-        folder,
         config.get("model_type"),
         context if isinstance(context, int) else None,
         sum(path.stat().st_size for path in weights),

@@ -159,13 +159,8 @@ class ModelHost:
     def adopt(self, listed: ListedModel, loaded: Loaded) -> Resident:
         """Hold `loaded` (a model the caller loaded) as `listed`."""
         assert self._make_core is not None, "serve_with first"
-        llm, encoder, core, embedder = loaded.llm, loaded.encoder, None, None
-        if llm is not None and llm.engine.pooling is not None:
-            embedder = Embedder(listed.name, EngineEmbeddings(llm))
-        elif llm is not None:
-            core = self._make_core(listed, loaded)
-        if encoder is not None:
-            embedder = Embedder(listed.name, encoder)
+        llm, encoder, embedder = loaded.llm, loaded.encoder, _embedder(listed.name, loaded)
+        core = self._make_core(listed, loaded) if llm is not None and embedder is None else None
         memory = llm.engine.memory if llm is not None else None
         planned, cache = (memory.planned, memory.cache) if memory is not None else (0, 0)
         if encoder is not None:
@@ -433,6 +428,15 @@ class ModelHost:
         """Stop every resident's engine or encoder (at the server's end)."""
         for resident in list(self.residents.values()):
             _stop(resident)
+
+
+def _embedder(name: str, loaded: Loaded) -> Embedder | None:
+    """The embedding path of a model loaded: an encoder's, or an engine's that pools; None for a chat model."""
+    if loaded.encoder is not None:
+        return Embedder(name, loaded.encoder)
+    if loaded.llm is not None and loaded.llm.engine.pooling is not None:
+        return Embedder(name, EngineEmbeddings(loaded.llm))
+    return None
 
 
 def _stop(resident: Resident) -> None:
