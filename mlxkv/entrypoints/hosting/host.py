@@ -215,27 +215,22 @@ class ModelHost:
         idle (None: as its listing or the server says). A stream (`waiting` says how it reads)
         whose model must load first starts at once, with the API's keepalives while it loads."""
         listed = self.listed(name)
+        serving: Callable[[Resident], Serving] = lambda resident: resident.serving(api, make)  # noqa: E731
         if waiting is not None and listed.name not in self.residents:
-            body = self._after_load(listed.name, api, make, call, keep_alive, waiting)
+            body = self._after_load(listed.name, serving, call, keep_alive, waiting)
             return StreamingResponse(body, media_type=waiting.media_type)
-        return await self._call(await self.resident(name), api, make, call, keep_alive)
+        return await self._call(await self.resident(name), serving, call, keep_alive)
 
     async def embed(
         self, name: str | None, call: Callable[[Embedder], Awaitable[Any]], keep_alive: float | None = None
     ) -> Any:
         """`call` the named model's embedding path, holding a lease on the model meanwhile (as `serve`)."""
-        resident = await self.resident(name)
-        resident.leases += 1
-        try:
-            return await call(resident.embedding())
-        finally:
-            self._release(resident, keep_alive)
+        return await self._call(await self.resident(name), Resident.embedding, call, keep_alive)
 
     async def _after_load(
         self,
         name: str,
-        api: str,
-        make: Callable[[ServingCore], Serving],
+        serving: Callable[[Resident], Serving],
         call: Callable[[Serving], Awaitable[Any]],
         keep_alive: float | None,
         waiting: Waiting,
@@ -248,7 +243,7 @@ class ModelHost:
             if not loading.done():
                 yield waiting.keepalive()
         try:
-            response = await self._call(loading.result(), api, make, call, keep_alive)
+            response = await self._call(loading.result(), serving, call, keep_alive)
         except Exception as exc:
             for part in waiting.failed(failure(exc)):
                 yield part
@@ -260,14 +255,14 @@ class ModelHost:
     async def _call(
         self,
         resident: Resident,
-        api: str,
-        make: Callable[[ServingCore], Serving],
+        serving: Callable[[Resident], Serving],
         call: Callable[[Serving], Awaitable[Any]],
         keep_alive: float | None,
     ) -> Any:
+        """`call` what `serving` finds of `resident`, under a lease released once the response is sent."""
         resident.leases += 1
         try:
-            response = await call(resident.serving(api, make))
+            response = await call(serving(resident))
         except BaseException:
             self._release(resident, keep_alive)
             raise
