@@ -5,6 +5,9 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
 
 PART = re.compile(r"(\d+(\.\d+)?)(ns|us|µs|ms|s|m|h)")
 DURATION = re.compile(rf"-?({PART.pattern})+")
@@ -23,3 +26,10 @@ def seconds(duration: str | float, name: str = "keep_alive") -> float:
         raise ValueError(f"{name} must be seconds or a duration such as '5m' or '1h', got {duration!r}")
     total = sum(float(count) * UNITS[unit] for count, _, unit in PART.findall(duration))
     return -total if duration.startswith("-") else total
+
+
+def _read(value: Any) -> Any:
+    return seconds(value) if isinstance(value, str) else value
+
+
+KeepAlive = Annotated[float | None, BeforeValidator(_read)]  # a body's keep_alive: seconds, or a duration's text

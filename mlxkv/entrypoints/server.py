@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_llm import AsyncLLM
@@ -31,7 +31,7 @@ from .anthropic import protocol as anthropic_protocol
 from .anthropic import router as anthropic_router
 from .body_limit import BodyLimit
 from .core import ServingCore
-from .durations import seconds
+from .durations import KeepAlive
 from .errors import ServingError
 from .hosting import Catalogue, ListedModel, Loaded, ModelHost, facts_of
 from .metrics import Metrics
@@ -252,12 +252,7 @@ class ModelBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    keep_alive: float | None = None
-
-    @field_validator("keep_alive", mode="before")
-    @classmethod
-    def _seconds(cls, value: Any) -> Any:
-        return seconds(value) if isinstance(value, str) else value
+    keep_alive: KeepAlive = None
 
 
 def serve_own_paths(app: FastAPI, host: ModelHost, metrics: Metrics) -> None:

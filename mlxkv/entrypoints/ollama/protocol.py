@@ -14,9 +14,9 @@ from datetime import datetime
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from ..durations import seconds
+from ..durations import KeepAlive
 from ..errors import ServingError
 from ..images import from_base64, template_content
 from ..sampling_defaults import effort_fields, effort_kwargs
@@ -92,12 +92,7 @@ class Named(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # `options` and the like, where a body does not read them
     model: str
-    keep_alive: float | None = None  # seconds; negative: forever
-
-    @field_validator("keep_alive", mode="before")
-    @classmethod
-    def _seconds(cls, value: Any) -> Any:
-        return seconds(value) if isinstance(value, str) else value
+    keep_alive: KeepAlive = None  # seconds; negative: forever
 
 
 class Body(Named):
