@@ -260,9 +260,17 @@ class LLMEngine:
         if self.pooling is None:
             raise ValueError("input: this model is not an embedding model (its checkpoint declares no pooling)")
         request_id = self.new_request_id() if request_id is None else request_key(request_id)
-        ids = self.tokenizer.encode(prompt, verbose=False) if isinstance(prompt, str) else self.encode(prompt)
+        ids = self.embedding_ids(prompt)
         request = embedding_request(request_id, ids, cache_salt, self.max_request_tokens, self.tokenizer)
         return self._queue(request)
+
+    def embedding_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """An embedding input's token ids: text tokenized as sentence-transformers does (with the
+        tokenizer's special tokens), ids checked against the vocabulary."""
+        if not isinstance(prompt, str):
+            return self.encode(prompt)
+        ids: list[int] = self.tokenizer.encode(prompt, verbose=False)
+        return ids
 
     def _queue(self, request: Request) -> Request:
         """Hand `request` to the scheduler, under an id no live request has."""

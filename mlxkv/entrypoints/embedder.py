@@ -57,8 +57,7 @@ class EngineEmbeddings:
         self.max_length, self.vocab_size = engine.max_request_tokens, engine.vocab_size
 
     def tokenize(self, text: str) -> list[int]:
-        ids: list[int] = self.llm.engine.tokenizer.encode(text, verbose=False)
-        return ids
+        return self.llm.engine.embedding_ids(text)
 
     async def vectors(self, inputs: list[list[int]]) -> list[list[float]]:
         outputs = await asyncio.gather(*(self.llm.embed(ids) for ids in inputs))
