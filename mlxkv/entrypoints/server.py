@@ -237,12 +237,16 @@ def shape_of(path: str) -> Callable[[ServingError], JSONResponse]:
 
 
 def refusal(errors: Sequence[Any]) -> ServingError:
-    """The first of a body's validation errors, naming the field."""
+    """The first of a body's validation errors, naming the field (a field's own check, raising
+    ValueError, names it first in its message)."""
     first = errors[0]
     where = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return ServingError(400, f"the body is not valid JSON: {first.get('msg')}")
     param = ".".join(where) or None
+    own = first.get("ctx", {}).get("error") if first.get("type") == "value_error" else None
+    if own is not None:
+        return ServingError(400, str(own), param)
     return ServingError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param)
 
 

@@ -146,6 +146,21 @@ def test_a_model_asked_for_what_it_does_not_do_is_a_400_naming_it(server):
     for body in ({"model": "embedder", "input": []}, {"model": "embedder", "input": [[5, 99999]]}):
         refused = httpx.post(f"{server}/v1/embeddings", json=body)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
+    mixed = httpx.post(f"{server}/v1/embeddings", json={"model": "embedder", "input": ["a", [1, 2]]})
+    assert (mixed.status_code, mixed.json()["error"]) == (
+        400,
+        {
+            "message": "input must be a text, a list of texts, a list of token ids, or a list of such lists",
+            "type": "invalid_request_error",
+            "param": "input",
+            "code": None,
+        },
+    )
+    number = httpx.post(f"{server}/api/embed", json={"model": "encoder", "input": 5})
+    assert (number.status_code, number.json()) == (400, {"error": "input must be a text or a list of texts"})
+    soon = httpx.post(f"{server}/api/embed", json={"model": "encoder", "input": "a", "keep_alive": "soon"})
+    message = "keep_alive must be seconds or a duration such as '5m' or '1h', got 'soon'"
+    assert (soon.status_code, soon.json()) == (400, {"error": message})
 
 
 def test_an_embedding_batch_beside_streaming_chats(server, folder, decoder_vectors):

@@ -11,10 +11,10 @@ model stays loaded idle after the request. `/api/embed` and `/api/embeddings` ta
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 from ..durations import KeepAlive
 from ..errors import ServingError
@@ -129,10 +129,17 @@ class Body(Named):
         return {"json_schema": {"type": "object"} if self.format == "json" else self.format}
 
 
+def _texts(value: Any) -> Any:
+    """`/api/embed`'s `input` as it is, if it is a text or a list of texts; else a ValueError."""
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return value
+    raise ValueError("input must be a text or a list of texts")
+
+
 class EmbedBody(Named):
     """`/api/embed`'s: `truncate` (true unless said) cuts an input to what the model takes instead of refusing it."""
 
-    input: str | list[str]
+    input: Annotated[str | list[str], BeforeValidator(_texts)]
     truncate: StrictBool = True
     dimensions: int | None = Field(None, ge=1)
 

@@ -5,18 +5,31 @@
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from ..embedder import Embedded, Embedder
+
+
+def _checked(value: Any) -> Any:
+    """`input` as it is, if it has one of its shapes; else a ValueError naming them."""
+    if isinstance(value, str) or _all(value, str) or _all(value, int):
+        return value
+    if isinstance(value, list) and all(_all(one, int) for one in value):
+        return value
+    raise ValueError("input must be a text, a list of texts, a list of token ids, or a list of such lists")
+
+
+def _all(value: Any, kind: type) -> bool:
+    return isinstance(value, list) and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
 
 
 class EmbeddingsBody(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_checked)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
